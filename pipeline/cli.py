@@ -1,0 +1,117 @@
+"""`lakehouse` command line: parse arguments, load the config, call one pipeline function, print its result."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from pipeline.log import get_logger, setup_logging
+
+log = get_logger("lakehouse")
+
+DEFAULT_CONF = os.environ.get("LAKEHOUSE_CONF", "conf/local.yaml")
+
+
+def _add_conf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conf", default=DEFAULT_CONF, help="YAML profile (merged over base.yaml beside it)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.np=-2 data.batch_size=32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lakehouse", description="Delta Lake -> Petastorm -> Lightning/Horovod -> MLflow")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("sample-data", help="render scikit-learn's digits as a class-per-folder PNG tree")
+    p.add_argument("--out", required=True)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--limit", type=int, default=None)
+
+    p = sub.add_parser("ingest", help="image folder -> one Delta commit")
+    p.add_argument("--source", required=True, help="folder with one sub-folder per class")
+    p.add_argument("--mode", choices=["append", "overwrite"], default="append")
+    _add_conf(p)
+
+    p = sub.add_parser("train", help="train on the pinned Delta table; prints one JSON line at the end")
+    p.add_argument("--run-name", default=None)
+    _add_conf(p)
+
+    p = sub.add_parser("promote", help="move the champion alias to a version if it beats the champion")
+    p.add_argument("--version", default=None, help="model version (default: the latest)")
+    _add_conf(p)
+
+    p = sub.add_parser("doctor", help="check the installed stack")
+    _add_conf(p)
+
+    p = sub.add_parser("bench", help="measure loader, conversion, scaling and overhead ratios")
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (proves it runs)")
+    p.add_argument("--out", default="work/bench/bench.json")
+    _add_conf(p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        if args.command == "sample-data":
+            from pipeline.lakehouse.sample_data import render_digits
+
+            counts = render_digits(args.out, size=args.size, limit=args.limit)
+            print(json.dumps({"out": args.out, "images": sum(counts.values()), "classes": counts}))
+            return 0
+        cfg = load_config(args.conf, args.overrides)
+        if args.command == "doctor":
+            from pipeline.doctor import run_doctor
+
+            return run_doctor(cfg)
+        if args.command == "promote":
+            from pipeline.workflow import promote_version
+
+            print(json.dumps(promote_version(cfg, args.version)))
+            return 0
+        if args.command == "bench":
+            from pipeline.bench import run_bench
+
+            print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out)))
+            return 0
+        from pipeline.lakehouse.spark import spark_session
+
+        with spark_session(cfg) as spark:
+            if args.command == "ingest":
+                from pipeline.workflow import ingest
+
+                result = ingest(spark, cfg, args.source, args.mode)
+                log.info("Delta table %s is now at version %d", result["delta_table"], result["delta_version"])
+                print(json.dumps(result))
+                return 0
+            if args.command == "train":
+                from pipeline.workflow import train
+
+                summary = train(spark, cfg, run_name=args.run_name)
+                print(json.dumps(summary), flush=True)
+                return 0
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except Exception as exc:
+        from pipeline.tracking.runs import Terminated
+
+        if isinstance(exc, Terminated):
+            log.error("terminated: %s", exc)
+            return 143
+        log.error("%s: %s", type(exc).__name__, exc)
+        if os.environ.get("LAKEHOUSE_DEBUG"):
+            raise
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Configuration: one dataclass per section, YAML profiles, dotted `key=value` overrides, validation."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key."""
+
+
+@dataclass
+class SparkConfig:
+    master: str = "local[2]"
+    app_name: str = "lakehouse"
+    # Extra Spark settings (e.g. spark.jars / spark.jars.packages for the Delta jars).
+    conf: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DeltaConfig:
+    engine: str = "delta-rs"  # delta-rs | spark
+    table: str = "work/delta/images"
+    version: Optional[int] = None  # None = latest, pinned when a job starts
+
+
+@dataclass
+class IngestConfig:
+    on_bad_file: str = "skip"  # skip | fail
+    extensions: List[str] = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"])
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 64
+    val_fraction: float = 0.2
+    cache_dir: str = "work/petastorm_cache"
+    partitions_per_worker: int = 2
+    image_size: int = 32
+    channels: int = 1  # 1 = greyscale, 3 = RGB
+    reader_workers: int = 2
+    shuffle_buffer: int = 1024
+    seed: int = 42
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "cnn"  # cnn | resnet
+    lr: float = 0.01
+    optimizer: str = "sgd"  # sgd | adam
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    width: int = 32
+
+
+@dataclass
+class EarlyStoppingConfig:
+    enabled: bool = True
+    monitor: str = "val_loss"
+    mode: str = "min"
+    min_delta: float = 0.01
+    patience: int = 10
+    stopping_threshold: Optional[float] = None
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "horovod"  # horovod | ddp | single
+    np: int = -2
+    max_epochs: int = 10
+    lr_scaling: str = "linear"  # linear | sqrt | none
+    warmup_epochs: int = 0
+    seed: int = 42
+    checkpoint_dir: str = "work/checkpoints"
+    ckpt_restore: Optional[str] = None  # PATH | last
+    ckpt_allow_other_data: bool = False
+    threads_per_rank: int = 1
+    start_timeout_s: int = 120
+    # A rank that cannot finish a collective within this many seconds shuts the job down.
+    stall_timeout_s: int = 120
+    fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
+    nan_at_step: Optional[int] = None  # fault injection for tests: NaN loss from this global step
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = "sqlite:///work/mlflow.db"
+    artifact_location: Optional[str] = "work/mlartifacts"
+    experiment: str = "lakehouse"
+    registered_model: str = "lakehouse_classifier"
+    promote: bool = True
+    gate_metric: str = "val_acc"
+    gate_mode: str = "max"
+    retries: int = 3
+    retry_wait_s: float = 2.0
+
+
+@dataclass
+class Config:
+    spark: SparkConfig = field(default_factory=SparkConfig)
+    delta: DeltaConfig = field(default_factory=DeltaConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> Dict[str, Any]:
+        """The config as dotted keys, e.g. {'train.np': -2}, for MLflow params."""
+        out: Dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and prefix.count(".") < 2 and not prefix.endswith("spark.conf"):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+
+CHOICES = {
+    "delta.engine": ("delta-rs", "spark"),
+    "ingest.on_bad_file": ("skip", "fail"),
+    "model.arch": ("cnn", "resnet"),
+    "model.optimizer": ("sgd", "adam"),
+    "train.backend": ("horovod", "ddp", "single"),
+    "train.lr_scaling": ("linear", "sqrt", "none"),
+    "train.early_stopping.mode": ("min", "max"),
+    "mlflow.gate_mode": ("min", "max"),
+    "data.channels": (1, 3),
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotated type `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(key, value, args[0])
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}': value {value!r} is not a list")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': value {value!r} is not a mapping")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': value {value!r} is not a bool (true/false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}': value {value!r} is not an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}': value {value!r} is not a float")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}': value {value!r} is not a str")
+    return value
+
+
+def _build(cls: type, data: Dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            where = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"unknown config key '{dotted}'; valid keys of {where}: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, dotted)
+        else:
+            kwargs[key] = _coerce(dotted, value, tp)
+    return cls(**kwargs)
+
+
+def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in (over or {}).items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "conf":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> Dict[str, Any]:
+    """`a.b=c` -> {'a': {'b': c}}, with c parsed as YAML (so 3, 0.1, true, null work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.np=-2)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # spark.conf keys contain dots themselves: spark.conf.spark.jars=... -> conf['spark.jars']
+    parts = key.split(".")
+    if parts[:2] == ["spark", "conf"] and len(parts) > 2:
+        return {"spark": {"conf": {".".join(parts[2:]): str(value)}}}
+    node: Dict[str, Any] = {}
+    cur = node
+    for p in parts[:-1]:
+        cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+    return node
+
+
+def _read_yaml(path: Path) -> Dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Load a profile (merged over `base.yaml` in the same folder when present), then overrides.
+
+    Raises:
+        ConfigError: naming the file, key, value and what was expected.
+    """
+    merged: Dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        extends = _read_yaml(p).pop("extends", None) if p.exists() else None
+        base = p.parent / (extends or "base.yaml")
+        if base.resolve() != p.resolve() and base.exists():
+            merged = _read_yaml(base)
+            merged.pop("extends", None)
+        profile = _read_yaml(p)
+        profile.pop("extends", None)
+        merged = _merge(merged, profile)
+    for text in overrides or []:
+        merged = _merge(merged, parse_override(text))
+    cfg = _build(Config, merged, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    flat = cfg.flat()
+    for key, allowed in CHOICES.items():
+        if flat.get(key) not in allowed:
+            raise ConfigError(f"config key '{key}': value {flat.get(key)!r} is not one of {', '.join(map(str, allowed))}")
+    checks = [
+        ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
+        ("data.val_fraction", 0.0 < cfg.data.val_fraction < 1.0, "must be between 0 and 1 (exclusive)"),
+        ("data.partitions_per_worker", cfg.data.partitions_per_worker >= 1, "must be >= 1"),
+        ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
+        ("data.reader_workers", cfg.data.reader_workers >= 1, "must be >= 1"),
+        ("model.lr", cfg.model.lr > 0, "must be > 0"),
+        ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
+        ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
+        ("train.early_stopping.patience", cfg.train.early_stopping.patience >= 0, "must be >= 0"),
+        ("delta.version", cfg.delta.version is None or cfg.delta.version >= 0, "must be >= 0 or null"),
+        ("delta.table", bool(cfg.delta.table), "must not be empty"),
+    ]
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"config key '{key}': value {flat.get(key)!r} {why}")
+    if cfg.train.backend == "single" and cfg.train.np != 1:
+        raise ConfigError(f"config key 'train.np': value {cfg.train.np} needs train.backend horovod or ddp; "
+                          "train.backend=single runs one process (train.np=1)")
+
+
+def world_size_of(cfg: Config) -> int:
+    return abs(cfg.train.np)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,205 @@
+"""The LightningDataModule: per-rank Petastorm readers (shard = rank) that yield exactly the planned steps."""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from pipeline.data.convert import ConvertedData
+from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
+from pipeline.lakehouse.partition import SplitPlan
+from pipeline.log import get_logger, quiet_third_party_warnings
+
+quiet_third_party_warnings()
+log = get_logger(__name__)
+
+
+class ShardCountError(RuntimeError):
+    """A rank read a different number of rows than the plan said."""
+
+
+class PixelsToTensor:
+    """Raw uint8 pixel bytes of a row group -> normalised float32 (N, C, H, W).
+
+    Vectorised over the whole row group (one join and one frombuffer), so no per-row Python runs.
+    """
+
+    def __init__(self, channels: int, size: int) -> None:
+        self.shape = (channels, size, size)
+
+    def __call__(self, column: np.ndarray) -> torch.Tensor:
+        flat = np.frombuffer(b"".join(column), dtype=np.uint8)
+        expected = len(column) * int(np.prod(self.shape))
+        if flat.size != expected:
+            raise ValueError(f"pixel column holds {flat.size} bytes for {len(column)} rows, expected "
+                             f"{expected} (rows of shape {self.shape}); convert again with this data.image_size")
+        pixels = torch.from_numpy(flat.copy()).view(len(column), *self.shape)
+        return pixels.float().mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD)
+
+
+class BatchAssembler:
+    """Turns a Petastorm batch reader's row groups into (features, labels) batches of `batch_size`.
+
+    Whole row groups are converted at once and shuffled in a buffer of about `shuffle_buffer` rows with
+    one permutation, instead of per-row Python work. The last batch of a finite reader may be short.
+    """
+
+    def __init__(self, reader, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int) -> None:
+        self.reader = reader
+        self.batch_size = batch_size
+        self.transform = transform
+        self.shuffle_buffer = shuffle_buffer
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _emit(self, xs, ys, final: bool):
+        x, y = torch.cat(xs), torch.cat(ys)
+        if self.shuffle_buffer > 0:
+            perm = torch.randperm(len(y), generator=self.generator)
+            x, y = x[perm], y[perm]
+        full = len(y) if final else (len(y) // self.batch_size) * self.batch_size
+        batches = [(x[i:i + self.batch_size], y[i:i + self.batch_size]) for i in range(0, full, self.batch_size)]
+        return batches, [x[full:]], [y[full:]]
+
+    def __iter__(self):
+        xs, ys, n = [], [], 0
+        threshold = max(self.batch_size, self.shuffle_buffer)
+        for chunk in self.reader:
+            xs.append(self.transform(chunk.pixels))
+            ys.append(torch.tensor(chunk.label_index, dtype=torch.long))
+            n += len(ys[-1])
+            if n >= threshold:
+                batches, xs, ys = self._emit(xs, ys, final=False)
+                n = len(ys[0])
+                yield from batches
+        if n:
+            batches, _, _ = self._emit(xs, ys, final=True)
+            yield from batches
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.reader.stop()
+        self.reader.join()
+
+
+class ShardLoader:
+    """Iterable of (features, labels) batches for one rank.
+
+    Train: one endless Petastorm reader; each pass yields exactly `steps` full batches, the same on every
+    rank. Val: a fresh one-epoch reader per pass, so every validation row of the shard is read once.
+    The rows read in the last pass are kept in `rows_read`.
+    """
+
+    def __init__(self, converter, plan: SplitPlan, rank: int, world_size: int, channels: int, image_size: int,
+                 endless: bool, workers: int, shuffle_buffer: int, seed: int) -> None:
+        self.converter = converter
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.endless = endless
+        self.transform = PixelsToTensor(channels, image_size)
+        self.workers = workers
+        self.shuffle_buffer = shuffle_buffer if endless else 0
+        self.seed = seed
+        self.rows_read = 0
+        self.wait_s = 0.0  # time spent waiting for batches in the last pass
+        self._stack = ExitStack()
+        self._it: Optional[Iterator] = None
+
+    def _open(self, num_epochs: Optional[int]) -> Iterator:
+        def make_loader(reader, batch_size, shuffling_queue_capacity):
+            return BatchAssembler(reader, batch_size, self.transform, shuffling_queue_capacity, self.seed)
+
+        ctx = self.converter.make_torch_dataloader(
+            batch_size=self.plan.batch_size, num_epochs=num_epochs, workers_count=self.workers,
+            shuffling_queue_capacity=self.shuffle_buffer, data_loader_fn=make_loader,
+            cur_shard=self.rank, shard_count=self.world_size, seed=self.seed,
+            shuffle_row_groups=self.endless, reader_pool_type="thread")
+        return ctx
+
+    def __len__(self) -> int:
+        if self.endless:
+            return self.plan.steps_per_epoch
+        return -(-self.plan.rows_per_rank[self.rank] // self.plan.batch_size)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        import time
+
+        self.rows_read = 0
+        self.wait_s = 0.0
+        if self.endless:
+            if self._it is None:
+                self._it = iter(self._stack.enter_context(self._open(None)))
+            for _ in range(self.plan.steps_per_epoch):
+                t0 = time.perf_counter()
+                x, y = next(self._it)
+                self.wait_s += time.perf_counter() - t0
+                self.rows_read += len(y)
+                yield x, y
+            return
+        with self._open(1) as loader:
+            it = iter(loader)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    x, y = next(it)
+                except StopIteration:
+                    break
+                self.wait_s += time.perf_counter() - t0
+                self.rows_read += len(y)
+                yield x, y
+
+    def expected_rows(self) -> int:
+        return self.plan.rows_per_epoch_per_rank if self.endless else self.plan.rows_per_rank[self.rank]
+
+    def check_rows(self) -> None:
+        """Raise when the rows read in the last full pass differ from the plan."""
+        expected = self.expected_rows()
+        if self.rows_read != expected:
+            raise ShardCountError(f"rank {self.rank} read {self.rows_read} {self.plan.name} rows in an epoch, "
+                                  f"the plan says {expected} ({self.plan.rows_per_rank} per rank)")
+
+    def close(self) -> None:
+        self._stack.close()
+        self._it = None
+
+
+class LakehouseDataModule(pl.LightningDataModule):
+    """Loaders for shard `rank` of `world_size` over converted Delta data."""
+
+    def __init__(self, data: ConvertedData, rank: int = 0, world_size: int = 1, reader_workers: int = 2,
+                 shuffle_buffer: int = 1024, seed: int = 42) -> None:
+        super().__init__()
+        if data.plan.train.world_size != world_size:
+            raise ValueError(f"the shard plan was made for {data.plan.train.world_size} rank(s), "
+                             f"this job has {world_size}")
+        self.data = data
+        self.rank = rank
+        self.world_size = world_size
+        kw = dict(rank=rank, world_size=world_size, channels=data.channels, image_size=data.image_size,
+                  workers=reader_workers, seed=seed + rank)
+        self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=shuffle_buffer, **kw)
+        self.val_loader = ShardLoader(data.val, data.plan.val, endless=False, shuffle_buffer=0, **kw)
+
+    @property
+    def class_names(self) -> List[str]:
+        return self.data.class_names
+
+    def train_dataloader(self) -> ShardLoader:
+        return self.train_loader
+
+    def val_dataloader(self) -> ShardLoader:
+        return self.val_loader
+
+    def teardown(self, stage: str) -> None:
+        self.train_loader.close()
+        self.val_loader.close()
+
+
+def make_datamodule(data: ConvertedData, rank: int, world_size: int, reader_workers: int = 2,
+                    shuffle_buffer: int = 1024, seed: int = 42) -> LakehouseDataModule:
+    return LakehouseDataModule(data, rank, world_size, reader_workers, shuffle_buffer, seed)

@@ -1,0 +1,152 @@
+"""Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, lineage in checkpoints, atomic checkpoint writes."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint to a temporary file in the same folder, fsyncs it, then renames it into place.
+
+    A crash during the write leaves the previous file under the final name intact.
+    """
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        path = os.fspath(path)
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                torch.save(checkpoint, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+class LineageCheckpoint(pl.Callback):
+    """Stores the Delta table and version in every checkpoint, so a resume can check them."""
+
+    def __init__(self, lineage: Dict[str, Any]) -> None:
+        self.lineage = dict(lineage)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["lakehouse"] = dict(self.lineage)
+
+
+class StopSignals(pl.Callback):
+    """After every step, the ranks agree (one small all-reduce) whether to stop: a non-finite loss on any
+    rank, or SIGTERM received by any rank. On SIGTERM rank 0 writes a last checkpoint first.
+    """
+
+    def __init__(self, last_ckpt_path: Optional[str]) -> None:
+        self.last_ckpt_path = last_ckpt_path
+        self.reason: Optional[str] = None
+        self._term = False
+        self._old_handler: Any = None
+
+    def _on_term(self, signum, frame) -> None:
+        self._term = True
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_term)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        bad = 0.0 if loss is None or bool(torch.isfinite(loss.detach()).all()) else 1.0
+        flags = torch.tensor([bad, 1.0 if self._term else 0.0])
+        flags = trainer.strategy.reduce(flags, reduce_op="sum")
+        if flags[0] > 0:
+            self.reason = f"non-finite training loss at step {trainer.global_step} (epoch {trainer.current_epoch})"
+            log.error("stopping: %s", self.reason)
+            trainer.should_stop = True
+        elif flags[1] > 0:
+            self.reason = f"SIGTERM at step {trainer.global_step} (epoch {trainer.current_epoch})"
+            log.warning("stopping: %s; writing a last checkpoint", self.reason)
+            if self.last_ckpt_path:
+                trainer.save_checkpoint(self.last_ckpt_path)
+            trainer.should_stop = True
+
+
+class EpochAccounting(pl.Callback):
+    """Counts the rows every rank read each epoch, checks them against the plan, and reports the epoch.
+
+    `report(epoch_metrics, step)` runs on rank 0 only (MLflow logging); `history` keeps every epoch.
+    """
+
+    def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None) -> None:
+        self.report = report
+        self.history: List[Dict[str, float]] = []
+        self._t0 = 0.0
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        dm = trainer.datamodule
+        elapsed = time.perf_counter() - self._t0
+        train_loader, val_loader = dm.train_loader, dm.val_loader
+        local = torch.tensor([float(train_loader.rows_read), float(val_loader.rows_read), train_loader.wait_s],
+                             dtype=torch.float64)
+        gathered = trainer.strategy.all_gather(local)
+        gathered = gathered.reshape(-1, 3) if gathered.dim() > 1 else gathered.reshape(1, 3)
+        train_rows = [int(v) for v in gathered[:, 0].tolist()]
+        val_rows = [int(v) for v in gathered[:, 1].tolist()]
+        wait = gathered[:, 2].tolist()
+        train_loader.check_rows()
+        if val_loader.rows_read:
+            val_loader.check_rows()
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+        epoch = {
+            "epoch": trainer.current_epoch,
+            "train_loss": metrics.get("train_loss", float("nan")),
+            "train_acc": metrics.get("train_acc", float("nan")),
+            "val_loss": metrics.get("val_loss", float("nan")),
+            "val_acc": metrics.get("val_acc", float("nan")),
+            "samples_per_sec": sum(train_rows) / elapsed if elapsed > 0 else 0.0,
+            "data_wait_fraction": max(wait) / elapsed if elapsed > 0 else 0.0,
+            "epoch_time_s": elapsed,
+            "lr": float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else float("nan"),
+        }
+        for r, n in enumerate(train_rows):
+            epoch[f"rows_read_rank_{r}"] = float(n)
+        for r, n in enumerate(val_rows):
+            epoch[f"val_rows_read_rank_{r}"] = float(n)
+        self.history.append(epoch)
+        if trainer.is_global_zero:
+            log.info("epoch %d: train_loss %.4f val_loss %.4f val_acc %.4f, %.0f samples/s, rows per rank %s",
+                     epoch["epoch"], epoch["train_loss"], epoch["val_loss"], epoch["val_acc"],
+                     epoch["samples_per_sec"], train_rows)
+            if self.report is not None:
+                self.report({k: v for k, v in epoch.items() if k != "epoch"}, int(epoch["epoch"]))
+
+
+def host_and_pid() -> Dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}

@@ -1,0 +1,408 @@
+"""Horovod strategy for Lightning 2: ranks, gradient averaging, broadcasts and reductions over Horovod."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Optional, Union
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.utilities.types import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from pipeline.log import get_logger
+
+try:  # Horovod is built from source into the venv (scripts/build_horovod.sh); keep this module importable without it.
+    import horovod.torch as hvd
+except ImportError:  # pragma: no cover - exercised only where the build is missing
+    hvd = None
+
+log = get_logger(__name__)
+
+STRATEGY_NAME = "horovod_lakehouse"
+# Every collective gets a fixed name. Unnamed Horovod ops are named after a per-process handle counter that also counts
+# the named gradient allreduces, so after a step in which the ranks ran different numbers of ops the names differ and
+# the ranks wait on each other forever. Fixed names also let Horovod's response cache skip the negotiation.
+_NAME = "HorovodStrategy."
+
+
+def _require_horovod() -> None:
+    if hvd is None:
+        raise ImportError("horovod.torch is not importable; build it into the venv with `bash scripts/build_horovod.sh`.")
+
+
+def _ensure_initialized() -> None:
+    _require_horovod()
+    if not hvd.is_initialized():
+        log.info("hvd.init() had not been called; initialising Horovod now")
+        hvd.init()
+
+
+def _is_horovod_optimizer(optimizer: Any) -> bool:
+    return hvd is not None and isinstance(optimizer, Optimizer) and hasattr(optimizer, "skip_synchronize")
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _disarm(wrapped: Optimizer) -> None:
+    """Make a finished DistributedOptimizer's gradient hooks inert.
+
+    Horovod registers hooks on the parameters' gradient accumulators and never hands back their handles, so they
+    outlive the optimizer. Left armed, a later fit on the same model would run two allreduces under the same parameter
+    name per backward pass. With an infinite delay the hooks only count, and never communicate again.
+    """
+    delay = getattr(wrapped, "_allreduce_delay", None)
+    if isinstance(delay, dict):
+        for p in delay:
+            delay[p] = math.inf
+    if isinstance(getattr(wrapped, "_handles", None), dict):
+        wrapped._handles.clear()
+    wrapped._requires_update = set()
+    wrapped.state = defaultdict(dict)  # the state now lives in the original optimizer; do not keep a second reference
+
+
+class _HorovodEnvironment(ClusterEnvironment):
+    """Cluster environment whose ranks come from Horovod (processes are started by horovodrun / horovod.run / Spark)."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"  # Horovod does its own rendezvous; nothing in Lightning should need this
+
+    @property
+    def main_port(self) -> int:
+        return -1
+
+    @staticmethod
+    def detect() -> bool:
+        return hvd is not None and hvd.is_initialized()
+
+    def world_size(self) -> int:
+        return hvd.size()
+
+    def set_world_size(self, size: int) -> None:
+        pass  # owned by Horovod
+
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # owned by Horovod
+
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+
+class HorovodStrategy(ParallelStrategy):
+    """Data-parallel training over Horovod, one process per device, in processes the caller started and initialised.
+
+    Use as ``pl.Trainer(strategy=HorovodStrategy(), accelerator="cpu" | "gpu", devices=1, num_nodes=1)`` in every
+    rank. The caller owns ``hvd.init()`` / ``hvd.shutdown()`` (``hvd.init()`` is called here only if it was not).
+
+    Gradient averaging: optimizers are wrapped in ``hvd.DistributedOptimizer``. Lightning runs forward and backward
+    inside ``optimizer.step(closure)``, and Horovod's ``step`` synchronises before calling the closure, which would
+    step on un-averaged gradients. So the closure is wrapped to call ``optimizer.synchronize()`` right after it ran
+    (after backward, before gradient clipping and ``on_before_optimizer_step``), and the step itself runs inside
+    ``optimizer.skip_synchronize()``.
+
+    The learning rate is not scaled by the number of ranks: averaged gradients of per-rank mean losses equal the
+    gradient of the mean loss over the global batch.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        compression: Any = None,
+    ) -> None:
+        _require_horovod()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=_HorovodEnvironment(),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._compression = compression if compression is not None else hvd.Compression.none
+        self._original_optimizers: dict[int, Optimizer] = {}  # id(wrapped) -> optimizer from configure_optimizers
+        self._num_nodes_flag = 1
+
+    # ------------------------------------------------------------------ ranks and devices
+    @property
+    def global_rank(self) -> int:
+        return hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return hvd.cross_rank()
+
+    @property
+    def world_size(self) -> int:
+        return hvd.size()
+
+    @property
+    def is_global_zero(self) -> bool:
+        return hvd.rank() == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return hvd.cross_size() if hvd.is_initialized() else self._num_nodes_flag
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # Lightning passes Trainer(num_nodes=...) here; the real count is Horovod's cross size.
+        self._num_nodes_flag = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning reads this for custom strategies: without it `self.log(..., sync_dist=True)` silently does not sync
+        # and no DistributedSampler is injected.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
+
+    def _uses_cuda(self) -> bool:
+        devices = self.parallel_devices
+        if devices:
+            return devices[0].type == "cuda"
+        return type(self.accelerator).__name__ == "CUDAAccelerator"
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._uses_cuda():
+            return torch.device("cuda", hvd.local_rank())
+        return torch.device("cpu")
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer's constructor: make rank-zero-only utilities see Horovod's rank."""
+        _ensure_initialized()
+        rank_zero_only.rank = utils_rank_zero_only.rank = hvd.rank()
+
+    def setup_environment(self) -> None:
+        _ensure_initialized()
+        self.set_world_ranks()
+        if self._uses_cuda():
+            torch.cuda.set_device(hvd.local_rank())
+        self.parallel_devices = [self.root_device]
+        log.info(
+            "Horovod rank %d/%d (local rank %d, node %d/%d) on %s; controller %s, NCCL %s",
+            hvd.rank(), hvd.size(), hvd.local_rank(), hvd.cross_rank(), hvd.cross_size(), self.root_device,
+            "gloo" if hvd.gloo_enabled() else "mpi", "yes" if hvd.nccl_built() else "no",
+        )
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ setup, optimizers, teardown
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)  # accelerator, precision, model to device, configure_optimizers
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        assert self.lightning_module is not None
+        # The model was restored from ckpt_path (if any) before this hook, so rank 0's weights are the ones to keep.
+        hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+        log.debug("broadcast model parameters and buffers from rank 0")
+        self.optimizers = [self._wrap_optimizer(opt, trainer.accumulate_grad_batches) for opt in self.optimizers]
+
+    def _wrap_optimizer(self, optimizer: Optimizer, backward_passes_per_step: int) -> Optimizer:
+        optimizer = _unwrap(optimizer)
+        if _is_horovod_optimizer(optimizer):
+            return optimizer
+        assert self.lightning_module is not None
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        named = [(name, p) for name, p in self.lightning_module.named_parameters() if id(p) in params]
+        wrapped = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=named,
+            compression=self._compression,
+            backward_passes_per_step=max(1, int(backward_passes_per_step)),
+        )
+        if optimizer.state:  # DistributedOptimizer is a new object built from the param groups; carry any state over
+            wrapped.load_state_dict(optimizer.state_dict())
+        self._original_optimizers[id(wrapped)] = optimizer
+        return wrapped
+
+    def on_train_start(self) -> None:
+        # Lightning restores optimizer state from ckpt_path after `setup`, so the optimizer states are made equal here,
+        # after any restore and before the first step. Runs on every rank in every fit, so it cannot deadlock.
+        for optimizer in self.optimizers:
+            self._broadcast_optimizer_state(_unwrap(optimizer))
+
+    def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
+        root_has_state = hvd.broadcast_object(bool(optimizer.state), root_rank=0, name=_NAME + "opt_has_state")
+        if root_has_state:
+            # (with an empty local state Horovod first runs a zero-gradient step to create it; the broadcast then
+            # overwrites it)
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            log.debug("broadcast optimizer state from rank 0")
+            return
+        # A fresh optimizer: hvd.broadcast_optimizer_state would take a zero-gradient step to create the state, which
+        # moves weights under weight decay and advances Adam's step count. Only the hyper-parameters are synced.
+        optimizer.state.clear()
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        hyper = hvd.broadcast_object(hyper, root_rank=0, name=_NAME + "opt_hyper")
+        for group, values in zip(optimizer.param_groups, hyper):
+            group.update(values)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # GradientAccumulationScheduler may change accumulate_grad_batches between epochs.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return
+        passes = max(1, int(trainer.accumulate_grad_batches))
+        for optimizer in self.optimizers:
+            optimizer = _unwrap(optimizer)
+            if (_is_horovod_optimizer(optimizer) and optimizer.backward_passes_per_step != passes
+                    and not optimizer._handles):
+                optimizer.set_backward_passes_per_step(passes)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        optimizer = _unwrap(optimizer)
+        if not _is_horovod_optimizer(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_synchronize() -> Any:
+            result = closure()  # training_step + backward: Horovod's hooks start the allreduces
+            self._synchronize(optimizer)  # wait for them: the gradients are now averaged over the ranks
+            return result
+
+        with optimizer.skip_synchronize():
+            output = super().optimizer_step(optimizer, closure_then_synchronize, model, **kwargs)
+        original = self._original_optimizers.get(id(optimizer))
+        if original is not None:
+            # LR schedulers watch the optimizer from configure_optimizers; tell them it stepped (they share param groups)
+            original._opt_called = True
+        return output
+
+    def _synchronize(self, optimizer: Optimizer) -> None:
+        local_has_grads = bool(getattr(optimizer, "_handles", None))  # filled by Horovod's hooks during backward
+        if not self.reduce_boolean_decision(local_has_grads, all=False):
+            # No rank ran a backward pass since the last step: nothing to average, and torch optimizers skip
+            # parameters whose .grad is None. (If only some ranks had gradients, the others contribute zeros.)
+            log.debug("no gradients on any rank in this step; skipping gradient synchronisation")
+            return
+        optimizer.synchronize()
+
+    def teardown(self) -> None:
+        # Hand the plain optimizers (with the trained state) back, and make the Horovod hooks inert so that a later
+        # fit on the same model cannot allreduce twice. hvd.shutdown() is the caller's business.
+        restored = []
+        for optimizer in self.optimizers:
+            optimizer = _unwrap(optimizer)
+            original = self._original_optimizers.pop(id(optimizer), None)
+            if original is None:
+                restored.append(optimizer)
+                continue
+            original.state = optimizer.state
+            _disarm(optimizer)
+            restored.append(original)
+        if restored:
+            self.optimizers = restored
+        super().teardown()
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        # hvd.join() is not a barrier: ranks that joined contribute zeros to the other ranks' allreduces.
+        hvd.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        # A fixed name: Horovod names the op after type(obj) by default, which differs when ranks pass different types.
+        return hvd.broadcast_object(obj, root_rank=src, name=_NAME + "broadcast")
+
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        """Allreduce ``tensor`` over all ranks: mean (default), sum, max, min or product; non-tensors are returned."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError("Horovod reduces over all ranks only; pass group=None.")
+        op = _horovod_op(reduce_op)
+        if op is hvd.Average and not (tensor.is_floating_point() or tensor.is_complex()):
+            tensor = tensor.to(torch.get_default_dtype())  # Horovod averages integers with integer division
+        return hvd.allreduce(tensor, op=op, name=_NAME + "reduce")
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` from every rank into shape ``(world_size, *tensor.shape)`` (same shape on every rank)."""
+        if group is not None:
+            raise ValueError("Horovod gathers over all ranks only; pass group=None.")
+        with torch.set_grad_enabled(sync_grads and torch.is_grad_enabled()):
+            return hvd.allgather(tensor.contiguous().unsqueeze(0), name=_NAME + "all_gather")
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor([int(bool(decision))], dtype=torch.int32)
+        count = hvd.allreduce(flag, op=hvd.Sum, name=_NAME + "decision")
+        agreed = int(count.item())
+        return agreed == hvd.size() if all else agreed > 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Horovod data parallel (pipeline)")
+
+
+def _horovod_op(reduce_op: Optional[Union[ReduceOp, str]]) -> Any:
+    if reduce_op is None:
+        return hvd.Average
+    if isinstance(reduce_op, str):
+        ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min,
+               "product": hvd.Product, "prod": hvd.Product}
+        key = reduce_op.lower()
+        if key in ops:
+            return ops[key]
+    else:
+        for name, op in (("AVG", hvd.Average), ("SUM", hvd.Sum), ("MAX", hvd.Max), ("MIN", hvd.Min),
+                         ("PRODUCT", hvd.Product)):
+            if hasattr(ReduceOp, name) and reduce_op == getattr(ReduceOp, name):
+                return op
+    raise ValueError(f"unsupported reduce_op for Horovod: {reduce_op!r}")
+
+
+if hvd is not None:
+    HorovodStrategy.register_strategies(StrategyRegistry)

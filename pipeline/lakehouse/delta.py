@@ -1,0 +1,334 @@
+"""Delta Lake read (pinned to a version) and atomic write behind one interface, with two engines: delta-rs and delta-spark."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+from urllib.parse import urlparse
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+# Reader features whose files can be read as plain Parquet without changing a row.
+SAFE_READER_FEATURES = {"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck", "checkpointProtection"}
+
+
+class DeltaError(RuntimeError):
+    """A Delta table cannot be read or written as asked; the message names the table and the reason."""
+
+
+class SchemaMismatchError(DeltaError):
+    """An append's schema differs from the table's; the message names the differing columns."""
+
+
+@dataclass(frozen=True)
+class PinnedTable:
+    """A Delta table resolved at one version: what every later step records."""
+
+    table: str
+    version: int
+    num_files: int
+    num_rows: Optional[int]
+
+
+def local_path(table: str) -> Optional[str]:
+    """The local filesystem path of a table URI, or None when it lives elsewhere (s3://, dbfs:/, ...)."""
+    parsed = urlparse(table)
+    if parsed.scheme in ("", "file"):
+        return os.path.abspath(parsed.path if parsed.scheme else table)
+    return None
+
+
+def table_uri(table: str) -> str:
+    path = local_path(table)
+    return path if path is not None else table
+
+
+def describe_schema_diff(existing: Dict[str, str], incoming: Dict[str, str]) -> List[str]:
+    """Human-readable differences between two {column: type} schemas (empty when equal)."""
+    diffs = []
+    for name in incoming:
+        if name not in existing:
+            diffs.append(f"new column '{name}' ({incoming[name]})")
+        elif existing[name] != incoming[name]:
+            diffs.append(f"column '{name}' is {incoming[name]}, the table has {existing[name]}")
+    for name in existing:
+        if name not in incoming:
+            diffs.append(f"missing column '{name}' ({existing[name]})")
+    return diffs
+
+
+def _spark_types(schema) -> Dict[str, str]:
+    return {f.name: f.dataType.simpleString() for f in schema.fields}
+
+
+class DeltaEngine:
+    """The interface both engines implement."""
+
+    name = "?"
+
+    def exists(self, spark, table: str) -> bool:
+        raise NotImplementedError
+
+    def latest_version(self, spark, table: str) -> int:
+        raise NotImplementedError
+
+    def read(self, spark, table: str, version: Optional[int] = None) -> Tuple["DataFrame", PinnedTable]:
+        """A DataFrame of the table at `version` (latest when None) and the version it is pinned to."""
+        raise NotImplementedError
+
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
+        """Write `df` in one atomic commit (`mode` append|overwrite); return the new version."""
+        raise NotImplementedError
+
+    def history(self, spark, table: str) -> List[dict]:
+        raise NotImplementedError
+
+    def check_append_schema(self, spark, table: str, df) -> None:
+        if not self.exists(spark, table):
+            return
+        existing, _ = self.read(spark, table)
+        diffs = describe_schema_diff(_spark_types(existing.schema), _spark_types(df.schema))
+        if diffs:
+            raise SchemaMismatchError(f"append to Delta table {table} refused, the schema differs: {'; '.join(diffs)}. "
+                                      f"The table was left at version {self.latest_version(spark, table)}.")
+
+
+class DeltaRsEngine(DeltaEngine):
+    """delta-rs (no JVM jars): the log is read and committed by `deltalake`, the Parquet files by Spark."""
+
+    name = "delta-rs"
+
+    def _open(self, table: str, version: Optional[int] = None):
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        try:
+            return DeltaTable(table_uri(table), version=version) if version is not None else DeltaTable(table_uri(table))
+        except TableNotFoundError:
+            raise DeltaError(f"Delta table {table} does not exist (config key 'delta.table')") from None
+        except Exception as exc:
+            if version is not None:
+                try:
+                    latest = DeltaTable(table_uri(table)).version()
+                except Exception:
+                    latest = None
+                if latest is not None and (version > latest or version < 0):
+                    raise DeltaError(f"Delta table {table} has no version {version} (config key 'delta.version'); "
+                                     f"versions run from 0 to {latest}") from None
+                if latest is not None:
+                    raise DeltaError(f"Delta table {table}: version {version} cannot be loaded "
+                                     f"(its log may have been cleaned up): {exc}") from None
+            raise DeltaError(f"Delta table {table} cannot be opened: {exc}") from None
+
+    def exists(self, spark, table: str) -> bool:
+        from deltalake import DeltaTable
+
+        return DeltaTable.is_deltatable(table_uri(table))
+
+    def latest_version(self, spark, table: str) -> int:
+        return self._open(table).version()
+
+    def history(self, spark, table: str) -> List[dict]:
+        return self._open(table).history()
+
+    @staticmethod
+    def check_readable(dt, table: str) -> None:
+        """Refuse a table whose protocol needs something a plain Parquet read would get wrong."""
+        proto = dt.protocol()
+        features = set(proto.reader_features or [])
+        unsafe = sorted(features - SAFE_READER_FEATURES)
+        config = dt.metadata().configuration or {}
+        if config.get("delta.columnMapping.mode", "none") not in ("none", None):
+            unsafe.append(f"columnMapping (mode {config['delta.columnMapping.mode']})")
+        if proto.min_reader_version > 3:
+            unsafe.append(f"minReaderVersion {proto.min_reader_version}")
+        if unsafe:
+            raise DeltaError(f"Delta table {table} uses reader feature(s) {', '.join(sorted(set(unsafe)))} that the "
+                             f"delta-rs engine does not read; it is refused rather than read wrongly. "
+                             f"Use delta.engine=spark on a cluster with the Delta jars.")
+
+    def read(self, spark, table: str, version: Optional[int] = None):
+        import pyarrow as pa
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        dt = self._open(table, version)
+        self.check_readable(dt, table)
+        pinned_version = dt.version()
+        schema = pa.schema(dt.schema().to_arrow())
+        partition_cols = list(dt.metadata().partition_columns or [])
+        actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+        root = table_uri(table)
+        data_schema = pa.schema([f for f in schema if f.name not in partition_cols])
+        spark_schema = from_arrow_schema(data_schema)
+
+        missing = []
+        groups: Dict[Tuple, List[str]] = {}
+        for act in actions:
+            rel = act["path"]
+            full = rel if "://" in rel or os.path.isabs(rel) else f"{root.rstrip('/')}/{rel}"
+            lp = local_path(full)
+            if lp is not None and not os.path.exists(lp):
+                missing.append(lp)
+            key = tuple((c, act.get(f"partition.{c}")) for c in partition_cols)
+            groups.setdefault(key, []).append(full)
+        if missing:
+            raise DeltaError(f"Delta table {table} version {pinned_version} references {len(missing)} data file(s) "
+                             f"that do not exist, e.g. {missing[0]}; restore them or time-travel to another version")
+
+        full_spark_schema = from_arrow_schema(schema)
+        frames = []
+        for key, files in groups.items():
+            frame = spark.read.schema(spark_schema).parquet(*files)
+            for col, value in key:
+                frame = frame.withColumn(col, F.lit(value).cast(full_spark_schema[col].dataType))
+            frames.append(frame.select(*schema.names))
+        if not frames:
+            df = spark.createDataFrame([], full_spark_schema)
+        else:
+            df = frames[0]
+            for frame in frames[1:]:
+                df = df.unionByName(frame)
+        num_rows = sum(int(a.get("num_records") or 0) for a in actions) if all(
+            a.get("num_records") is not None for a in actions) else None
+        return df, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows)
+
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
+        """Executors write Parquet into the table folder; the driver commits those files in one transaction.
+
+        Files written by an attempt that does not commit are not in the log: readers never see them.
+        """
+        import pyarrow.parquet as pq
+        from deltalake import DeltaTable, Schema
+        from deltalake.transaction import AddAction, create_table_with_add_actions
+
+        if mode not in ("append", "overwrite"):
+            raise DeltaError(f"write mode {mode!r} is not append or overwrite")
+        root = table_uri(table)
+        if local_path(table) is None:
+            raise DeltaError(f"the delta-rs engine writes local tables only; {table} needs delta.engine=spark")
+        exists = self.exists(None, table)
+        if exists and mode == "append":
+            spark = df.sparkSession
+            self.check_append_schema(spark, table, df)
+        batch_dir = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        target = os.path.join(root, batch_dir)
+        writer = df.write.mode("error")
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
+        writer.parquet("file://" + target)
+
+        adds: List[AddAction] = []
+        arrow_schema = None
+        now_ms = int(time.time() * 1000)
+        for dirpath, _, files in os.walk(target):
+            for fname in sorted(files):
+                if not fname.endswith(".parquet"):
+                    continue
+                full = os.path.join(dirpath, fname)
+                meta = pq.read_metadata(full)
+                if arrow_schema is None:
+                    arrow_schema = meta.schema.to_arrow_schema()
+                rel = os.path.relpath(full, root)
+                parts = {}
+                for seg in os.path.relpath(dirpath, target).split(os.sep):
+                    if "=" in seg:
+                        k, v = seg.split("=", 1)
+                        parts[k] = None if v == "__HIVE_DEFAULT_PARTITION__" else v
+                adds.append(AddAction(rel, os.path.getsize(full), parts, now_ms, True,
+                                      json.dumps({"numRecords": meta.num_rows})))
+        if arrow_schema is None:
+            raise DeltaError(f"nothing was written to {target}")
+        import pyarrow as pa
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        # The table schema comes from Spark's (with partition columns), not from one file's footer.
+        full_schema = to_arrow_schema(df.schema)
+        full_schema = pa.schema([f.with_nullable(True) for f in full_schema])
+        if not exists:
+            create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
+                                          partition_by=list(partition_by) or None)
+        else:
+            dt = DeltaTable(root)
+            dt.create_write_transaction(adds, mode=mode, schema=dt.schema() if mode == "append" else Schema.from_arrow(full_schema),
+                                        partition_by=list(partition_by) or None)
+        version = DeltaTable(root).version()
+        log.info("committed %d file(s) to Delta table %s as version %d", len(adds), table, version)
+        return version
+
+
+class SparkDeltaEngine(DeltaEngine):
+    """delta-spark: Spark reads and writes Delta itself (needs the Delta jars on the cluster)."""
+
+    name = "spark"
+
+    def exists(self, spark, table: str) -> bool:
+        from delta.tables import DeltaTable
+
+        return DeltaTable.isDeltaTable(spark, table)
+
+    def latest_version(self, spark, table: str) -> int:
+        from delta.tables import DeltaTable
+
+        if not self.exists(spark, table):
+            raise DeltaError(f"Delta table {table} does not exist (config key 'delta.table')")
+        return int(DeltaTable.forPath(spark, table).history(1).collect()[0]["version"])
+
+    def history(self, spark, table: str) -> List[dict]:
+        from delta.tables import DeltaTable
+
+        return [r.asDict() for r in DeltaTable.forPath(spark, table).history().collect()]
+
+    def read(self, spark, table: str, version: Optional[int] = None):
+        latest = self.latest_version(spark, table)
+        if version is not None and not 0 <= version <= latest:
+            raise DeltaError(f"Delta table {table} has no version {version} (config key 'delta.version'); "
+                             f"versions run from 0 to {latest}")
+        pinned = latest if version is None else version
+        df = spark.read.format("delta").option("versionAsOf", pinned).load(table)
+        return df, PinnedTable(table=table, version=pinned, num_files=-1, num_rows=None)
+
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
+        spark = df.sparkSession
+        if mode == "append":
+            self.check_append_schema(spark, table, df)
+        writer = df.write.format("delta").mode(mode)
+        if partition_by:
+            writer = writer.partitionBy(*partition_by)
+        writer.save(table)
+        return self.latest_version(spark, table)
+
+
+ENGINES = {"delta-rs": DeltaRsEngine, "spark": SparkDeltaEngine}
+
+
+def get_engine(name: str) -> DeltaEngine:
+    """The engine named by `delta.engine`."""
+    if name not in ENGINES:
+        raise DeltaError(f"config key 'delta.engine': {name!r} is not one of {', '.join(ENGINES)}")
+    return ENGINES[name]()
+
+
+def usable_engines() -> Dict[str, str]:
+    """Which engines can run here, with the reason when one cannot (for `lakehouse doctor`)."""
+    out = {}
+    try:
+        import deltalake  # noqa: F401
+
+        out["delta-rs"] = f"usable (deltalake {deltalake.__version__})"
+    except Exception as exc:
+        out["delta-rs"] = f"not usable: {exc}"
+    try:
+        import delta  # noqa: F401
+        import pyspark
+
+        out["spark"] = (f"python package present (delta-spark for Spark {pyspark.__version__}); needs the "
+                        "io.delta:delta-spark jars via spark.jars or spark.jars.packages")
+    except Exception as exc:
+        out["spark"] = f"not usable: {exc}"
+    return out

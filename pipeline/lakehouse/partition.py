@@ -1,0 +1,99 @@
+"""Partition planning: the train/val split rule and, from row groups, the rows and steps each rank gets."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import List
+
+SPLIT_BUCKETS = 10_000
+
+
+class PlanError(ValueError):
+    """The data cannot be spread over the ranks as asked; the message has the numbers and the fix."""
+
+
+def split_bucket(key: str) -> int:
+    """Bucket of a row key (its path) in [0, SPLIT_BUCKETS): CRC-32 of the UTF-8 bytes, as Spark's crc32()."""
+    return zlib.crc32(key.encode("utf-8")) % SPLIT_BUCKETS
+
+
+def is_validation(key: str, val_fraction: float) -> bool:
+    """A row is in the validation split when its bucket falls under the fraction.
+
+    It depends on the key alone, so a row stays in its split when the table grows.
+    """
+    return split_bucket(key) < round(val_fraction * SPLIT_BUCKETS)
+
+
+def num_partitions(partitions_per_worker: int, world_size: int) -> int:
+    return partitions_per_worker * world_size
+
+
+@dataclass
+class SplitPlan:
+    """How one split's row groups fall on the ranks (Petastorm gives row group i to shard i % shard_count)."""
+
+    name: str
+    world_size: int
+    batch_size: int
+    row_group_rows: List[int]
+    rows_per_rank: List[int] = field(default_factory=list)
+    row_groups_per_rank: List[int] = field(default_factory=list)
+    steps_per_epoch: int = 0  # the same on every rank
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.row_group_rows)
+
+    @property
+    def rows_per_epoch_per_rank(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
+    def balance(self) -> float:
+        """Most ÷ fewest rows per rank (1.0 is perfectly even)."""
+        return max(self.rows_per_rank) / max(1, min(self.rows_per_rank))
+
+
+def plan_split(name: str, row_group_rows: List[int], world_size: int, batch_size: int) -> SplitPlan:
+    """Assign row groups to ranks as Petastorm's sharding does and derive equal steps per rank.
+
+    Every rank runs `min(rows per rank) // batch_size` steps (at least 1), so no rank waits in a
+    collective for another that ran out of batches.
+
+    Raises:
+        PlanError: when a rank would get no rows, with rows, row groups and ranks named.
+    """
+    if world_size < 1 or batch_size < 1:
+        raise PlanError(f"{name}: world size {world_size} and batch size {batch_size} must be >= 1")
+    rows = [0] * world_size
+    groups = [0] * world_size
+    for i, n in enumerate(row_group_rows):
+        rows[i % world_size] += n
+        groups[i % world_size] += 1
+    total = sum(row_group_rows)
+    if total == 0:
+        raise PlanError(f"{name} split is empty: 0 rows in {len(row_group_rows)} row group(s); "
+                        f"check delta.table / delta.version and data.val_fraction")
+    empty = [r for r in range(world_size) if rows[r] == 0]
+    if empty:
+        raise PlanError(
+            f"{name} split: {total} rows in {len(row_group_rows)} row group(s) cannot feed {world_size} ranks; "
+            f"rank(s) {empty} would read no data. Use fewer ranks (train.np), raise "
+            f"data.partitions_per_worker, or add data (need at least {world_size} non-empty row groups)")
+    steps = max(1, min(rows) // batch_size)
+    return SplitPlan(name=name, world_size=world_size, batch_size=batch_size, row_group_rows=list(row_group_rows),
+                     rows_per_rank=rows, row_groups_per_rank=groups, steps_per_epoch=steps)
+
+
+@dataclass
+class ShardPlan:
+    """The plan for a training job, fixed before any training process starts."""
+
+    train: SplitPlan
+    val: SplitPlan
+
+    def describe(self) -> str:
+        t, v = self.train, self.val
+        return (f"train: {t.total_rows} rows in {len(t.row_group_rows)} row groups, rows per rank {t.rows_per_rank}, "
+                f"{t.steps_per_epoch} steps/epoch of {t.batch_size}; val: {v.total_rows} rows, rows per rank "
+                f"{v.rows_per_rank}")

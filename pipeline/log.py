@@ -1,0 +1,74 @@
+"""Rank-aware logging and the one rank-zero check every side effect goes through."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK")
+
+
+def current_rank() -> int:
+    """The global rank of this process (0 outside any distributed job)."""
+    try:
+        import horovod.torch as hvd
+
+        if hvd.is_initialized():
+            return hvd.rank()
+    except Exception:  # horovod missing or not initialised
+        pass
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def is_rank_zero() -> bool:
+    return current_rank() == 0
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = current_rank()
+        return True
+
+
+def setup_logging(level: str = None) -> None:
+    """Configure the root logger once: `time level [rank N] logger: message` on stderr."""
+    level = level or os.environ.get("LAKEHOUSE_LOG_LEVEL", "INFO")
+    root = logging.getLogger()
+    if any(getattr(h, "_lakehouse", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler._lakehouse = True  # type: ignore[attr-defined]
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    for noisy in ("py4j", "petastorm", "urllib3", "alembic", "mlflow.store", "pyspark"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_third_party_warnings()
+
+
+def quiet_third_party_warnings() -> None:
+    """Hide the known, harmless warning noise of the pinned stack (Petastorm on pyarrow 14, Lightning hints)."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*pyarrow.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"petastorm(\.|$)")
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined.*")
+    warnings.filterwarnings("ignore", message=r".*The number of training batches.*is smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", message=r".*`isinstance\(treespec, LeafSpec\)` is deprecated.*")
+
+
+def get_logger(name: str) -> logging.Logger:
+    return logging.getLogger(name)

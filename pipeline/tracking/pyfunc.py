@@ -1,0 +1,260 @@
+"""The servable model: an MLflow pyfunc that maps encoded image bytes to class labels, and how it is logged."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlflow
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+CONTENT_COLUMN = "content"
+OUTPUT_COLUMNS = ("label", "label_index", "probability", "probabilities")
+META_KEYS = ("arch", "width", "channels", "image_size", "class_names")
+PREDICT_BATCH_SIZE = 256
+
+# The modules the served model imports. Only these travel with the model (code_paths), so that it
+# loads in a process that has mlflow, torch and pillow but neither the rest of `pipeline` nor its
+# heavy dependencies (Spark, Petastorm, Horovod). Package __init__ files are shipped empty.
+SERVED_MODULES = (
+    "pipeline/log.py",
+    "pipeline/data/transforms.py",
+    "pipeline/model/nets.py",
+    "pipeline/tracking/pyfunc.py",
+)
+
+
+def check_meta(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """Validate the model metadata; raise ValueError naming the missing or bad key."""
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"model meta is missing key(s) {', '.join(missing)}; got keys {sorted(meta)}")
+    names = meta["class_names"]
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ValueError(f"model meta key 'class_names' must be a non-empty list, got {names!r}")
+    for key in ("width", "channels", "image_size"):
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 1:
+            raise ValueError(f"model meta key '{key}' must be a positive int, got {meta[key]!r}")
+    out = dict(meta)
+    out["class_names"] = [str(n) for n in names]
+    return out
+
+
+class ImageClassifierModel(mlflow.pyfunc.PythonModel):
+    """Classify encoded images (PNG/JPEG bytes in a `content` column) with the trained network."""
+
+    def load_context(self, context: Any) -> None:
+        """Rebuild the network from the `meta` artifact and load the `weights` state_dict."""
+        from pipeline.model.nets import build_network
+
+        with open(context.artifacts["meta"]) as fh:
+            self.meta = check_meta(json.load(fh))
+        self.class_names: List[str] = self.meta["class_names"]
+        net = build_network(self.meta["arch"], self.meta["channels"], len(self.class_names), self.meta["width"])
+        state = torch.load(context.artifacts["weights"], map_location="cpu", weights_only=True)
+        net.load_state_dict(state)
+        net.eval()
+        self.network = net
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
+        """Return one row per input row: label, label_index, probability, probabilities."""
+        from pipeline.data.transforms import ImageDecodeError, decode_batch
+
+        if not isinstance(model_input, pd.DataFrame):
+            raise ValueError(f"model input must be a pandas DataFrame with a '{CONTENT_COLUMN}' column, "
+                             f"got {type(model_input).__name__}")
+        if CONTENT_COLUMN not in model_input.columns:
+            raise ValueError(f"model input has no '{CONTENT_COLUMN}' column (encoded image bytes); "
+                             f"got columns {list(map(str, model_input.columns))}")
+        contents = list(model_input[CONTENT_COLUMN])
+        index = list(model_input.index)
+        size, channels = self.meta["image_size"], self.meta["channels"]
+        probs_parts: List[np.ndarray] = []
+        with torch.no_grad():
+            for start in range(0, len(contents), PREDICT_BATCH_SIZE):
+                chunk = contents[start:start + PREDICT_BATCH_SIZE]
+                pixels = np.empty((len(chunk), channels, size, size), dtype=np.float32)
+                for i, content in enumerate(chunk):
+                    row = index[start + i]
+                    if isinstance(content, (bytearray, memoryview)):
+                        content = bytes(content)
+                    if not isinstance(content, bytes):
+                        raise ValueError(f"model input row {row!r}, column '{CONTENT_COLUMN}': expected encoded "
+                                         f"image bytes, got {type(content).__name__}")
+                    try:
+                        pixels[i] = decode_batch([content], size, channels)[0]
+                    except ImageDecodeError as exc:
+                        raise ValueError(f"model input row {row!r}, column '{CONTENT_COLUMN}': {exc}") from None
+                logits = self.network(torch.from_numpy(pixels))
+                probs_parts.append(torch.softmax(logits, dim=1).cpu().numpy().astype(np.float64))
+        n_classes = len(self.class_names)
+        probs = np.concatenate(probs_parts) if probs_parts else np.empty((0, n_classes))
+        idx = probs.argmax(axis=1) if len(probs) else np.empty((0,), dtype=np.int64)
+        return pd.DataFrame({
+            "label": [self.class_names[int(i)] for i in idx],
+            "label_index": idx.astype(np.int64),
+            "probability": probs[np.arange(len(idx)), idx] if len(idx) else np.empty((0,)),
+            "probabilities": [row.tolist() for row in probs],
+        }, index=model_input.index)
+
+
+def model_signature() -> "mlflow.models.ModelSignature":
+    """Input: a binary `content` column; output: label, label_index, probability, probabilities."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, Schema
+    from mlflow.types.schema import Array
+
+    inputs = Schema([ColSpec(DataType.binary, CONTENT_COLUMN)])
+    outputs = Schema([
+        ColSpec(DataType.string, "label"),
+        ColSpec(DataType.long, "label_index"),
+        ColSpec(DataType.double, "probability"),
+        ColSpec(Array(DataType.double), "probabilities"),
+    ])
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def blank_png(size: int, channels: int) -> bytes:
+    """A mid-grey PNG of the model's input size, used as the input example when none is given."""
+    from PIL import Image
+
+    img = Image.new("L" if channels == 1 else "RGB", (size, size), color=128 if channels == 1 else (128, 128, 128))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _package_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def copy_served_code(dest: Path, modules: Sequence[str] = SERVED_MODULES) -> Path:
+    """Copy the modules the served model needs into `dest/pipeline/...` (empty package __init__s)."""
+    root = _package_root()
+    pkg = dest / "pipeline"
+    for rel in modules:
+        src = root / rel
+        if not src.is_file():
+            raise FileNotFoundError(f"served module {rel} not found under {root}")
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+    for folder in [pkg, *[p for p in pkg.rglob("*") if p.is_dir()]]:
+        init = folder / "__init__.py"
+        if not init.exists():
+            init.write_text(f'"""Package {folder.relative_to(dest).as_posix().replace("/", ".")} (served subset)."""\n')
+    return pkg
+
+
+def _requirement(dist: str, fallback: str) -> str:
+    try:
+        version = importlib_metadata.version(dist)
+    except importlib_metadata.PackageNotFoundError:
+        return fallback
+    return f"{dist}=={version.split('+')[0]}"
+
+
+def pip_requirements() -> List[str]:
+    """What a serving environment needs: mlflow, torch (CPU or CUDA build of the same version), pillow."""
+    return [
+        _requirement("mlflow", "mlflow"),
+        _requirement("torch", "torch"),
+        _requirement("pillow", "pillow"),
+        _requirement("numpy", "numpy<2"),
+        _requirement("pandas", "pandas"),
+    ]
+
+
+MODEL_CODE = '''"""The served model's entry point (MLflow models-from-code): the ImageClassifierModel shipped in code/."""
+from mlflow.models import set_model
+
+from pipeline.tracking.pyfunc import ImageClassifierModel
+
+set_model(ImageClassifierModel())
+'''
+
+
+def _check_weights_fit(state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    """Fail at logging time, not at serving time, when the weights do not fit the network `meta` describes."""
+    from pipeline.model.nets import build_network
+
+    net = build_network(meta["arch"], meta["channels"], len(meta["class_names"]), meta["width"])
+    try:
+        net.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"the network's weights do not fit meta (arch={meta['arch']!r}, width={meta['width']}, "
+                         f"channels={meta['channels']}, {len(meta['class_names'])} classes): "
+                         f"{str(exc).splitlines()[0]} (pass the plain nn.Module, not a wrapper)") from None
+
+
+def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str = "model",
+              input_example_content: Optional[bytes] = None, *, run_id: Optional[str] = None,
+              step: int = 0) -> str:
+    """Log `network` as an ImageClassifierModel into run `run_id` (default: the active run).
+
+    The run's status is left as it is: the model is created as an MLflow 3 LoggedModel in the run's
+    experiment with the run as its source, its artifacts uploaded, and linked to the run as an
+    output, so both `models:/<model_id>` (returned) and `runs:/<run_id>/<artifact_path>` load it.
+    Uses the current tracking URI (see `pipeline.tracking.runs.configure`).
+
+    Returns:
+        The model URI to register, `models:/<model_id>`.
+    """
+    from mlflow.models import Model
+
+    meta = check_meta(meta)
+    if run_id is None:
+        active = mlflow.active_run()
+        if active is None:
+            raise ValueError("log_model needs run_id=... or an active MLflow run")
+        run_id = active.info.run_id
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    example = input_example_content if input_example_content is not None else blank_png(meta["image_size"],
+                                                                                         meta["channels"])
+    with tempfile.TemporaryDirectory(prefix="lakehouse-model-") as tmp:
+        tmp_path = Path(tmp)
+        weights = tmp_path / "weights.pt"
+        state = {k: v.detach().cpu() for k, v in network.state_dict().items()}
+        _check_weights_fit(state, meta)
+        torch.save(state, weights)
+        meta_file = tmp_path / "meta.json"
+        meta_file.write_text(json.dumps(meta, indent=2, sort_keys=True))
+        code_pkg = copy_served_code(tmp_path / "code")
+        # "Models from code": MLflow stores this file instead of a cloudpickle of the model object.
+        model_code = tmp_path / "image_classifier.py"
+        model_code.write_text(MODEL_CODE)
+        # Created in the run's experiment with the run as source: mlflow.pyfunc.log_model alone
+        # would put it in the fluent "current" experiment and, without an active run, link no run.
+        logged = mlflow.initialize_logged_model(name=artifact_path, source_run_id=run_id, experiment_id=experiment_id,
+                                                model_type="image-classifier")
+        info = Model.log(
+            artifact_path=None,
+            name=artifact_path,
+            flavor=mlflow.pyfunc,
+            run_id=run_id,
+            model_id=logged.model_id,
+            step=step,
+            python_model=str(model_code),
+            artifacts={"weights": str(weights), "meta": str(meta_file)},
+            code_paths=[str(code_pkg)],
+            signature=model_signature(),
+            input_example=pd.DataFrame({CONTENT_COLUMN: [example]}),
+            pip_requirements=pip_requirements(),
+            metadata={"class_names": meta["class_names"], "image_size": meta["image_size"],
+                      "channels": meta["channels"], "arch": meta["arch"]},
+        )
+    log.info("logged model %s into run %s (%s)", info.model_uri, run_id, artifact_path)
+    return info.model_uri

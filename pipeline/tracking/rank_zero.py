@@ -1,0 +1,67 @@
+"""What training rank 0 writes into the driver's MLflow run: per-epoch metrics, plots, the model."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+from pipeline.log import get_logger, is_rank_zero
+
+log = get_logger(__name__)
+
+
+class RankZeroTracker:
+    """Logs into an existing run by id; a no-op on any rank but 0 (the one rule: rank 0 alone writes)."""
+
+    def __init__(self, tracking_uri: Optional[str], run_id: str) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)
+        self.run_id = run_id
+        self.client = MlflowClient(tracking_uri) if tracking_uri else MlflowClient()
+
+    def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
+        if not is_rank_zero():
+            return
+        from pipeline.tracking.runs import log_epoch_metrics
+
+        try:
+            log_epoch_metrics(self.client, self.run_id, metrics, step)
+        except Exception as exc:  # a metric lost is not worth a training lost; the end-of-run logging checks
+            log.warning("could not log epoch %d metrics to MLflow: %s", step, exc)
+
+    def finish(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
+        """Plots, the per-rank host/pid, the confusion matrix and the servable model; returns the model URI."""
+        if not is_rank_zero():
+            return None
+        from pipeline.model.module import network_meta
+        from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png
+        from pipeline.tracking.pyfunc import log_model
+
+        cfg = job.cfg
+        with tempfile.TemporaryDirectory() as tmp:
+            if history:
+                learning_curves_png(history, os.path.join(tmp, "learning_curves.png"))
+                self.client.log_artifact(self.run_id, os.path.join(tmp, "learning_curves.png"), "plots")
+            cm = getattr(model, "last_confusion", None)
+            if cm is not None:
+                confusion_matrix_png(cm.numpy(), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
+                self.client.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
+        meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
+        model.eval()
+        uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)
+        log.info("logged the model to run %s as %s", self.run_id, uri)
+        return uri
+
+
+def log_rank_hosts(client, run_id: str, results: List[Any]) -> None:
+    """Record where every rank ran (host and process id), as tags and a JSON artifact."""
+    import json
+
+    tags = {f"rank_{r.rank}_host": r.host for r in results}
+    tags.update({f"rank_{r.rank}_pid": str(r.pid) for r in results})
+    for k, v in tags.items():
+        client.set_tag(run_id, k, v)
+    client.log_dict(run_id, [{"rank": r.rank, "host": r.host, "pid": r.pid} for r in results], "ranks.json")

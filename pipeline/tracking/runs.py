@@ -1,0 +1,305 @@
+"""The MLflow run lifecycle on the driver: connect, open and close the run, and log config, lineage and metrics to it by id."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+
+from pipeline.config import Config, MlflowConfig, to_yaml
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+# MLflow servers before 1.x/2.x accepted 500 characters per param value; newer ones more. The whole
+# config is also logged as config.yaml, so truncating long values loses nothing.
+PARAM_VALUE_LIMIT = 500
+BATCH_LIMIT = 100
+# While connecting, one HTTP attempt must fail fast; our own bounded loop does the retrying.
+_CONNECT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+_NOT_TRANSIENT = ("INVALID_PARAMETER_VALUE", "PERMISSION_DENIED", "UNAUTHENTICATED", "BAD_REQUEST")
+
+
+class Terminated(Exception):
+    """Raised in the main thread by the SIGTERM handler that `tracked_run` installs."""
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server or store given by `mlflow.tracking_uri` cannot be reached."""
+
+
+@contextlib.contextmanager
+def _env(overrides: Mapping[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a `sqlite:///relative/path` absolute (so every process agrees) and create its folder."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix):
+        path = uri[len(prefix):]
+        if not path or path.startswith(":memory:"):
+            return uri
+        db = Path(path) if path.startswith("/") else Path.cwd() / path
+        db = db.resolve()
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(db)
+    return uri
+
+
+def resolve_artifact_location(location: Optional[str]) -> Optional[str]:
+    """A relative or absolute local path becomes an absolute `file://` URI; URIs are kept; None stays None."""
+    if not location:
+        return None
+    if "://" in location or location.split(":", 1)[0] in ("mlflow-artifacts", "dbfs", "file"):
+        return location
+    path = Path(location).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
+    uri = resolve_tracking_uri(cfg_mlflow.tracking_uri)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    attempts = max(0, int(cfg_mlflow.retries)) + 1
+    last: Optional[BaseException] = None
+    with _env(_CONNECT_ENV):
+        for attempt in range(1, attempts + 1):
+            try:
+                exp = client.get_experiment_by_name(cfg_mlflow.experiment)
+                if exp is None:
+                    try:
+                        exp_id = client.create_experiment(
+                            cfg_mlflow.experiment, artifact_location=resolve_artifact_location(cfg_mlflow.artifact_location))
+                        log.info("created MLflow experiment %r (id %s) at %s", cfg_mlflow.experiment, exp_id, uri)
+                        return client, exp_id
+                    except MlflowException as exc:  # another process created it first
+                        if "ALREADY_EXISTS" not in str(exc.error_code):
+                            raise
+                        exp = client.get_experiment_by_name(cfg_mlflow.experiment)
+                        if exp is None:
+                            raise
+                if exp.lifecycle_stage == "deleted":
+                    raise ValueError(f"config key 'mlflow.experiment': experiment {cfg_mlflow.experiment!r} is deleted "
+                                     f"at {uri}; restore it or choose another name")
+                return client, exp.experiment_id
+            except ValueError:
+                raise
+            except MlflowException as exc:
+                if any(code in str(exc.error_code) for code in _NOT_TRANSIENT) and "API request" not in str(exc):
+                    raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {uri!r}: {exc.message}") from exc
+                last = exc
+            except Exception as exc:  # connection errors, a locked SQLite file, ...
+                last = exc
+            if attempt < attempts:
+                log.warning("MLflow at %s not reachable (attempt %d of %d): %s; retrying in %.1f s",
+                            uri, attempt, attempts, _short(last), cfg_mlflow.retry_wait_s)
+                time.sleep(max(0.0, float(cfg_mlflow.retry_wait_s)))
+    raise TrackingUnavailable(f"cannot reach MLflow at config key 'mlflow.tracking_uri' = {uri!r} after {attempts} "
+                              f"attempt(s): {_short(last)}") from last
+
+
+def _short(exc: Optional[BaseException], limit: int = 400) -> str:
+    text = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def configure(cfg_mlflow: MlflowConfig) -> MlflowClient:
+    """Point MLflow at `mlflow.tracking_uri`, make sure `mlflow.experiment` exists; return a client.
+
+    Raises:
+        TrackingUnavailable: the store cannot be reached after `mlflow.retries` retries; names the key and URI.
+    """
+    return _connect(cfg_mlflow)[0]
+
+
+def experiment_id_of(client: MlflowClient, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        raise ValueError(f"config key 'mlflow.experiment': experiment {name!r} does not exist")
+    return exp.experiment_id
+
+
+@dataclass
+class TrackedRun:
+    """The run opened by `tracked_run`: log to it with `client` and `run_id` (also from other processes)."""
+
+    run_id: str
+    client: MlflowClient
+    experiment_id: str
+    tracking_uri: str
+
+
+def _end_run(client: MlflowClient, run_id: str, status: str) -> None:
+    for attempt in range(3):
+        try:
+            client.set_terminated(run_id, status=status)
+            return
+        except Exception as exc:  # never mask the exception that ended the run
+            if attempt == 2:
+                log.error("could not mark MLflow run %s as %s: %s", run_id, status, _short(exc))
+            else:
+                time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict[str, Any]] = None
+                ) -> Iterator[TrackedRun]:
+    """Open an MLflow run for the block; end it FINISHED, FAILED (exception) or KILLED (Ctrl-C, SIGTERM).
+
+    For the block's duration SIGTERM raises `Terminated` in the main thread, so a killed job still
+    closes its run. The exception is re-raised after the run's status is set.
+    """
+    client, experiment_id = _connect(cfg.mlflow)
+    run = client.create_run(experiment_id, run_name=run_name,
+                            tags={str(k): str(v) for k, v in (tags or {}).items()})
+    run_id = run.info.run_id
+    log.info("MLflow run %s (%s) started in experiment %s", run_id, run.info.run_name, experiment_id)
+
+    terminating = {"flag": False}
+    old_handler: Any = None
+    installed = threading.current_thread() is threading.main_thread()
+    if installed:
+        def _on_sigterm(signum: int, frame: Any) -> None:
+            if terminating["flag"]:
+                log.warning("SIGTERM again while closing MLflow run %s; ignored", run_id)
+                return
+            terminating["flag"] = True
+            raise Terminated(f"received SIGTERM (signal {signum})")
+
+        old_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+    status = RunStatus.to_string(RunStatus.FAILED)
+    try:
+        yield TrackedRun(run_id=run_id, client=client, experiment_id=experiment_id,
+                         tracking_uri=mlflow.get_tracking_uri())
+        status = RunStatus.to_string(RunStatus.FINISHED)
+    except (KeyboardInterrupt, Terminated) as exc:
+        terminating["flag"] = True
+        status = RunStatus.to_string(RunStatus.KILLED)
+        _tag_error(client, run_id, exc)
+        raise
+    except SystemExit as exc:
+        terminating["flag"] = True
+        status = RunStatus.to_string(RunStatus.FINISHED if exc.code in (0, None) else RunStatus.FAILED)
+        raise
+    except BaseException as exc:
+        terminating["flag"] = True
+        status = RunStatus.to_string(RunStatus.FAILED)
+        _tag_error(client, run_id, exc)
+        raise
+    finally:
+        terminating["flag"] = True
+        _end_run(client, run_id, status)
+        if installed:
+            signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
+        log.info("MLflow run %s ended %s", run_id, status)
+
+
+def _tag_error(client: MlflowClient, run_id: str, exc: BaseException) -> None:
+    try:
+        client.set_tag(run_id, "error", _short(exc, 5000))
+    except Exception as tag_exc:
+        log.warning("could not record the error on MLflow run %s: %s", run_id, _short(tag_exc))
+
+
+def _param_value(value: Any) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= PARAM_VALUE_LIMIT else text[:PARAM_VALUE_LIMIT - 3] + "..."
+
+
+def log_config(client: MlflowClient, run_id: str, cfg: Config) -> None:
+    """Log the resolved config as artifact `config.yaml` and as flattened params (`train.np`, ...)."""
+    client.log_text(run_id, to_yaml(cfg), "config.yaml")
+    params = [Param(str(k), _param_value(v)) for k, v in sorted(cfg.flat().items())]
+    for start in range(0, len(params), BATCH_LIMIT):
+        client.log_batch(run_id, params=params[start:start + BATCH_LIMIT], synchronous=True)
+
+
+def git_commit(cwd: Optional[str] = None) -> Optional[str]:
+    """The commit checked out where the package lives (or `cwd`), or None outside a git checkout."""
+    where = cwd or str(Path(__file__).resolve().parents[2])
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlflow.data.meta_dataset.MetaDataset":
+    """The Delta table at `version` as an MLflow dataset (no Spark needed)."""
+    from mlflow.data.delta_dataset_source import DeltaDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    digest = hashlib.sha256(f"{table}@{version}".encode()).hexdigest()[:16]
+    ds_name = name or f"{Path(str(table).rstrip('/')).name or table}@v{version}"
+    return MetaDataset(source=DeltaDatasetSource(path=str(table), delta_table_version=int(version)),
+                       name=ds_name, digest=digest)
+
+
+def log_lineage(client: MlflowClient, run_id: str, table: str, version: int, rows: Dict[str, int],
+                extra_tags: Optional[Dict[str, Any]] = None) -> None:
+    """Tag the run with the Delta table, version and row counts, and log the table as the run's input.
+
+    `rows` maps split name to row count ({'train': 800, 'val': 200} -> tags rows_train, rows_val).
+    `extra_tags` (world_size, backend, ...) are added; `git_commit` too when the code is a git checkout.
+    """
+    if version is None or int(version) < 0:
+        raise ValueError(f"log_lineage: delta version must be a pinned version >= 0, got {version!r}")
+    tags: Dict[str, str] = {"delta_table": str(table), "delta_version": str(int(version))}
+    for split, count in rows.items():
+        tags[f"rows_{split}"] = str(int(count))
+    tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
+    commit = git_commit()
+    if commit and "git_commit" not in tags:
+        tags["git_commit"] = commit
+        tags.setdefault("mlflow.source.git.commit", commit)
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k, v[:5000]) for k, v in tags.items()]
+    for start in range(0, len(items), BATCH_LIMIT):
+        client.log_batch(run_id, tags=items[start:start + BATCH_LIMIT], synchronous=True)
+    dataset = delta_dataset(table, int(version))
+    # Dataset._to_mlflow_entity is what mlflow.log_input uses; the client call needs no active run.
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
+                                                     tags=[InputTag("mlflow.data.context", "training")])])
+
+
+def log_epoch_metrics(client: MlflowClient, run_id: str, metrics: Dict[str, float], step: int) -> None:
+    """Log one epoch's metrics at `step` in one batch (NaN and inf are kept, so a divergence shows)."""
+    ts = int(time.time() * 1000)
+    items: List[Metric] = []
+    for key, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {key!r} at step {step}: value {value!r} is not a number") from None
+        items.append(Metric(str(key), number, ts, int(step)))
+    for start in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[start:start + 1000], synchronous=True)
+
+
+__all__ = ["Terminated", "TrackingUnavailable", "TrackedRun", "configure", "tracked_run", "log_config",
+           "log_lineage", "log_epoch_metrics", "resolve_tracking_uri", "resolve_artifact_location", "git_commit",
+           "delta_dataset", "experiment_id_of"]

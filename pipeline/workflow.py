@@ -1,0 +1,132 @@
+"""The jobs users run (ingest, train, promote), each wiring the planes in the one direction of the data flow."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, Optional
+
+from pipeline.config import Config, ConfigError, world_size_of
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """Training ended without a model worth registering (non-finite loss); nothing was registered."""
+
+
+def ingest(spark, cfg: Config, source: str, mode: str = "append") -> Dict[str, Any]:
+    """Image folder -> one Delta commit; returns the summary (version, rows, skipped files)."""
+    from pipeline.lakehouse.ingest import ingest_folder
+
+    return ingest_folder(spark, cfg, source, mode).summary()
+
+
+def read_pinned(spark, cfg: Config):
+    """The Delta table at `delta.version` (latest when unset) and the version it is pinned to."""
+    from pipeline.lakehouse.delta import get_engine
+
+    return get_engine(cfg.delta.engine).read(spark, cfg.delta.table, cfg.delta.version)
+
+
+def prepare_data(spark, cfg: Config):
+    """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts)."""
+    from pipeline.data.convert import check_cache_visible, class_names_of, convert_for_training
+
+    problem = check_cache_visible(cfg.data.cache_dir, cfg.spark.master)
+    if problem:
+        raise ConfigError(problem)
+    df, pinned = read_pinned(spark, cfg)
+    log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
+    class_names = class_names_of(df)
+    if not class_names:
+        from pipeline.lakehouse.partition import PlanError
+
+        raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
+    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names)
+    return data, pinned
+
+
+def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
+    """The main job: pinned Delta read -> converters -> ranks -> one MLflow run -> registered model (-> champion).
+
+    Returns the summary that `lakehouse train` prints as its last line of JSON.
+    """
+    from pipeline.distributed.launcher import launch
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.tracking.rank_zero import log_rank_hosts
+    from pipeline.tracking.registry import promote, register_model
+    from pipeline.tracking.runs import Terminated, configure, log_config, log_lineage, tracked_run
+
+    client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
+    data, pinned = prepare_data(spark, cfg)
+    rows_train, rows_val = data.rows
+    world = world_size_of(cfg)
+    summary: Dict[str, Any] = {}
+    try:
+        tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
+        with tracked_run(cfg, run_name=run_name, tags=tags) as run:
+            log_config(run.client, run.run_id, cfg)
+            log_lineage(run.client, run.run_id, pinned.table, pinned.version,
+                        {"train": rows_train, "val": rows_val}, extra_tags=tags)
+            run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
+                                "shard_plan.json")
+            job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
+                           run_id=run.run_id, tracking_uri=run.tracking_uri,
+                           job_dir=os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run.run_id))
+            t0 = time.time()
+            results = launch(job)
+            log.info("training finished in %.1f s", time.time() - t0)
+            log_rank_hosts(run.client, run.run_id, results)
+            r0 = next(r for r in results if r.rank == 0)
+            if r0.stop_reason and r0.stop_reason.startswith("SIGTERM"):
+                raise Terminated(r0.stop_reason)
+            if r0.stop_reason and r0.stop_reason.startswith("non-finite"):
+                raise TrainingStopped(f"training stopped: {r0.stop_reason}; nothing registered")
+            if not r0.model_uri:
+                raise RuntimeError("rank 0 returned no model; nothing registered")
+            metric = cfg.mlflow.gate_metric
+            value = r0.metrics.get(metric)
+            version = register_model(run.client, r0.model_uri, cfg.mlflow.registered_model, run.run_id, tags={
+                "run_id": run.run_id, "delta_table": pinned.table, "delta_version": str(pinned.version),
+                metric: str(value), "world_size": str(world), "backend": cfg.train.backend})
+            decision = None
+            if cfg.mlflow.promote:
+                decision = promote(run.client, cfg.mlflow.registered_model, version, metric, cfg.mlflow.gate_mode)
+                log.info("promotion: %s", decision.reason)
+            summary = {
+                "run_id": run.run_id,
+                "model_name": cfg.mlflow.registered_model,
+                "model_version": int(version),
+                "delta_table": pinned.table,
+                "delta_version": pinned.version,
+                "rows_train": rows_train,
+                "rows_val": rows_val,
+                "world_size": world,
+                "backend": cfg.train.backend,
+                "val_loss": r0.metrics.get("val_loss"),
+                "val_acc": r0.metrics.get("val_acc"),
+                "epochs": r0.epochs,
+                "stopped_early": r0.stopped_early,
+                "champion": bool(decision and decision.promoted),
+                "tracking_uri": run.tracking_uri,
+            }
+    finally:
+        data.delete()
+    return summary
+
+
+def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
+    """Gate a registered version (latest when None) against the current champion."""
+    from pipeline.tracking.registry import promote
+    from pipeline.tracking.runs import configure
+
+    client = configure(cfg.mlflow)
+    name = cfg.mlflow.registered_model
+    if version is None:
+        versions = client.search_model_versions(f"name='{name}'")
+        if not versions:
+            raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
+        version = str(max(int(v.version) for v in versions))
+    decision = promote(client, name, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode)
+    return dict(decision.__dict__)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job on the embedded default (conf/local.yaml): sample images -> Delta -> Horovod x2 -> MLflow registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LH=.venv/bin/lakehouse
+CONF=${CONF:-conf/local.yaml}
+export LAKEHOUSE_PROGRESS=${LAKEHOUSE_PROGRESS:-0}
+$LH sample-data --out work/sample/digits
+$LH ingest --conf "$CONF" --source work/sample/digits --mode overwrite "$@"
+$LH train --conf "$CONF" "$@" | tee work/last_train.json
+.venv/bin/python -m pipeline.summary work/last_train.json --conf "$CONF" "$@"

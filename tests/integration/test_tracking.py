@@ -1,0 +1,323 @@
+"""Integration tests of pipeline.tracking against a real SQLite store and a real `mlflow server` process."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow.exceptions import MlflowException
+
+from pipeline.config import Config
+from pipeline.model.nets import build_network
+from pipeline.tracking import plots
+from pipeline.tracking.pyfunc import log_model
+from pipeline.tracking.registry import promote, register_model
+from pipeline.tracking.runs import (Terminated, TrackingUnavailable, configure, log_config, log_epoch_metrics,
+                                    log_lineage, tracked_run)
+
+pytestmark = pytest.mark.integration
+
+VENV_BIN = Path(sys.executable).parent
+CLASS_NAMES = ["circle", "square", "triangle"]
+META = {"arch": "cnn", "width": 4, "channels": 1, "image_size": 16, "class_names": CLASS_NAMES}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _png(seed: int, size: int = 20, mode: str = "L") -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8), mode="RGB").save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 with a free port, proxying artifacts; stopped by PID."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = _free_port()
+    log_path = root / "server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
+    cmd = [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
+           "--workers", "1"]
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                start_new_session=True)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: the group this fixture started
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+
+
+@pytest.fixture(params=["sqlite", "server"])
+def store(request, tmp_path):
+    """(kind, tracking_uri, artifact_location) for a fresh SQLite store or the shared server."""
+    old_uri = mlflow.get_tracking_uri()
+    if request.param == "sqlite":
+        yield "sqlite", f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "mlartifacts")
+    else:
+        yield "server", request.getfixturevalue("mlflow_server"), None
+    mlflow.set_tracking_uri(old_uri)
+
+
+def _cfg(uri: str, artifact_location, experiment: str) -> Config:
+    cfg = Config()
+    cfg.mlflow.tracking_uri = uri
+    cfg.mlflow.artifact_location = artifact_location
+    cfg.mlflow.experiment = experiment
+    cfg.mlflow.retries = 1
+    cfg.mlflow.retry_wait_s = 0.5
+    cfg.data.image_size = 16
+    cfg.data.channels = 1
+    cfg.model.width = 4
+    return cfg
+
+
+@pytest.mark.timeout(240)
+def test_tracked_run_model_and_registry(store, tmp_path):
+    kind, uri, artifacts = store
+    cfg = _cfg(uri, artifacts, f"flow-{kind}-{tmp_path.name}")
+    name = f"clf_{kind}_{tmp_path.name}"
+    net = build_network("cnn", 1, len(CLASS_NAMES), width=4)
+    history = [{"epoch": 0, "train_loss": 1.2, "val_loss": 1.1, "val_acc": 0.4},
+               {"epoch": 1, "train_loss": 0.9, "val_loss": 0.95, "val_acc": 0.55}]
+
+    with tracked_run(cfg, run_name="test", tags={"purpose": "test"}) as run:
+        client, run_id = run.client, run.run_id
+        log_config(client, run_id, cfg)
+        log_lineage(client, run_id, "work/delta/images", 3, {"train": 8, "val": 2},
+                    {"world_size": 2, "backend": "horovod"})
+        for h in history:
+            log_epoch_metrics(client, run_id, {k: v for k, v in h.items() if k != "epoch"}, step=h["epoch"])
+        png = plots.learning_curves_png(history, tmp_path / "learning_curves.png")
+        client.log_artifact(run_id, str(png))
+        model_uri = log_model(net, META, input_example_content=_png(0), run_id=run_id, step=1)
+        assert client.get_run(run_id).info.status == "RUNNING"  # logging the model did not end the run
+        version = register_model(client, model_uri, name, run_id,
+                                 {"delta_table": "work/delta/images", "delta_version": "3", "val_acc": "0.55"})
+        decision = promote(client, name, version)
+        assert decision.promoted
+
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED"
+    assert r.data.params["train.np"] == "-2" and r.data.params["model.arch"] == "cnn"
+    assert r.data.params["delta.version"] == "null"
+    assert r.data.tags["delta_table"] == "work/delta/images" and r.data.tags["delta_version"] == "3"
+    assert (r.data.tags["rows_train"], r.data.tags["rows_val"]) == ("8", "2")
+    assert r.data.tags["world_size"] == "2" and r.data.tags["purpose"] == "test"
+    assert [m.value for m in client.get_metric_history(run_id, "val_acc")] == [0.4, 0.55]
+    source = json.loads(r.inputs.dataset_inputs[0].dataset.source)
+    assert source["path"] == "work/delta/images" and source["delta_table_version"] == 3
+    assert {"config.yaml", "learning_curves.png"} <= {a.path for a in client.list_artifacts(run_id)}
+    config_text = mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml")
+    assert "image_size: 16" in config_text
+    mv = client.get_model_version(name, version)
+    assert mv.tags["run_id"] == run_id and mv.tags["delta_version"] == "3"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == version
+
+    images = [_png(1), _png(2, size=40), _jpeg(3), _png(4, mode="RGB")]
+    df = pd.DataFrame({"content": images})
+    for load_uri in (f"models:/{name}/{version}", f"models:/{name}@champion", f"runs:/{run_id}/model"):
+        model = mlflow.pyfunc.load_model(load_uri)
+        out = model.predict(df)
+        assert list(out.columns) == ["label", "label_index", "probability", "probabilities"]
+        assert len(out) == len(images)
+        assert set(out["label"]) <= set(CLASS_NAMES)
+        for _, row in out.iterrows():
+            assert CLASS_NAMES[row["label_index"]] == row["label"]
+            assert np.isclose(sum(row["probabilities"]), 1.0, atol=1e-5)
+            assert np.isclose(max(row["probabilities"]), row["probability"])
+
+    # bad input: a row that is not an image, a missing column
+    with pytest.raises(ValueError, match=r"row 1, column 'content'.*not a decodable image"):
+        model.predict(pd.DataFrame({"content": [_png(5), b"definitely not an image"]}))
+    python_model = model.unwrap_python_model()
+    with pytest.raises(ValueError, match=r"no 'content' column.*\['image'\]"):
+        python_model.predict(None, pd.DataFrame({"image": [_png(5)]}))
+    # through the pyfunc wrapper MLflow's signature check answers first, also naming the column
+    with pytest.raises(MlflowException, match=r"missing inputs \['content'\]"):
+        model.predict(pd.DataFrame({"image": [_png(5)]}))
+
+    if kind == "sqlite":
+        _load_in_fresh_process(uri, f"models:/{name}/{version}", tmp_path)
+
+
+def _load_in_fresh_process(tracking_uri: str, model_uri: str, tmp_path: Path) -> None:
+    """Load and predict in a new interpreter that cannot import this checkout's `pipeline` package."""
+    repo = str(Path(__file__).resolve().parents[2])
+    (tmp_path / "img.png").write_bytes(_png(7))
+    script = textwrap.dedent(f"""
+        import os, sys
+        repo = {repo!r}
+        sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != repo]
+        # an editable install (`pip install -e .`) maps `pipeline` to this checkout with a meta-path finder
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if "editable" not in str(getattr(f, "__module__", None) or type(f).__module__).lower()]
+        try:
+            import pipeline
+            raise SystemExit("pipeline importable before loading: " + str(pipeline.__file__))
+        except ImportError:
+            pass
+        import json, mlflow, pandas as pd
+        mlflow.set_tracking_uri({tracking_uri!r})
+        model = mlflow.pyfunc.load_model({model_uri!r})
+        out = model.predict(pd.DataFrame({{"content": [open("img.png", "rb").read()]}}))
+        import pipeline
+        print(json.dumps({{"label": out["label"][0], "pipeline": pipeline.__file__}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    answer = json.loads(res.stdout.strip().splitlines()[-1])
+    assert answer["label"] in CLASS_NAMES
+    assert not answer["pipeline"].startswith(repo), answer
+
+
+@pytest.mark.timeout(180)
+def test_promotion_gate(store, tmp_path):
+    kind, uri, artifacts = store
+    cfg = _cfg(uri, artifacts, f"gate-{kind}-{tmp_path.name}")
+    client = configure(cfg.mlflow)
+    exp_id = client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id
+    name = f"gate_{kind}_{tmp_path.name}"
+
+    def candidate(val_acc: float) -> str:
+        run_id = client.create_run(exp_id).info.run_id
+        log_epoch_metrics(client, run_id, {"val_acc": val_acc}, step=0)
+        client.set_terminated(run_id)
+        model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+        return register_model(client, f"models:/{model.model_id}", name, run_id, {"val_acc": str(val_acc)})
+
+    v1 = candidate(0.8)
+    assert promote(client, name, v1).promoted
+    v2 = candidate(0.7)
+    d2 = promote(client, name, v2)
+    assert not d2.promoted and d2.champion_version == v1
+    assert "0.7" in d2.reason and "0.8" in d2.reason
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v1
+    v3 = candidate(0.9)
+    d3 = promote(client, name, v3)
+    assert d3.promoted and d3.champion_version == v1
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v3
+
+
+@pytest.mark.timeout(120)
+def test_tracked_run_statuses(tmp_path):
+    cfg = _cfg(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "art"), "statuses")
+    before = signal.getsignal(signal.SIGTERM)
+
+    ids = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        with tracked_run(cfg) as run:
+            ids["failed"] = run.run_id
+            raise RuntimeError("boom")
+    with pytest.raises(Terminated):
+        with tracked_run(cfg) as run:
+            ids["terminated"] = run.run_id
+            raise Terminated("test")
+    with pytest.raises(Terminated):
+        with tracked_run(cfg) as run:
+            ids["sigterm"] = run.run_id
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    with pytest.raises(KeyboardInterrupt):
+        with tracked_run(cfg) as run:
+            ids["interrupt"] = run.run_id
+            raise KeyboardInterrupt
+    with tracked_run(cfg) as run:
+        ids["ok"] = run.run_id
+
+    client = configure(cfg.mlflow)
+    status = {k: client.get_run(v).info.status for k, v in ids.items()}
+    assert status == {"failed": "FAILED", "terminated": "KILLED", "sigterm": "KILLED", "interrupt": "KILLED",
+                      "ok": "FINISHED"}
+    assert "boom" in client.get_run(ids["failed"]).data.tags["error"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.timeout(60)
+def test_configure_unreachable_server_fails_fast():
+    port = _free_port()  # nothing listens here
+    cfg = _cfg(f"http://127.0.0.1:{port}", None, "unreachable")
+    cfg.mlflow.retries = 2
+    cfg.mlflow.retry_wait_s = 0.5
+    env_before = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    start = time.monotonic()
+    with pytest.raises(TrackingUnavailable, match=rf"mlflow\.tracking_uri.*127\.0\.0\.1:{port}"):
+        configure(cfg.mlflow)
+    assert time.monotonic() - start < 30
+    assert {k: os.environ.get(k) for k in env_before} == env_before
+
+
+def test_relative_sqlite_uri_and_artifact_location(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("sqlite:///nested/dir/mlflow.db", "rel/artifacts", "relative")
+    old_uri = mlflow.get_tracking_uri()
+    try:
+        client = configure(cfg.mlflow)
+        assert (tmp_path / "nested" / "dir" / "mlflow.db").exists()
+        exp = client.get_experiment_by_name("relative")
+        assert exp.artifact_location == (tmp_path / "rel" / "artifacts").as_uri()
+        assert configure(cfg.mlflow).get_experiment_by_name("relative").experiment_id == exp.experiment_id
+    finally:
+        mlflow.set_tracking_uri(old_uri)
+
+
+def test_plots_write_png(tmp_path):
+    cm = np.array([[3, 1, 0], [0, 4, 1], [1, 0, 5]])
+    out = plots.confusion_matrix_png(cm, CLASS_NAMES, tmp_path / "cm.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="does not match 2 class names"):
+        plots.confusion_matrix_png(cm, CLASS_NAMES[:2], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="history is empty"):
+        plots.learning_curves_png([], tmp_path / "lc.png")
