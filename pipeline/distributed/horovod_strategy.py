@@ -54,6 +54,20 @@ def _unwrap(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+# Methods of Horovod's optimizer that must run on the wrapped optimizer itself when called through Lightning's
+# LightningOptimizer (what `self.optimizers()` returns). LightningOptimizer subclasses the optimizer's class, and
+# Horovod's methods call `super(self.__class__, self)`, so `self.optimizers().zero_grad()` recursed until
+# "RecursionError: maximum recursion depth exceeded"; skip_synchronize() would set its flag on the wrong object.
+_HOROVOD_METHODS = ("zero_grad", "load_state_dict", "synchronize", "skip_synchronize", "set_backward_passes_per_step")
+
+
+def _route_to_wrapped(lightning_optimizer: LightningOptimizer) -> None:
+    wrapped = lightning_optimizer._optimizer
+    if _is_horovod_optimizer(wrapped):
+        for name in _HOROVOD_METHODS:
+            setattr(lightning_optimizer, name, getattr(wrapped, name))
+
+
 def _disarm(wrapped: Optimizer) -> None:
     """Make a finished DistributedOptimizer's gradient hooks inert.
 
@@ -146,6 +160,16 @@ class HorovodStrategy(ParallelStrategy):
         self._compression = compression if compression is not None else hvd.Compression.none
         self._original_optimizers: dict[int, Optimizer] = {}  # id(wrapped) -> optimizer from configure_optimizers
         self._num_nodes_flag = 1
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        ParallelStrategy.optimizers.fset(self, optimizers)  # builds the LightningOptimizer wrappers
+        for lightning_optimizer in self._lightning_optimizers:
+            _route_to_wrapped(lightning_optimizer)
 
     # ------------------------------------------------------------------ ranks and devices
     @property

@@ -6,7 +6,6 @@ from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
-import torchmetrics
 from torch import nn
 
 from pipeline.config import ModelConfig
@@ -38,10 +37,7 @@ class ImageClassifier(pl.LightningModule):
         self.save_hyperparameters(ignore=["network"])
         self.network = network
         self.loss_fn = nn.CrossEntropyLoss()
-        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
-        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
-        self.val_confusion = torchmetrics.ConfusionMatrix(task="multiclass", num_classes=num_classes)
-        self.last_confusion: Optional[torch.Tensor] = None
+        self.last_confusion: Optional[torch.Tensor] = None  # rows = true class, columns = predicted
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, channels: int, num_classes: int, lr: float, **kw: Any):
@@ -50,6 +46,30 @@ class ImageClassifier(pl.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+    def _reset_sums(self, prefix: str) -> None:
+        # [loss sum, correct, rows] of this rank; reduced over all ranks at epoch end.
+        setattr(self, f"_{prefix}_sums", torch.zeros(3, dtype=torch.float64))
+
+    def _accumulate(self, prefix: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        sums = getattr(self, f"_{prefix}_sums", None)
+        if sums is None:
+            self._reset_sums(prefix)
+            sums = getattr(self, f"_{prefix}_sums")
+        n = len(y)
+        sums += torch.tensor([float(loss.detach()) * n, float((logits.argmax(1) == y).sum()), float(n)],
+                             dtype=torch.float64)
+
+    def _log_epoch(self, prefix: str) -> None:
+        """Exact epoch metrics over every rank's rows: one sum-reduction through the strategy (Horovod or DDP)."""
+        sums = getattr(self, f"_{prefix}_sums", None)
+        if sums is None:
+            sums = torch.zeros(3, dtype=torch.float64)
+        total = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum")
+        rows = max(1.0, float(total[2]))
+        self.log(f"{prefix}_loss", float(total[0]) / rows, on_epoch=True, sync_dist=False, rank_zero_only=False)
+        self.log(f"{prefix}_acc", float(total[1]) / rows, on_epoch=True, sync_dist=False, rank_zero_only=False)
+        self._reset_sums(prefix)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -60,24 +80,28 @@ class ImageClassifier(pl.LightningModule):
             raise RuntimeError(f"injected failure at step {self.global_step} (train.fail_at_step)")
         if hp.nan_at_step is not None and self.global_step >= hp.nan_at_step:
             loss = loss * float("nan")
-        self.train_acc(logits.detach(), y)
-        self.log("train_loss", loss.detach(), on_step=False, on_epoch=True, sync_dist=True)
-        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        self._accumulate("train", loss, logits, y)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
         loss = self.loss_fn(logits, y)
-        self.val_acc(logits, y)
-        self.val_confusion(logits, y)
-        # Weighted by batch size so a short last batch counts for what it holds.
-        self.log("val_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(y))
-        self.log("val_acc", self.val_acc, on_step=False, on_epoch=True)
+        self._accumulate("val", loss, logits, y)
+        n = self.hparams.num_classes
+        cm = torch.bincount(y * n + logits.argmax(1), minlength=n * n).reshape(n, n).to(torch.float64)
+        self._confusion = cm if getattr(self, "_confusion", None) is None else self._confusion + cm
 
     def on_validation_epoch_end(self) -> None:
-        self.last_confusion = self.val_confusion.compute().cpu()
-        self.val_confusion.reset()
+        # Validation runs at the end of each training epoch, so the epoch's training sums are complete
+        # here, and callbacks see both in `callback_metrics` at on_train_epoch_end.
+        self._log_epoch("train")
+        self._log_epoch("val")
+        n = self.hparams.num_classes
+        cm = getattr(self, "_confusion", None)
+        cm = torch.zeros(n, n, dtype=torch.float64) if cm is None else cm
+        self.last_confusion = self.trainer.strategy.reduce(cm.clone(), reduce_op="sum").round().long()
+        self._confusion = None
 
     def configure_optimizers(self) -> Dict[str, Any]:
         cfg: ModelConfig = self.hparams.model_cfg

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 import tempfile
 from importlib import metadata as importlib_metadata

@@ -80,8 +80,10 @@ def resolve_artifact_location(location: Optional[str]) -> Optional[str]:
 
 def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
     uri = resolve_tracking_uri(cfg_mlflow.tracking_uri)
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(tracking_uri=uri)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+    except MlflowException as exc:  # an unknown scheme, a malformed URI
+        raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {uri!r} is not usable: {exc.message}") from exc
     attempts = max(0, int(cfg_mlflow.retries)) + 1
     last: Optional[BaseException] = None
     with _env(_CONNECT_ENV):
@@ -93,6 +95,7 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                         exp_id = client.create_experiment(
                             cfg_mlflow.experiment, artifact_location=resolve_artifact_location(cfg_mlflow.artifact_location))
                         log.info("created MLflow experiment %r (id %s) at %s", cfg_mlflow.experiment, exp_id, uri)
+                        mlflow.set_tracking_uri(uri)
                         return client, exp_id
                     except MlflowException as exc:  # another process created it first
                         if "ALREADY_EXISTS" not in str(exc.error_code):
@@ -103,6 +106,7 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                 if exp.lifecycle_stage == "deleted":
                     raise ValueError(f"config key 'mlflow.experiment': experiment {cfg_mlflow.experiment!r} is deleted "
                                      f"at {uri}; restore it or choose another name")
+                mlflow.set_tracking_uri(uri)  # for the fluent API and model logging in this process
                 return client, exp.experiment_id
             except ValueError:
                 raise
@@ -172,8 +176,7 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
     closes its run. The exception is re-raised after the run's status is set.
     """
     client, experiment_id = _connect(cfg.mlflow)
-    run = client.create_run(experiment_id, run_name=run_name,
-                            tags={str(k): str(v) for k, v in (tags or {}).items()})
+    run = client.create_run(experiment_id, run_name=run_name, tags=_run_tags(tags))
     run_id = run.info.run_id
     log.info("MLflow run %s (%s) started in experiment %s", run_id, run.info.run_name, experiment_id)
 
@@ -214,6 +217,18 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
         if installed:
             signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
         log.info("MLflow run %s ended %s", run_id, status)
+
+
+def _run_tags(tags: Optional[Dict[str, Any]]) -> Dict[str, str]:
+    """The caller's tags over MLflow's context tags (user, source name and type, git commit), as mlflow.start_run sets."""
+    user = {str(k): str(v) for k, v in (tags or {}).items()}
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        return {str(k): str(v) for k, v in resolve_tags(user).items()}
+    except Exception as exc:  # context providers are best effort
+        log.debug("MLflow context tags unavailable: %s", exc)
+        return user
 
 
 def _tag_error(client: MlflowClient, run_id: str, exc: BaseException) -> None:

@@ -231,7 +231,10 @@ def _resume(tmpdir):
         torch.save(ckpt, resume_path)
     hvd.barrier()
     model.seen.clear()
-    trainer2 = _trainer(HorovodStrategy(), max_steps=5)
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp / "callback", every_n_train_steps=1, save_top_k=-1)
+    trainer2 = _trainer(HorovodStrategy(), max_steps=5, enable_checkpointing=True, callbacks=[checkpoints])
     trainer2.fit(model, loader, ckpt_path=str(resume_path))  # same model object: Horovod hooks of fit 1 still exist
     return {
         "written": written,
@@ -240,7 +243,43 @@ def _resume(tmpdir):
         "rank0_weights": rank0_weights,
         "final": _flat(model),
         "global_step": trainer2.global_step,
+        "callback_files": sorted(p.name for p in (tmp / "callback").iterdir()),
     }
+
+
+def _steps_without_gradients():
+    """Manual optimisation: both ranks backward, then only rank 0, then neither; every rank steps each time."""
+    hvd = _worker_init()
+    import pytorch_lightning as pl
+    from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+    rank, size = hvd.rank(), hvd.size()
+
+    class Manual(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.layer = torch.nn.Linear(N_FEATURES, 1)
+            self.after = []
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            if batch_idx == 0 or (batch_idx == 1 and self.global_rank == 0):
+                self.manual_backward(loss)
+            opt.step()
+            self.after.append(_flat(self))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, weight_decay=0.5)  # a zero-gradient step would move
+
+    x, y = _data(24, seed=6)
+    model = Manual()
+    _trainer(HorovodStrategy(), max_epochs=1).fit(model, _loader(x[rank::size], y[rank::size], 4))
+    return model.after
 
 
 # ---------------------------------------------------------------- tests
@@ -301,7 +340,7 @@ def test_rank_zero_weights_are_broadcast_before_the_first_step():
 
 def test_checkpoint_written_by_rank_zero_only_and_resume_broadcasts_optimizer_state(tmp_path):
     r0, r1 = _run(_resume, str(tmp_path))
-    assert r0["written"] == ["written_by_rank0.ckpt"]  # rank 1 asked for written_by_rank1.ckpt too
+    assert r0["written"] == r1["written"] == ["written_by_rank0.ckpt"]  # rank 1 asked for written_by_rank1.ckpt too
     assert not (tmp_path / "written_by_rank1.ckpt").exists()
     for r in (r0, r1):
         # after resuming, before the first new step: rank 0's weights and momentum, on both ranks
@@ -310,3 +349,14 @@ def test_checkpoint_written_by_rank_zero_only_and_resume_broadcasts_optimizer_st
         assert torch.equal(r["first_batch"]["momentum"], r0["rank0_momentum"])
         assert r["global_step"] == 5
     assert torch.equal(r0["final"], r1["final"])
+    # ModelCheckpoint through the strategy: one directory (broadcast from rank 0), one file per step, no hang
+    assert r0["callback_files"] == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=5.ckpt"]
+
+
+def test_steps_without_gradients_on_some_or_all_ranks_neither_hang_nor_diverge():
+    r0, r1 = _run(_steps_without_gradients)
+    assert len(r0) == len(r1) == 3
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+    assert not torch.equal(r0[1], r0[0])  # rank 0's gradient (averaged with rank 1's zeros) was applied on both
+    assert torch.equal(r0[2], r0[1])  # no gradient anywhere: the step changed nothing

@@ -25,7 +25,7 @@ from pipeline.tracking import plots
 from pipeline.tracking.pyfunc import log_model
 from pipeline.tracking.registry import promote, register_model
 from pipeline.tracking.runs import (Terminated, TrackingUnavailable, configure, log_config, log_epoch_metrics,
-                                    log_lineage, tracked_run)
+                                    log_lineage, resolve_artifact_location, resolve_tracking_uri, tracked_run)
 
 pytestmark = pytest.mark.integration
 
@@ -98,12 +98,20 @@ def mlflow_server(tmp_path_factory):
                 proc.wait(timeout=15)
 
 
+@pytest.fixture(scope="module")
+def sqlite_store(tmp_path_factory):
+    """(tracking_uri, artifact_location) of one SQLite store shared by this module (each test uses its own
+    experiment), so the schema migrations run once."""
+    root = tmp_path_factory.mktemp("sqlite_store")
+    return f"sqlite:///{root}/mlflow.db", str(root / "mlartifacts")
+
+
 @pytest.fixture(params=["sqlite", "server"])
-def store(request, tmp_path):
-    """(kind, tracking_uri, artifact_location) for a fresh SQLite store or the shared server."""
+def store(request):
+    """(kind, tracking_uri, artifact_location) for the SQLite store or the server (artifacts proxied)."""
     old_uri = mlflow.get_tracking_uri()
     if request.param == "sqlite":
-        yield "sqlite", f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "mlartifacts")
+        yield ("sqlite", *request.getfixturevalue("sqlite_store"))
     else:
         yield "server", request.getfixturevalue("mlflow_server"), None
     mlflow.set_tracking_uri(old_uri)
@@ -252,8 +260,8 @@ def test_promotion_gate(store, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_tracked_run_statuses(tmp_path):
-    cfg = _cfg(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "art"), "statuses")
+def test_tracked_run_statuses(sqlite_store):
+    cfg = _cfg(*sqlite_store, "statuses")
     before = signal.getsignal(signal.SIGTERM)
 
     ids = {}
@@ -301,16 +309,24 @@ def test_configure_unreachable_server_fails_fast():
 
 def test_relative_sqlite_uri_and_artifact_location(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = _cfg("sqlite:///nested/dir/mlflow.db", "rel/artifacts", "relative")
-    old_uri = mlflow.get_tracking_uri()
-    try:
-        client = configure(cfg.mlflow)
-        assert (tmp_path / "nested" / "dir" / "mlflow.db").exists()
-        exp = client.get_experiment_by_name("relative")
-        assert exp.artifact_location == (tmp_path / "rel" / "artifacts").as_uri()
-        assert configure(cfg.mlflow).get_experiment_by_name("relative").experiment_id == exp.experiment_id
-    finally:
-        mlflow.set_tracking_uri(old_uri)
+    assert resolve_tracking_uri("sqlite:///nested/dir/mlflow.db") == f"sqlite:///{tmp_path}/nested/dir/mlflow.db"
+    assert (tmp_path / "nested" / "dir").is_dir()
+    assert resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert resolve_artifact_location("rel/artifacts") == (tmp_path / "rel" / "artifacts").as_uri()
+    assert resolve_artifact_location("s3://bucket/x") == "s3://bucket/x"
+    assert resolve_artifact_location(None) is None
+
+
+@pytest.mark.timeout(120)
+def test_configure_creates_experiment_with_absolute_artifact_location(sqlite_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(sqlite_store[0], "rel/artifacts", "relative")
+    client = configure(cfg.mlflow)
+    exp = client.get_experiment_by_name("relative")
+    assert exp.artifact_location == (tmp_path / "rel" / "artifacts").as_uri()
+    assert configure(cfg.mlflow).get_experiment_by_name("relative").experiment_id == exp.experiment_id
+    assert mlflow.get_tracking_uri() == sqlite_store[0]
 
 
 def test_plots_write_png(tmp_path):
