@@ -84,6 +84,7 @@ class TrainConfig:
     # A rank that cannot finish a collective within this many seconds shuts the job down.
     stall_timeout_s: int = 120
     fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
+    fail_rank: Optional[int] = None  # ... on this rank only (None: every rank)
     nan_at_step: Optional[int] = None  # fault injection for tests: NaN loss from this global step
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 

@@ -10,21 +10,25 @@ _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK")
 
 
 def current_rank() -> int:
-    """The global rank of this process (0 outside any distributed job)."""
-    try:
-        import horovod.torch as hvd
+    """The global rank of this process (0 outside any distributed job).
 
-        if hvd.is_initialized():
-            return hvd.rank()
-    except Exception:  # horovod missing or not initialised
-        pass
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:
-        pass
+    Asks Horovod or torch.distributed only when this process already imported them: logging must
+    never pay for importing torch.
+    """
+    if "horovod.torch" in sys.modules:
+        try:
+            hvd = sys.modules["horovod.torch"]
+            if hvd.is_initialized():
+                return hvd.rank()
+        except Exception:  # not initialised
+            pass
+    if "torch.distributed" in sys.modules:
+        try:
+            dist = sys.modules["torch.distributed"]
+            if dist.is_available() and dist.is_initialized():
+                return dist.get_rank()
+        except Exception:
+            pass
     for var in _RANK_VARS:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

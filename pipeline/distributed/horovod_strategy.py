@@ -283,10 +283,12 @@ class HorovodStrategy(ParallelStrategy):
     def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
         root_has_state = hvd.broadcast_object(bool(optimizer.state), root_rank=0, name=_NAME + "opt_has_state")
         if root_has_state:
-            # (with an empty local state Horovod first runs a zero-gradient step to create it; the broadcast then
-            # overwrites it)
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-            log.debug("broadcast optimizer state from rank 0")
+            # A rank whose own state was empty had Horovod take a zero-gradient step first to create it, which moves
+            # weights under weight decay: send rank 0's weights once more (once per fit, only when resuming).
+            assert self.lightning_module is not None
+            hvd.broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
+            log.debug("broadcast optimizer state and parameters from rank 0")
             return
         # A fresh optimizer: hvd.broadcast_optimizer_state would take a zero-gradient step to create the state, which
         # moves weights under weight decay and advances Adam's step count. Only the hyper-parameters are synced.
@@ -379,7 +381,7 @@ class HorovodStrategy(ParallelStrategy):
         if group is not None:
             raise ValueError("Horovod reduces over all ranks only; pass group=None.")
         op = _horovod_op(reduce_op)
-        if op is hvd.Average and not (tensor.is_floating_point() or tensor.is_complex()):
+        if op == hvd.Average and not (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.to(torch.get_default_dtype())  # Horovod averages integers with integer division
         return hvd.allreduce(tensor, op=op, name=_NAME + "reduce")
 

@@ -63,7 +63,7 @@ def launch(job: TrainJob) -> List[RankResult]:
                 import horovod
 
                 log.info("launching %d Horovod processes on this machine (gloo)", -np_)
-                return list(horovod.run(horovod_worker, args=(job,), np=-np_, use_gloo=True,
+                return list(horovod.run(horovod_worker, args=(job,), num_proc=-np_, use_gloo=True,
                                         start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
                                         verbose=0))
             import horovod.spark

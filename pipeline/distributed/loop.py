@@ -118,7 +118,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     model = ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
         steps_per_epoch=plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs,
-        nan_at_step=cfg.train.nan_at_step, fail_at_step=cfg.train.fail_at_step)
+        nan_at_step=cfg.train.nan_at_step, fail_at_step=cfg.train.fail_at_step, fail_rank=cfg.train.fail_rank)
 
     tracker = None
     if is_zero and job.run_id:
@@ -155,6 +155,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         stop.restore()
 
     result = RankResult(rank=rank, world_size=world_size, lr=lr, **host_and_pid())
+    if trainer.optimizers:  # the rate the optimizer was actually built with (before the schedule)
+        group = trainer.optimizers[0].param_groups[0]
+        result.lr = float(group.get("initial_lr", group["lr"]))
     result.epochs = trainer.current_epoch
     result.history = accounting.history
     result.stop_reason = stop.reason

@@ -32,7 +32,8 @@ class ImageClassifier(pl.LightningModule):
 
     def __init__(self, network: nn.Module, num_classes: int, model_cfg: ModelConfig, lr: float,
                  warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1,
-                 nan_at_step: Optional[int] = None, fail_at_step: Optional[int] = None) -> None:
+                 nan_at_step: Optional[int] = None, fail_at_step: Optional[int] = None,
+                 fail_rank: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["network"])
         self.network = network
@@ -76,8 +77,10 @@ class ImageClassifier(pl.LightningModule):
         logits = self(x)
         loss = self.loss_fn(logits, y)
         hp = self.hparams
-        if hp.fail_at_step is not None and self.global_step >= hp.fail_at_step:
-            raise RuntimeError(f"injected failure at step {self.global_step} (train.fail_at_step)")
+        if (hp.fail_at_step is not None and self.global_step >= hp.fail_at_step
+                and hp.fail_rank in (None, self.global_rank)):
+            raise RuntimeError(f"injected failure at step {self.global_step} on rank {self.global_rank} "
+                               f"(train.fail_at_step)")
         if hp.nan_at_step is not None and self.global_step >= hp.nan_at_step:
             loss = loss * float("nan")
         self._accumulate("train", loss, logits, y)

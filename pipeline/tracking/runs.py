@@ -156,9 +156,11 @@ class TrackedRun:
 
 
 def _end_run(client: MlflowClient, run_id: str, status: str) -> None:
+    # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take.
     for attempt in range(3):
         try:
-            client.set_terminated(run_id, status=status)
+            with _env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
+                client.set_terminated(run_id, status=status)
             return
         except Exception as exc:  # never mask the exception that ended the run
             if attempt == 2:

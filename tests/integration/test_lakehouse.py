@@ -1,0 +1,233 @@
+"""Data plane on real parts: Spark local[2], Delta via delta-rs, Petastorm converters and the DataModule."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def _ingest(spark, cfg, source, mode="append"):
+    from pipeline.lakehouse.ingest import ingest_folder
+
+    return ingest_folder(spark, cfg, str(source), mode=mode)
+
+
+def _read(spark, cfg, version=None):
+    from pipeline.lakehouse.delta import get_engine
+
+    return get_engine("delta-rs").read(spark, cfg.delta.table, version)
+
+
+def _subset(src: Path, dst: Path, per_class: int, classes=None) -> Path:
+    for cls in sorted(os.listdir(src)):
+        if classes and cls not in classes:
+            continue
+        (dst / cls).mkdir(parents=True, exist_ok=True)
+        for name in sorted(os.listdir(src / cls))[:per_class]:
+            shutil.copy(src / cls / name, dst / cls / name)
+    return dst
+
+
+def test_ingest_append_and_time_travel(spark, digits_dir, tmp_path):
+    cfg = make_config(tmp_path)
+    first = _subset(digits_dir, tmp_path / "a", 5)
+    r0 = _ingest(spark, cfg, first)
+    assert r0.version == 0 and r0.rows_written == 50 and r0.skipped == []
+    second = _subset(digits_dir, tmp_path / "b", 3, classes={"one", "two"})
+    r1 = _ingest(spark, cfg, second)
+    assert r1.version == 1 and r1.rows_written == 6
+    # an append keeps label indices stable
+    assert r1.classes["one"] == r0.classes["one"] and r1.classes["two"] == r0.classes["two"]
+
+    df0, pinned0 = _read(spark, cfg, 0)
+    df1, pinned1 = _read(spark, cfg)
+    assert (pinned0.version, df0.count()) == (0, 50)
+    assert (pinned1.version, df1.count()) == (1, 56)
+    row = df1.filter("label = 'one'").first()
+    assert row.width == 32 and row.height == 32 and row.mode == "L" and row.content[:4] == b"\x89PNG"
+    assert set(df1.columns) >= {"path", "label", "label_index", "width", "height", "content"}
+
+
+def test_bad_file_skipped_and_listed_or_fails_whole_ingest(spark, digits_dir, tmp_path):
+    src = _subset(digits_dir, tmp_path / "src", 2)
+    bad = src / "three" / "corrupt.png"
+    bad.write_bytes(b"\x89PNG but truncated")
+    cfg_fail = make_config(tmp_path, "ingest.on_bad_file=fail")
+    from pipeline.lakehouse.ingest import IngestError
+
+    with pytest.raises(IngestError) as err:
+        _ingest(spark, cfg_fail, src)
+    assert str(bad) in str(err.value) and "nothing written" in str(err.value)
+    from deltalake import DeltaTable
+
+    assert not DeltaTable.is_deltatable(cfg_fail.delta.table)
+
+    cfg = make_config(tmp_path)
+    res = _ingest(spark, cfg, src)
+    assert res.rows_written == 20
+    assert [p for p, _ in res.skipped] == [str(bad)]
+    assert "not a decodable image" in res.skipped[0][1]
+    # and with fail, an existing table keeps its version
+    with pytest.raises(IngestError):
+        _ingest(spark, cfg_fail, src)  # same table path
+    assert DeltaTable(cfg.delta.table).version() == 0
+
+
+def test_cli_ingest_reports_skipped_files(digits_dir, tmp_path):
+    import subprocess
+
+    from conftest import cli
+
+    src = _subset(digits_dir, tmp_path / "src", 1)
+    (src / "five" / "bad.png").write_bytes(b"nope")
+    cfg_args = [f"delta.table={tmp_path}/t"]
+    out = subprocess.run(cli("ingest", "--source", str(src), *cfg_args), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["delta_version"] == 0 and result["rows_written"] == 10 and result["skipped"] == 1
+    assert result["skipped_files"] == [str(src / "five" / "bad.png")]
+
+
+def test_schema_mismatched_append_is_refused(spark, digits_table, tmp_path):
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.delta import SchemaMismatchError, get_engine
+
+    table = tmp_path / "copy"
+    shutil.copytree(digits_table, table)
+    cfg = make_config(tmp_path, f"delta.table={table}")
+    before = DeltaTable(str(table)).version()
+    df, _ = _read(spark, cfg)
+    retyped = df.limit(3).withColumn("label_index", df.label_index.cast("string")).withColumn("extra", df.width)
+    with pytest.raises(SchemaMismatchError) as err:
+        get_engine("delta-rs").write(retyped, str(table), "append")
+    msg = str(err.value)
+    assert "new column 'extra'" in msg and "column 'label_index' is string" in msg
+    assert DeltaTable(str(table)).version() == before
+    assert _read(spark, cfg)[0].count() == df.count()
+
+
+def test_missing_table_and_version_are_clear(spark, digits_table, tmp_path):
+    from pipeline.lakehouse.delta import DeltaError
+
+    cfg = make_config(tmp_path, f"delta.table={tmp_path}/nothing")
+    with pytest.raises(DeltaError, match="does not exist"):
+        _read(spark, cfg)
+    cfg = make_config(tmp_path, f"delta.table={digits_table}")
+    with pytest.raises(DeltaError, match="no version 7.*0 to 0"):
+        _read(spark, cfg, 7)
+
+
+def test_partition_columns_come_through(spark, tmp_path):
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    table = str(tmp_path / "parted")
+    write_deltalake(table, pa.table({"x": [1, 2, 3, 4], "label": ["a", "b", "a", "c"]}), partition_by=["label"])
+    cfg = make_config(tmp_path, f"delta.table={table}")
+    df, pinned = _read(spark, cfg)
+    rows = sorted((r.x, r.label) for r in df.collect())
+    assert rows == [(1, "a"), (2, "b"), (3, "a"), (4, "c")]
+    assert df.columns == ["x", "label"]
+
+
+def test_unreadable_feature_is_refused(spark, tmp_path):
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from pipeline.lakehouse.delta import DeltaError
+
+    table = tmp_path / "dv"
+    write_deltalake(str(table), pa.table({"x": [1, 2]}))
+    proto = {"protocol": {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": ["deletionVectors"],
+                          "writerFeatures": ["deletionVectors"]}}
+    info = {"commitInfo": {"timestamp": 1, "operation": "SET TBLPROPERTIES"}}
+    (table / "_delta_log" / "00000000000000000001.json").write_text(json.dumps(info) + "\n" + json.dumps(proto) + "\n")
+    cfg = make_config(tmp_path, f"delta.table={table}")
+    with pytest.raises(DeltaError, match="deletionVectors"):
+        _read(spark, cfg)
+
+
+def test_deleted_data_file_is_named_before_training(spark, digits_table, tmp_path):
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.delta import DeltaError
+
+    table = tmp_path / "copy"
+    shutil.copytree(digits_table, table)
+    victim = DeltaTable(str(table)).file_uris()[0]
+    os.unlink(victim)
+    cfg = make_config(tmp_path, f"delta.table={table}")
+    with pytest.raises(DeltaError) as err:
+        _read(spark, cfg)
+    assert victim in str(err.value)
+
+
+def test_spark_split_matches_python_rule(spark, digits_table, tmp_path):
+    from pipeline.data.convert import split_frame
+    from pipeline.lakehouse.partition import is_validation
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}")
+    df, _ = _read(spark, cfg)
+    train, val = split_frame(df, 0.2)
+    val_paths = {r.path for r in val.select("path").collect()}
+    train_paths = {r.path for r in train.select("path").collect()}
+    assert not val_paths & train_paths and len(val_paths) + len(train_paths) == df.count()
+    assert all(is_validation(p, 0.2) for p in val_paths)
+    assert not any(is_validation(p, 0.2) for p in train_paths)
+
+
+def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, tmp_path):
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.data.datamodule import make_datamodule
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16")
+    df, _ = _read(spark, cfg)
+    data = convert_for_training(spark, df, cfg, 2, class_names_of(df))
+    try:
+        assert data.plan.train.total_rows + data.plan.val.total_rows == 600
+        steps, val_rows, labels = [], [], set()
+        for rank in range(2):
+            dm = make_datamodule(data, rank, 2, reader_workers=1)
+            try:
+                for _ in range(2):  # two epochs: the same steps every time
+                    n = 0
+                    for x, y in dm.train_dataloader():
+                        assert x.shape == (16, 1, 32, 32) and y.dtype.is_floating_point is False
+                        labels.update(y.tolist())
+                        n += 1
+                    steps.append(n)
+                    dm.train_loader.check_rows()
+                seen = 0
+                for x, y in dm.val_dataloader():
+                    seen += len(y)
+                dm.val_loader.check_rows()
+                val_rows.append(seen)
+            finally:
+                dm.teardown("fit")
+        assert len(set(steps)) == 1 and steps[0] == data.plan.train.steps_per_epoch
+        assert val_rows == data.plan.val.rows_per_rank and sum(val_rows) == data.plan.val.total_rows
+        assert labels <= set(range(10)) and len(labels) == 10
+    finally:
+        data.delete()
+    assert not os.path.exists(data.train.cache_dir_url.replace("file://", ""))
+
+
+def test_too_few_row_groups_fails_before_training(spark, digits_dir, tmp_path):
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.lakehouse.partition import PlanError
+
+    src = _subset(digits_dir, tmp_path / "tiny", 1, classes={"one", "two", "three"})
+    cfg = make_config(tmp_path, "data.partitions_per_worker=1", "data.val_fraction=0.01")
+    _ingest(spark, cfg, src)
+    df, _ = _read(spark, cfg)
+    with pytest.raises(PlanError) as err:
+        convert_for_training(spark, df, cfg, 4, class_names_of(df))
+    msg = str(err.value)
+    assert "4 ranks" in msg and "row group" in msg and "train.np" in msg

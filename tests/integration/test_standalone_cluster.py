@@ -1,0 +1,214 @@
+"""A standalone Spark cluster on 127.0.0.1 (one master, two 1-core workers): ingest and train through spark-submit jobs/*.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+PYTHON = sys.executable
+SPARK_BIN = Path(__import__("pyspark").__file__).parent / "bin"
+WORKERS = 2
+START_TIMEOUT_S = 180
+SUBMIT_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_env(tmp: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": PYTHON,
+        "PYSPARK_DRIVER_PYTHON": PYTHON,
+        "SPARK_WORKER_DIR": str(tmp / "spark-work"),
+        "SPARK_LOG_DIR": str(tmp / "spark-logs"),
+        "LAKEHOUSE_PROGRESS": "0",
+        "PATH": f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}",
+    })
+    env.pop("SPARK_HOME", None)  # the pyspark wheel's own scripts find their home
+    return env
+
+
+def _group_alive(pgid: int) -> List[int]:
+    """PIDs still in process group `pgid`."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            alive.append(int(entry))
+    return alive
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group `proc` leads (the JVM and any executor/Python child), then SIGKILL."""
+    pgid = proc.pid
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if not _group_alive(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _master_state(webui_port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{webui_port}/json/", timeout=5) as resp:
+        return json.loads(resp.read().decode())
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@contextmanager
+def standalone_cluster(tmp: Path) -> Iterator[dict]:
+    """Start a master and WORKERS workers (1 core, 2g each) on 127.0.0.1; stop them all by PID afterwards."""
+    env = _cluster_env(tmp)
+    (tmp / "spark-work").mkdir(parents=True, exist_ok=True)
+    logs = tmp / "spark-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    port, webui = _free_port(), _free_port()
+    url = f"spark://127.0.0.1:{port}"
+    spark_class = str(SPARK_BIN / "spark-class")
+    procs: List[subprocess.Popen] = []
+    log_files = []
+
+    def start(name: str, args: List[str]) -> None:
+        fh = open(logs / f"{name}.log", "wb")
+        log_files.append(fh)
+        procs.append(subprocess.Popen([spark_class, *args], env=env, cwd=str(tmp), stdout=fh,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+
+    try:
+        start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                         "--webui-port", str(webui)])
+        for i in range(WORKERS):
+            start(f"worker{i}", ["org.apache.spark.deploy.worker.Worker", "--cores", "1", "--memory", "2g",
+                                 "--host", "127.0.0.1", "--webui-port", str(_free_port()),
+                                 "--work-dir", str(tmp / "spark-work" / f"worker{i}"), url])
+        deadline = time.monotonic() + START_TIMEOUT_S
+        state: dict = {}
+        while True:
+            dead = [p.args[1] for p in procs if p.poll() is not None]
+            if dead:
+                pytest.fail(f"{dead} exited while the cluster started; master log:\n{_tail(logs / 'master.log')}")
+            try:
+                state = _master_state(webui)
+            except OSError:
+                state = {}
+            if state.get("aliveworkers") == WORKERS:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"only {state.get('aliveworkers', 0)} of {WORKERS} workers registered with {url} "
+                            f"within {START_TIMEOUT_S} s; worker0 log:\n{_tail(logs / 'worker0.log')}")
+            time.sleep(1.0)
+        yield {"url": url, "webui": webui, "env": env, "logs": logs, "pids": [p.pid for p in procs]}
+    finally:
+        for proc in reversed(procs):  # workers first, then the master
+            _stop_group(proc)
+        for fh in log_files:
+            fh.close()
+        left = {p.pid: _group_alive(p.pid) for p in procs}
+        assert not any(left.values()), f"cluster processes left running: {left}"
+
+
+def _submit(cluster: dict, tmp: Path, script: str, args: List[str], name: str) -> subprocess.CompletedProcess:
+    """spark-submit jobs/<script> to the cluster in its own process group; killed with it on timeout."""
+    cmd = [str(SPARK_BIN / "spark-submit"), "--master", cluster["url"], "--conf", "spark.executor.cores=1",
+           "--conf", "spark.task.cpus=1", "--conf", "spark.executor.memory=1g",
+           str(ROOT / "jobs" / script), *args]
+    proc = subprocess.Popen(cmd, env=cluster["env"], cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=SUBMIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"spark-submit {script} ran past {SUBMIT_TIMEOUT_S} s; stderr tail:\n{err[-4000:]}")
+    finally:
+        if _group_alive(proc.pid):
+            _stop_group(proc)
+    (cluster["logs"] / f"{name}.stderr").write_text(err)
+    assert proc.returncode == 0, f"spark-submit {script} exited {proc.returncode}; stderr tail:\n{err[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _last_json(stdout: str) -> dict:
+    lines = [line for line in stdout.strip().splitlines() if line.strip()]
+    assert lines, "no stdout"
+    return json.loads(lines[-1])
+
+
+def test_train_on_standalone_cluster_runs_ranks_in_two_executors(tmp_path, digits_dir):
+    from mlflow import MlflowClient
+
+    paths = [
+        f"delta.table={tmp_path}/delta/digits",
+        f"data.cache_dir={tmp_path}/petastorm_cache",
+        f"train.checkpoint_dir={tmp_path}/checkpoints",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"mlflow.artifact_location={tmp_path}/mlartifacts",
+    ]
+    conf = ["--conf", str(ROOT / "conf/local.yaml")]
+    with standalone_cluster(tmp_path / "cluster") as cluster:
+        master = [f"spark.master={cluster['url']}"]
+        ingested = _last_json(_submit(cluster, tmp_path, "ingest.py",
+                                      ["--source", str(digits_dir), "--mode", "overwrite", *conf, *master, *paths],
+                                      "ingest").stdout)
+        assert ingested["delta_version"] == 0 and ingested["rows_written"] == 600, ingested
+
+        done = _submit(cluster, tmp_path, "train.py",
+                       [*conf, *master, "train.np=2", "train.max_epochs=1", *paths], "train")
+        summary = _last_json(done.stdout)
+
+    assert summary["world_size"] == 2, summary
+    assert summary["delta_version"] == 0, summary
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(summary["run_id"])
+    tags = run.data.tags
+    assert tags["rank_0_pid"] != tags["rank_1_pid"], f"both ranks ran in one process: {tags}"
+    assert tags["rank_0_host"] and tags["rank_1_host"]
+    assert tags.get("delta_version") == "0", tags
+    runs = client.search_runs([run.info.experiment_id])
+    assert [r.info.run_id for r in runs] == [summary["run_id"]]
+    versions = client.search_model_versions(f"name='{summary['model_name']}'")
+    assert len(versions) == 1 and versions[0].tags.get("delta_version") == "0", [v.tags for v in versions]
+    assert str(versions[0].version) == str(summary["model_version"])

@@ -1,0 +1,82 @@
+"""Config loading, overrides and the errors that name the key."""
+import pytest
+
+from pipeline.config import ConfigError, load_config, parse_override
+
+from conftest import ROOT
+
+
+def test_local_profile_merges_over_base():
+    cfg = load_config(str(ROOT / "conf/local.yaml"))
+    assert cfg.delta.engine == "delta-rs"
+    assert cfg.delta.table == "work/delta/digits"  # from local.yaml
+    assert cfg.data.val_fraction == 0.2  # from base.yaml
+    assert cfg.train.early_stopping.patience == 3
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(str(ROOT / "conf/local.yaml"),
+                      ["train.np=-4", "model.lr=0.05", "delta.version=3", "train.early_stopping.patience=7",
+                       "train.early_stopping.stopping_threshold=0.55", "mlflow.promote=false",
+                       "spark.conf.spark.jars=/opt/delta.jar"])
+    assert cfg.train.np == -4 and cfg.model.lr == 0.05 and cfg.delta.version == 3
+    assert cfg.train.early_stopping.patience == 7
+    assert cfg.train.early_stopping.stopping_threshold == 0.55
+    assert cfg.mlflow.promote is False
+    assert cfg.spark.conf == {"spark.jars": "/opt/delta.jar"}
+
+
+def test_int_widens_to_float_and_null_clears():
+    cfg = load_config(None, ["model.lr=1", "delta.version=null"])
+    assert cfg.model.lr == 1.0 and isinstance(cfg.model.lr, float)
+    assert cfg.delta.version is None
+
+
+def test_unknown_key_names_key_and_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.batchsize=3"])
+    msg = str(err.value)
+    assert "data.batchsize" in msg and "batch_size" in msg and "val_fraction" in msg
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError, match="unknown config key 'trainer'"):
+        load_config(None, ["trainer.np=2"])
+
+
+def test_wrong_type_names_key_value_and_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.batch_size=big"])
+    assert "data.batch_size" in str(err.value) and "'big'" in str(err.value) and "int" in str(err.value)
+
+
+def test_choice_and_range_validation():
+    with pytest.raises(ConfigError, match="train.backend"):
+        load_config(None, ["train.backend=mpi"])
+    with pytest.raises(ConfigError, match="data.val_fraction"):
+        load_config(None, ["data.val_fraction=1.5"])
+    with pytest.raises(ConfigError, match="train.np"):
+        load_config(None, ["train.np=0"])
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("train.np")
+
+
+def test_yaml_file_unknown_key_is_reported(tmp_path):
+    (tmp_path / "base.yaml").write_text("data:\n  batch_size: 8\n")
+    (tmp_path / "p.yaml").write_text("model:\n  archh: cnn\n")
+    with pytest.raises(ConfigError, match="model.archh"):
+        load_config(str(tmp_path / "p.yaml"))
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/profile.yaml")
+
+
+def test_flat_has_dotted_keys():
+    flat = load_config(None).flat()
+    assert flat["train.early_stopping.monitor"] == "val_loss"
+    assert flat["delta.engine"] == "delta-rs"

@@ -1,0 +1,59 @@
+"""Split stability and shard-plan arithmetic (no Spark)."""
+import random
+
+import pytest
+
+from pipeline.lakehouse.partition import PlanError, is_validation, plan_split, split_bucket
+
+
+def test_split_is_stable_when_table_grows():
+    paths = [f"/data/cls{i % 7}/{i}.png" for i in range(5000)]
+    before = {p: is_validation(p, 0.2) for p in paths}
+    grown = paths + [f"/data/new/{i}.png" for i in range(3000)]
+    random.Random(0).shuffle(grown)
+    after = {p: is_validation(p, 0.2) for p in grown}
+    assert all(after[p] == before[p] for p in paths)
+
+
+def test_split_fraction_is_close():
+    paths = [f"/x/{i}.png" for i in range(20000)]
+    frac = sum(is_validation(p, 0.25) for p in paths) / len(paths)
+    assert 0.23 < frac < 0.27
+
+
+def test_bucket_matches_crc32():
+    import zlib
+
+    assert split_bucket("abc") == zlib.crc32(b"abc") % 10000
+
+
+def test_plan_round_robin_like_petastorm():
+    # 6 row groups over 4 shards: petastorm gives row group i to shard i % 4
+    plan = plan_split("train", [333, 334, 167, 166, 100, 100], world_size=4, batch_size=50)
+    assert plan.rows_per_rank == [433, 434, 167, 166]
+    assert plan.row_groups_per_rank == [2, 2, 1, 1]
+    assert plan.steps_per_epoch == 166 // 50
+    assert plan.rows_per_epoch_per_rank == 150
+
+
+def test_plan_equal_steps_even_when_uneven():
+    plan = plan_split("train", [1000, 10], world_size=2, batch_size=4)
+    assert plan.steps_per_epoch == 2  # the smaller shard decides for everyone
+
+
+def test_plan_small_shard_still_gets_one_step():
+    plan = plan_split("train", [3, 3], world_size=2, batch_size=64)
+    assert plan.steps_per_epoch == 1
+
+
+def test_more_ranks_than_row_groups_names_numbers():
+    with pytest.raises(PlanError) as err:
+        plan_split("train", [50, 50, 50], world_size=4, batch_size=8)
+    msg = str(err.value)
+    assert "150 rows" in msg and "3 row group" in msg and "4 ranks" in msg and "[3]" in msg
+    assert "train.np" in msg and "partitions_per_worker" in msg
+
+
+def test_empty_split():
+    with pytest.raises(PlanError, match="empty"):
+        plan_split("val", [], world_size=2, batch_size=8)
