@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import List
 
@@ -60,6 +64,54 @@ def digits_table(spark, digits_dir, tmp_path_factory) -> Path:
     cfg = make_config(tmp)
     ingest_folder(spark, cfg, str(digits_dir), mode="overwrite")
     return tmp / "delta" / "digits"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 with a free port, proxying artifacts; stopped by PID."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    log_path = root / "server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
+           "--workers", "1"]
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                start_new_session=True)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: the group this fixture started
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+
 
 
 def cli(*args: str) -> List[str]:

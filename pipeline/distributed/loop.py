@@ -78,10 +78,11 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
 
 
 def _digest(module) -> str:
+    """SHA-256 of the trainable parameters (BatchNorm running statistics are per-rank by design)."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(module.named_parameters()):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

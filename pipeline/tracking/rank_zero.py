@@ -57,11 +57,12 @@ class RankZeroTracker:
 
 
 def log_rank_hosts(client, run_id: str, results: List[Any]) -> None:
-    """Record where every rank ran (host and process id), as tags and a JSON artifact."""
+    """Record where every rank ran (host, process id), its learning rate and final-weights digest."""
     import json
 
     tags = {f"rank_{r.rank}_host": r.host for r in results}
     tags.update({f"rank_{r.rank}_pid": str(r.pid) for r in results})
     for k, v in tags.items():
         client.set_tag(run_id, k, v)
-    client.log_dict(run_id, [{"rank": r.rank, "host": r.host, "pid": r.pid} for r in results], "ranks.json")
+    client.log_dict(run_id, [{"rank": r.rank, "host": r.host, "pid": r.pid, "lr": r.lr,
+                              "weights_digest": r.final_weights_digest} for r in results], "ranks.json")

@@ -166,8 +166,10 @@ def _submit(cluster: dict, tmp: Path, script: str, args: List[str], name: str) -
     finally:
         if _group_alive(proc.pid):
             _stop_group(proc)
+    # The Python driver's own log lines come on stdout (spark-submit merges them), Spark's on stderr.
+    (cluster["logs"] / f"{name}.stdout").write_text(out)
     (cluster["logs"] / f"{name}.stderr").write_text(err)
-    assert proc.returncode == 0, f"spark-submit {script} exited {proc.returncode}; stderr tail:\n{err[-6000:]}"
+    assert proc.returncode == 0, f"spark-submit {script} exited {proc.returncode}; output tail:\n{out[-6000:]}\n{err[-3000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

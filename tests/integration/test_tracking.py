@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 from mlflow.exceptions import MlflowException
 
+from conftest import free_port
 from pipeline.config import Config
 from pipeline.model.nets import build_network
 from pipeline.tracking import plots
@@ -32,12 +33,6 @@ pytestmark = pytest.mark.integration
 VENV_BIN = Path(sys.executable).parent
 CLASS_NAMES = ["circle", "square", "triangle"]
 META = {"arch": "cnn", "width": 4, "channels": 1, "image_size": 16, "class_names": CLASS_NAMES}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _png(seed: int, size: int = 20, mode: str = "L") -> bytes:
@@ -57,45 +52,6 @@ def _jpeg(seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8), mode="RGB").save(buf, format="JPEG")
     return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 with a free port, proxying artifacts; stopped by PID."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = _free_port()
-    log_path = root / "server.log"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
-    cmd = [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
-           "--workers", "1"]
-    with open(log_path, "wb") as log_fh:
-        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                start_new_session=True)
-    try:
-        uri = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield uri
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: the group this fixture started
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +251,7 @@ def test_tracked_run_statuses(sqlite_store):
 
 @pytest.mark.timeout(60)
 def test_configure_unreachable_server_fails_fast():
-    port = _free_port()  # nothing listens here
+    port = free_port()  # nothing listens here
     cfg = _cfg(f"http://127.0.0.1:{port}", None, "unreachable")
     cfg.mlflow.retries = 2
     cfg.mlflow.retry_wait_s = 0.5

@@ -1,0 +1,834 @@
+"""`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pandas as pd
+
+from pipeline.config import Config
+from pipeline.log import get_logger, quiet_third_party_warnings
+
+quiet_third_party_warnings()
+log = get_logger(__name__)
+
+# name -> (comparison, target, what the ratio is)
+TARGETS: Dict[str, Tuple[str, float, str]] = {
+    "loader_efficiency": (">=", 0.9, "rows/s of the train ShardLoader / rows/s of a hand-written pyarrow loop "
+                                     "over the same Parquet files with the same PixelsToTensor"),
+    "input_bound_fraction": ("<=", 0.10, "1 - step time on in-memory batches / step time with the real loader "
+                                         "(same ImageClassifier, batch size, forward+backward+optimizer step)"),
+    "conversion_vs_plain_write": ("<=", 1.2, "first make_converter / plain df.write.parquet of the same DataFrame"),
+    "conversion_cache_hit": ("<=", 0.05, "second make_converter of the same pinned table (cache hit) / the first"),
+    "horovod_cpu_scaling": (">=", 1.8, "samples/s with 2 ranks x 1 thread / samples/s with 1 rank x 1 thread "
+                                       "(steady state, real loader, Horovod gloo)"),
+    "shard_balance": ("<=", 1.05, "most / fewest rows read per rank in one epoch of a 2-shard plan"),
+    "checkpoint_overhead": ("<=", 0.05, "time saving checkpoints / epoch time (the project's train loop)"),
+    "tracking_overhead": ("<=", 1.03, "epoch (step) time with RankZeroTracker.log_epoch into a SQLite-store run / "
+                                      "the same without the time spent in it"),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each measurement does; --quick only proves the bench runs."""
+
+    synthetic_rows: int
+    repeats: int
+    loader_min_rows: int  # rows read per loader repeat (whole epochs)
+    train_steps: int  # steps per input-bound repeat
+    hvd_warmup_steps: int
+    hvd_steps: int  # steps per Horovod window (one window = one repeat)
+
+
+FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=20_000, train_steps=100, hvd_warmup_steps=30,
+             hvd_steps=60)
+QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=3_000, train_steps=25, hvd_warmup_steps=8,
+              hvd_steps=16)
+
+
+@dataclass
+class Result:
+    """One ratio on one data set: the two measured parts, every repeat, the spread and the verdict."""
+
+    name: str
+    dataset: str
+    ratio: float
+    parts: Dict[str, Any]
+    repeats: int
+    per_repeat: List[float]
+    method: str = ""
+    target: float = 0.0
+    op: str = ""
+    passed: bool = False
+    spread: Dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.op, self.target, desc = TARGETS[self.name]
+        self.method = self.method or desc
+        self.passed = bool(self.ratio >= self.target if self.op == ">=" else self.ratio <= self.target)
+        vals = [v for v in self.per_repeat if v == v]
+        if vals:
+            mid = statistics.median(vals)
+            self.spread = {"min": min(vals), "max": max(vals),
+                           "rel": (max(vals) - min(vals)) / abs(mid) if mid else 0.0}
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.dataset}"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _median(values: List[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace `owner.attr` by `make(original)` for the block (timing wrappers; the bench's only intrusion)."""
+    original = owner.__dict__[attr]
+    setattr(owner, attr, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def _env(values: Dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _machine() -> Dict[str, Any]:
+    import torch
+
+    info: Dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                            "torch": torch.__version__, "device": "cpu", "gpus": 0}
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2 ** 30, 1)
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info.update(device="cuda", gpus=torch.cuda.device_count(), gpu=torch.cuda.get_device_name(0))
+    return info
+
+
+def _load() -> List[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _sibling_table(table: str, name: str) -> str:
+    return f"{table.rstrip('/').rsplit('/', 1)[0]}/{name}" if "/" in table.rstrip("/") else name
+
+
+def _remove(url_or_path: str) -> None:
+    from pipeline.lakehouse.delta import local_path
+
+    path = local_path(url_or_path)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the data sets
+
+
+def ensure_sample(spark, cfg: Config, work_dir: str) -> None:
+    """The ingested digits sample at `delta.table`; rendered and ingested first when the table is missing."""
+    from pipeline.lakehouse.delta import get_engine
+
+    if get_engine(cfg.delta.engine).exists(spark, cfg.delta.table):
+        return
+    from pipeline.lakehouse.ingest import ingest_folder
+    from pipeline.lakehouse.sample_data import render_digits
+
+    src = os.path.join(work_dir, "sample_digits")
+    log.info("Delta table %s does not exist: rendering the digits sample to %s and ingesting it", cfg.delta.table, src)
+    shutil.rmtree(src, ignore_errors=True)
+    render_digits(src, size=cfg.data.image_size)
+    ingest_folder(spark, cfg, src, mode="overwrite")
+
+
+def _synthetic_udf(size: int, channels: int, classes: int):
+    from pyspark.sql.functions import pandas_udf
+
+    @pandas_udf("path string, label string, label_index int, width int, height int, mode string, content binary")
+    def render(ids: pd.Series) -> pd.DataFrame:
+        import io
+
+        import numpy as np
+        from PIL import Image, ImageDraw
+
+        mode = "L" if channels == 1 else "RGB"
+        rows = []
+        for i in ids:
+            i = int(i)
+            k = i % classes
+            rng = np.random.default_rng(i)
+            noise = rng.integers(0, 64, size=(size, size) if channels == 1 else (size, size, 3), dtype=np.uint8)
+            img = Image.fromarray(noise, mode=mode)
+            draw = ImageDraw.Draw(img)
+            # A class-dependent shape at a random place: learnable, and every image different.
+            r = size // 4 + k % 3
+            cx, cy = (int(v) for v in rng.integers(r, size - r, size=2))
+            box = (cx - r, cy - r, cx + r, cy + r)
+            fill = 255 if channels == 1 else (255, 40 * k % 256, 255 - 25 * k)
+            if k % 4 == 0:
+                draw.ellipse(box, fill=fill)
+            elif k % 4 == 1:
+                draw.rectangle(box, fill=fill)
+            elif k % 4 == 2:
+                draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+            else:
+                draw.line([(cx - r, cy - r), (cx + r, cy + r)], fill=fill, width=1 + k // 4)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG", optimize=False)
+            rows.append((f"synthetic/shape_{k}/{i:07d}.png", f"shape_{k}", k, size, size, mode, buf.getvalue()))
+        return pd.DataFrame(rows, columns=["path", "label", "label_index", "width", "height", "mode", "content"])
+
+    return render
+
+
+def ensure_synthetic(spark, cfg: Config, rows: int, classes: int = 10) -> Dict[str, Any]:
+    """A Delta table of `rows` random-noise + shape PNGs beside `delta.table`, rendered on the executors.
+
+    Kept between runs: generation is skipped when the table exists with `rows` rows.
+    """
+    from pyspark.sql import functions as F
+
+    from pipeline.lakehouse.delta import get_engine
+
+    engine = get_engine(cfg.delta.engine)
+    table = _sibling_table(cfg.delta.table, f"bench_synthetic_{rows}_{cfg.data.image_size}px_{cfg.data.channels}ch")
+    if engine.exists(spark, table):
+        df, pinned = engine.read(spark, table)
+        have = pinned.num_rows if pinned.num_rows is not None else df.count()
+        if have == rows:
+            log.info("synthetic table %s exists with %d rows (version %d): not generated again", table, rows,
+                     pinned.version)
+            return {"table": table, "generated": False, "generate_s": 0.0}
+        log.info("synthetic table %s has %d rows, %d wanted: generating it again", table, have, rows)
+    t0 = time.perf_counter()
+    parts = max(2, min(64, rows // 2000))
+    render = _synthetic_udf(cfg.data.image_size, cfg.data.channels, classes)
+    df = (spark.range(0, rows, numPartitions=parts).select(render(F.col("id")).alias("r")).select("r.*"))
+    version = engine.write(df, table, "overwrite")
+    elapsed = time.perf_counter() - t0
+    log.info("generated synthetic table %s: %d images in %.1f s (version %d)", table, rows, elapsed, version)
+    return {"table": table, "generated": True, "generate_s": elapsed}
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class Prepared:
+    """One data set, pinned and converted for 2 ranks, with what the measurements need."""
+
+    name: str
+    table: str
+    version: int
+    rows: int
+    class_names: List[str]
+    data: Any  # ConvertedData (2-rank plan)
+    data1: Any  # the same converters with a 1-rank plan
+
+    def info(self) -> Dict[str, Any]:
+        t = self.data.plan.train
+        return {"table": self.table, "version": self.version, "rows": self.rows, "train_rows": t.total_rows,
+                "val_rows": self.data.plan.val.total_rows, "train_row_groups": len(t.row_group_rows),
+                "classes": len(self.class_names)}
+
+
+def _one_rank(data):
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+
+    plan = data.plan
+    return dataclasses.replace(data, plan=ShardPlan(
+        train=plan_split("train", plan.train.row_group_rows, 1, plan.train.batch_size),
+        val=plan_split("val", plan.val.row_group_rows, 1, plan.val.batch_size)))
+
+
+def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) -> Tuple[Prepared, List[Result]]:
+    """Plain Parquet write vs first make_converter vs a second make_converter of the same pinned table.
+
+    Every repeat rebuilds the DataFrame from the pinned table (as a second `train` in the same session would),
+    the plain write goes to a scratch folder that is removed, and the first conversion's cache is deleted
+    before the next repeat so that it is a miss again.
+    """
+    from pipeline.data.convert import (cache_dir_url, class_names_of, convert_for_training, make_converter,
+                                       prepare_split, split_frame)
+    from pipeline.lakehouse.delta import get_engine
+
+    engine = get_engine(cfg.delta.engine)
+    world = 2
+    df, pinned = engine.read(spark, table)
+    version = pinned.version
+
+    def build():
+        d, _ = engine.read(spark, table, version)
+        train_df, _ = split_frame(d, cfg.data.val_fraction)
+        return prepare_split(train_df, cfg, world)
+
+    scratch = cache_dir_url(cfg.data.cache_dir).rstrip("/") + "/bench-plain-" + uuid.uuid4().hex[:8]
+
+    def plain(frame) -> float:
+        t0 = time.perf_counter()
+        frame.write.mode("overwrite").parquet(scratch)
+        elapsed = time.perf_counter() - t0
+        _remove(scratch)
+        return elapsed
+
+    plain(build())  # warm-up: Python workers, JIT, page cache of the table's files
+    plains, firsts, hits = [], [], []
+    conv = None
+    for r in range(sizes.repeats):
+        frame = build()
+        plains.append(plain(frame))
+        frame = build()
+        t0 = time.perf_counter()
+        conv = make_converter(spark, frame, cfg.data.cache_dir)
+        firsts.append(time.perf_counter() - t0)
+        frame = build()
+        t0 = time.perf_counter()
+        again = make_converter(spark, frame, cfg.data.cache_dir)
+        hits.append(time.perf_counter() - t0)
+        if again.cache_dir_url != conv.cache_dir_url:
+            log.warning("%s: the second conversion was not a cache hit (%s vs %s)", name, again.cache_dir_url,
+                        conv.cache_dir_url)
+            again.delete()
+        if r < sizes.repeats - 1:
+            conv.delete()
+        log.info("%s conversion repeat %d: plain write %.2f s, first conversion %.2f s, second %.3f s", name, r + 1,
+                 plains[-1], firsts[-1], hits[-1])
+    class_names = class_names_of(df)
+    data = convert_for_training(spark, df, cfg, world, class_names)  # train: a cache hit on `conv`
+    rows = pinned.num_rows if pinned.num_rows is not None else df.count()
+    prepared = Prepared(name=name, table=table, version=version, rows=rows, class_names=class_names, data=data,
+                        data1=_one_rank(data))
+    results = [
+        Result("conversion_vs_plain_write", name, _median([f / p for f, p in zip(firsts, plains)]),
+               {"first_conversion_s": _median(firsts), "plain_write_s": _median(plains),
+                "rows": data.plan.train.total_rows}, len(firsts), [f / p for f, p in zip(firsts, plains)]),
+        Result("conversion_cache_hit", name, _median([h / f for h, f in zip(hits, firsts)]),
+               {"second_conversion_s": _median(hits), "first_conversion_s": _median(firsts)}, len(hits),
+               [h / f for h, f in zip(hits, firsts)]),
+    ]
+    return prepared, results
+
+
+# --------------------------------------------------------------------------- loader
+
+
+def _train_loader(cfg: Config, data, rank: int = 0, world: int = 1):
+    from pipeline.data.datamodule import make_datamodule
+
+    dm = make_datamodule(data, rank, world, cfg.data.reader_workers, cfg.data.shuffle_buffer, cfg.data.seed)
+    return dm
+
+
+def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
+    """The hand-written reference: every row group of every file, the same transform, batches of `batch_size`."""
+    import pyarrow.parquet as pq
+    import torch
+
+    rows = 0
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        for g in range(pf.num_row_groups):
+            table = pf.read_row_group(g, columns=["pixels", "label_index"])
+            x = transform(table.column("pixels").to_numpy())
+            y = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
+            for i in range(0, len(y), batch_size):
+                xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+                rows += len(yb)
+    return rows
+
+
+def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
+    from petastorm.fs_utils import get_filesystem_and_path_or_paths
+
+    from pipeline.data.datamodule import PixelsToTensor
+
+    data = prep.data1
+    _, paths = get_filesystem_and_path_or_paths(list(data.train.file_urls))
+    transform = PixelsToTensor(data.channels, data.image_size)
+    bs = data.plan.train.batch_size
+    dm = _train_loader(cfg, data)
+    loader = dm.train_loader
+    epoch_rows = data.plan.train.rows_per_epoch_per_rank
+    epochs = max(1, -(-sizes.loader_min_rows // max(1, epoch_rows)))
+    passes = max(1, -(-sizes.loader_min_rows // max(1, data.plan.train.total_rows)))
+
+    def run_loader() -> Tuple[int, float]:
+        rows = 0
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            for _x, y in loader:
+                rows += len(y)
+        return rows, time.perf_counter() - t0
+
+    def run_reference() -> Tuple[int, float]:
+        t0 = time.perf_counter()
+        rows = sum(_pyarrow_pass(paths, transform, bs) for _ in range(passes))
+        return rows, time.perf_counter() - t0
+
+    try:
+        with _torch_threads(cfg.train.threads_per_rank):
+            run_reference()
+            run_loader()  # warm-up: opens the endless reader
+            ours, ref, ratios = [], [], []
+            for r in range(sizes.repeats):
+                if r % 2:
+                    rr, tr = run_reference()
+                    lr, tl = run_loader()
+                else:
+                    lr, tl = run_loader()
+                    rr, tr = run_reference()
+                ours.append(lr / tl)
+                ref.append(rr / tr)
+                ratios.append(ours[-1] / ref[-1])
+    finally:
+        dm.teardown("fit")
+    return Result("loader_efficiency", prep.name, _median(ratios),
+                  {"loader_rows_per_s": _median(ours), "pyarrow_rows_per_s": _median(ref),
+                   "rows_per_repeat": {"loader": epochs * epoch_rows, "pyarrow": passes * data.plan.train.total_rows},
+                   "reader_workers": cfg.data.reader_workers, "shuffle_buffer": cfg.data.shuffle_buffer,
+                   "torch_threads": max(1, cfg.train.threads_per_rank)},
+                  len(ratios), ratios)
+
+
+# --------------------------------------------------------------------------- input-bound
+
+
+def _model_and_optimizer(cfg: Config, channels: int, classes: int, device):
+    from pipeline.model.module import ImageClassifier
+
+    model = ImageClassifier.from_config(cfg.model, channels, classes, cfg.model.lr)
+    model.to(device).train()
+    opt = model.configure_optimizers()["optimizer"]
+    return model, opt
+
+
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    loss = model.loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+
+
+def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Result, Dict[str, float]]:
+    import torch
+
+    data = prep.data1
+    device = _device()
+    bs = data.plan.train.batch_size
+    classes = max(2, len(prep.class_names))
+    gen = torch.Generator().manual_seed(0)
+    fake = [(torch.randn(bs, data.channels, data.image_size, data.image_size, generator=gen).to(device),
+             torch.randint(0, classes, (bs,), generator=gen).to(device)) for _ in range(8)]
+    dm = _train_loader(cfg, data)
+    loader = dm.train_loader
+    stream = {"it": iter(loader)}
+
+    def next_real():
+        try:
+            return next(stream["it"])
+        except StopIteration:  # one epoch of the endless reader ended: the next one continues it
+            stream["it"] = iter(loader)
+            return next(stream["it"])
+
+    def run(real: bool, steps: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if real:
+                x, y = next_real()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            else:
+                x, y = fake[i % len(fake)]
+            _step(model, opt, x, y)
+        _sync(device)
+        return (time.perf_counter() - t0) / steps
+
+    try:
+        with _torch_threads(cfg.train.threads_per_rank):
+            model, opt = _model_and_optimizer(cfg, data.channels, classes, device)
+            run(False, max(5, sizes.train_steps // 4))
+            run(True, max(5, sizes.train_steps // 4))
+            synth, real, ratios = [], [], []
+            for r in range(sizes.repeats):
+                if r % 2:
+                    real.append(run(True, sizes.train_steps))
+                    synth.append(run(False, sizes.train_steps))
+                else:
+                    synth.append(run(False, sizes.train_steps))
+                    real.append(run(True, sizes.train_steps))
+                ratios.append(1.0 - synth[-1] / real[-1])
+    finally:
+        dm.teardown("fit")
+    per_dev = {"device": device.type, "images_per_s_real_loader": bs / _median(real),
+               "images_per_s_in_memory": bs / _median(synth)}
+    result = Result("input_bound_fraction", prep.name, _median(ratios),
+                    {"step_s_in_memory": _median(synth), "step_s_real_loader": _median(real), "batch_size": bs,
+                     "steps_per_repeat": sizes.train_steps, "device": device.type,
+                     "torch_threads": max(1, cfg.train.threads_per_rank)},
+                    len(ratios), ratios)
+    return result, per_dev
+
+
+# --------------------------------------------------------------------------- shard balance
+
+
+def measure_shard_balance(cfg: Config, prep: Prepared) -> Result:
+    """One full pass (num_epochs=1) of each rank's shard of the 2-rank train plan; counts are exact, no timing."""
+    from pipeline.data.datamodule import ShardLoader
+
+    data = prep.data
+    plan = data.plan.train
+    rows = []
+    for rank in range(plan.world_size):
+        loader = ShardLoader(data.train, plan, rank=rank, world_size=plan.world_size, channels=data.channels,
+                             image_size=data.image_size, endless=False, workers=cfg.data.reader_workers,
+                             shuffle_buffer=0, seed=cfg.data.seed)
+        for _ in loader:
+            pass
+        rows.append(loader.rows_read)
+        loader.close()
+    ratio = max(rows) / max(1, min(rows))
+    used = plan.rows_per_epoch_per_rank * plan.world_size
+    return Result("shard_balance", prep.name, ratio,
+                  {"rows_read_per_rank": rows, "planned_rows_per_rank": list(plan.rows_per_rank),
+                   "row_groups_per_rank": list(plan.row_groups_per_rank),
+                   "train_rows_per_epoch_per_rank": plan.rows_per_epoch_per_rank,
+                   "rows_used_per_epoch_fraction": used / max(1, plan.total_rows)},
+                  1, [ratio], method=TARGETS["shard_balance"][2] + " (row counts: exact, one pass is enough)")
+
+
+# --------------------------------------------------------------------------- Horovod scaling
+
+
+def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dict[str, Any]:
+    """One rank: the real ShardLoader (shard = rank), ImageClassifier, hvd.DistributedOptimizer, fixed steps."""
+    from pipeline.log import setup_logging
+
+    setup_logging()
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    torch.set_num_threads(max(1, cfg.train.threads_per_rank))
+    torch.manual_seed(cfg.train.seed)
+    device = torch.device("cpu")
+    model, opt = _model_and_optimizer(cfg, data.channels, max(2, len(data.class_names)), device)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    dm = _train_loader(cfg, data, rank, size)
+    loader = dm.train_loader
+    it = iter(loader)
+
+    def batch():
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(loader)
+            return next(it)
+
+    times, waits = [], []
+    try:
+        for _ in range(warmup):
+            _step(model, opt, *batch())
+        hvd.allreduce(torch.zeros(1), name="bench.sync")
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            wait = 0.0
+            for _ in range(steps):
+                tw = time.perf_counter()
+                x, y = batch()
+                wait += time.perf_counter() - tw
+                _step(model, opt, x, y)
+            times.append(time.perf_counter() - t0)
+            waits.append(wait)
+    finally:
+        dm.teardown("fit")
+    return {"rank": rank, "size": size, "batch_size": data.plan.train.batch_size, "steps": steps,
+            "window_s": times, "wait_s": waits}
+
+
+def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
+    import horovod
+
+    from pipeline.distributed.launcher import _rank_env
+    from pipeline.distributed.loop import TrainJob
+
+    job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
+    t0 = time.perf_counter()
+    with _env(_rank_env(job)):
+        results = horovod.run(_hvd_worker, args=(cfg, data, sizes.hvd_warmup_steps, sizes.hvd_steps, sizes.repeats),
+                              np=np_, use_gloo=True, hosts=f"localhost:{np_}",
+                              start_timeout=cfg.train.start_timeout_s, verbose=0)
+    wall = time.perf_counter() - t0
+    results = sorted(results, key=lambda r: r["rank"])
+    rates = []
+    for w in range(sizes.repeats):
+        slowest = max(r["window_s"][w] for r in results)
+        rates.append(sum(r["batch_size"] * r["steps"] for r in results) / slowest)
+    wait_frac = max(_median([ws / t for ws, t in zip(r["wait_s"], r["window_s"])]) for r in results)
+    return {"samples_per_s": rates, "wall_s": wall, "loader_wait_fraction": wait_frac}
+
+
+def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
+    one = _hvd_run(cfg, prep.data1, 1, sizes)
+    log.info("Horovod 1 rank: %.0f samples/s (median of %d windows)", _median(one["samples_per_s"]), sizes.repeats)
+    two = _hvd_run(cfg, prep.data, 2, sizes)
+    log.info("Horovod 2 ranks: %.0f samples/s (median of %d windows)", _median(two["samples_per_s"]), sizes.repeats)
+    ratios = [b / a for a, b in zip(one["samples_per_s"], two["samples_per_s"])]
+    ratio = _median(two["samples_per_s"]) / _median(one["samples_per_s"])
+    return Result("horovod_cpu_scaling", prep.name, ratio,
+                  {"samples_per_s_2_ranks": _median(two["samples_per_s"]),
+                   "samples_per_s_1_rank": _median(one["samples_per_s"]),
+                   "loader_wait_fraction_2_ranks": two["loader_wait_fraction"],
+                   "loader_wait_fraction_1_rank": one["loader_wait_fraction"],
+                   "threads_per_rank": max(1, cfg.train.threads_per_rank), "warmup_steps": sizes.hvd_warmup_steps,
+                   "steps_per_window": sizes.hvd_steps, "launch_wall_s": {"1": one["wall_s"], "2": two["wall_s"]}},
+                  sizes.repeats, ratios)
+
+
+# --------------------------------------------------------------------------- checkpoint and tracking
+
+
+def measure_train_overheads(cfg: Config, prep: Prepared, sizes: Sizes, run) -> List[Result]:
+    """The project's train loop (one process) for warm-up + `repeats` + 1 epochs, logging into `run`.
+
+    Checkpoint writes (AtomicCheckpointIO.save_checkpoint) and RankZeroTracker.log_epoch are timed by wrappers;
+    an epoch is the time between two epoch starts (steps, validation, checkpoints, logging). Epoch 0 is the
+    warm-up and the last epoch (no next start) is not used.
+    """
+    from pipeline.distributed import callbacks as cb
+    from pipeline.distributed.loop import TrainJob, train
+    from pipeline.tracking.rank_zero import RankZeroTracker
+
+    epochs = sizes.repeats + 2
+    ckpt_dir = os.path.join(cfg.train.checkpoint_dir, "bench", prep.name)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    bcfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, max_epochs=epochs, checkpoint_dir=ckpt_dir, ckpt_restore=None,
+                                  backend="single", np=1, warmup_epochs=0,
+                                  early_stopping=dataclasses.replace(cfg.train.early_stopping, enabled=False)))
+    starts: List[float] = []
+    saves: List[Tuple[float, float]] = []
+    logs: List[Tuple[float, float]] = []
+
+    def timed(into):
+        def make(original):
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return original(*a, **kw)
+                finally:
+                    into.append((t0, time.perf_counter() - t0))
+            return wrapper
+        return make
+
+    def epoch_start(original):
+        def wrapper(self, trainer, pl_module):
+            starts.append(time.perf_counter())
+            return original(self, trainer, pl_module)
+        return wrapper
+
+    job = TrainJob(cfg=bcfg, data=prep.data1, delta_table=prep.table, delta_version=prep.version,
+                   run_id=run.run_id, tracking_uri=run.tracking_uri,
+                   job_dir=os.path.join(ckpt_dir, ".job"))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(cb.AtomicCheckpointIO, "save_checkpoint", timed(saves)))
+        stack.enter_context(_patched(RankZeroTracker, "log_epoch", timed(logs)))
+        stack.enter_context(_patched(RankZeroTracker, "finish", lambda original: lambda *a, **kw: None))
+        stack.enter_context(_patched(cb.EpochAccounting, "on_train_epoch_start", epoch_start))
+        stack.enter_context(_env({"LAKEHOUSE_PROGRESS": "0"}))
+        train(job)
+    ckpt_ratios, track_ratios, epoch_s, save_s, log_s = [], [], [], [], []
+    for i in range(1, len(starts) - 1):
+        a, b = starts[i], starts[i + 1]
+        e = b - a
+        s = sum(d for t, d in saves if a <= t < b)
+        lg = sum(d for t, d in logs if a <= t < b)
+        epoch_s.append(e)
+        save_s.append(s)
+        log_s.append(lg)
+        ckpt_ratios.append(s / e)
+        track_ratios.append(e / (e - lg))
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    steps = prep.data1.plan.train.steps_per_epoch
+    return [
+        Result("checkpoint_overhead", prep.name, _median(ckpt_ratios),
+               {"checkpoint_s_per_epoch": _median(save_s), "epoch_s": _median(epoch_s),
+                "checkpoints_per_epoch": len(saves) / max(1, len(starts)), "steps_per_epoch": steps},
+               len(ckpt_ratios), ckpt_ratios),
+        Result("tracking_overhead", prep.name, _median(track_ratios),
+               {"step_s_with_logging": _median(epoch_s) / steps,
+                "step_s_without_logging": (_median(epoch_s) - _median(log_s)) / steps,
+                "log_epoch_s": _median(log_s), "tracking_uri": run.tracking_uri},
+               len(track_ratios), track_ratios),
+    ]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def log_table(report: Dict[str, Any]) -> None:
+    head = f"{'ratio':<28} {'data set':<10} {'measured':>9} {'target':>8} {'result':>6} {'repeats':>7} {'spread':>17}"
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        spread = f"{r['spread'].get('min', float('nan')):.3g}..{r['spread'].get('max', float('nan')):.3g}"
+        lines.append(f"{r['name']:<28} {r['dataset']:<10} {r['ratio']:>9.3f} {r['op'] + format(r['target'], 'g'):>8} "
+                     f"{'pass' if r['passed'] else 'FAIL':>6} {r['repeats']:>7} {spread:>17}")
+        lines.append("    " + ", ".join(f"{k}={_fmt(v)}" for k, v in r["parts"].items() if k != "tracking_uri"))
+    m = report["machine"]
+    lines.append(f"machine: {m['cpus']} CPU(s), device {m['device']}; load before {report['load']['before']}, "
+                 f"after {report['load']['after']}; {report['repeats']} repeat(s){' (--quick)' if report['quick'] else ''}")
+    for line in lines:
+        log.info("%s", line)
+
+
+def _log_to_mlflow(run, report: Dict[str, Any]) -> None:
+    from mlflow.entities import Metric, Param
+
+    ts = int(time.time() * 1000)
+    metrics = [Metric(k.replace("/", "."), float(v), ts, 0) for k, v in report["ratios"].items()]
+    params = [Param("quick", str(report["quick"])), Param("repeats", str(report["repeats"])),
+              Param("load_before", str(report["load"]["before"])), Param("device", report["machine"]["device"])]
+    run.client.log_batch(run.run_id, metrics=metrics, params=params, synchronous=True)
+    run.client.log_dict(run.run_id, report, "bench.json")
+    for k, ok in report["passed"].items():
+        run.client.set_tag(run.run_id, f"pass.{k.replace('/', '.')}", str(ok))
+
+
+def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json") -> Dict[str, Any]:
+    """Run every measurement on the ingested sample and a synthetic table; write `out` (JSON) and return it.
+
+    The MLflow run (experiment `<mlflow.experiment>-bench`) receives the per-epoch metrics of the tracking
+    measurement and, unless `quick`, the report as `bench.json` and the ratios as metrics.
+    """
+    from pipeline.lakehouse.spark import spark_session
+    from pipeline.tracking.runs import tracked_run
+
+    sizes = QUICK if quick else FULL
+    t_start = time.perf_counter()
+    out = os.path.abspath(out)
+    work_dir = os.path.dirname(out)
+    os.makedirs(work_dir, exist_ok=True)
+    report: Dict[str, Any] = {
+        "bench": "lakehouse", "quick": quick, "repeats": sizes.repeats,
+        "repeats_note": ("--quick: 2 repeats after a warm-up; it proves the bench runs, the figures are indicative"
+                         if quick else f"median of {sizes.repeats} repeats after a warm-up"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": _machine(), "load": {"before": _load()},
+        "sizes": dataclasses.asdict(sizes), "config": {k: v for k, v in cfg.flat().items() if k.startswith("data.")},
+    }
+    results: List[Result] = []
+    datasets: Dict[str, Any] = {}
+    per_device: Dict[str, Any] = {}
+    bench_cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, experiment=f"{cfg.mlflow.experiment}-bench"))
+    log.info("bench%s: %d repeat(s), synthetic table of %d images", " --quick" if quick else "", sizes.repeats,
+             sizes.synthetic_rows)
+    with spark_session(cfg) as spark:
+        ensure_sample(spark, cfg, work_dir)
+        synth = ensure_synthetic(spark, cfg, sizes.synthetic_rows)
+        preps: List[Prepared] = []
+        try:
+            for name, table in (("sample", cfg.delta.table), ("synthetic", synth["table"])):
+                prep, conv_results = measure_conversion(spark, cfg, name, table, sizes)
+                preps.append(prep)
+                results.extend(conv_results)
+                datasets[name] = prep.info()
+            datasets["synthetic"].update(synth)
+            with tracked_run(bench_cfg, run_name="bench-quick" if quick else "bench",
+                             tags={"bench": "true", "quick": quick}) as run:
+                for prep in preps:
+                    log.info("measuring on %s (%d rows)", prep.name, prep.rows)
+                    results.append(measure_loader(cfg, prep, sizes))
+                    res, dev = measure_input_bound(cfg, prep, sizes)
+                    results.append(res)
+                    per_device[prep.name] = dev
+                    results.append(measure_shard_balance(cfg, prep))
+                    results.extend(measure_train_overheads(cfg, prep, sizes, run))
+                results.append(measure_horovod_scaling(cfg, preps[-1], sizes))
+                report["load"]["after"] = _load()
+                report["datasets"] = datasets
+                report["throughput"] = per_device
+                report["results"] = [dataclasses.asdict(r) for r in results]
+                report["ratios"] = {r.key: r.ratio for r in results}
+                report["passed"] = {r.key: r.passed for r in results}
+                report["all_passed"] = all(r.passed for r in results)
+                report["duration_s"] = time.perf_counter() - t_start
+                report["mlflow_run_id"] = run.run_id
+                if not quick:
+                    _log_to_mlflow(run, report)
+        finally:
+            for prep in preps:
+                prep.data.delete()
+    report["out"] = out
+    with open(out, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    log_table(report)
+    log.info("bench report written to %s (%.0f s)", out, report["duration_s"])
+    return report

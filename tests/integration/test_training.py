@@ -1,0 +1,220 @@
+"""Training and tracking on real parts: Horovod ranks over Gloo, Spark, Petastorm, an MLflow store and server."""
+import json
+import os
+import time
+
+import mlflow
+import pandas as pd
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+CONTRACT_KEYS = {"run_id", "model_name", "model_version", "delta_table", "delta_version", "rows_train", "rows_val",
+                 "world_size", "backend", "val_loss", "val_acc", "epochs", "stopped_early"}
+
+
+def _cfg(tmp_path, table, *extra):
+    return make_config(tmp_path, f"delta.table={table}", "data.batch_size=16", "train.max_epochs=2",
+                       "train.warmup_epochs=0", *extra)
+
+
+def _only_run(client, cfg):
+    exp = client.get_experiment_by_name(cfg.mlflow.experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+def _versions(client, name):
+    try:
+        return client.search_model_versions(f"name='{name}'")
+    except Exception:
+        return []
+
+
+def _ranks(client, run_id, tmp_path):
+    path = client.download_artifacts(run_id, "ranks.json", str(tmp_path))
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
+    from pipeline import workflow
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "model.lr=0.02", "train.max_epochs=3")
+    summary = workflow.train(spark, cfg)
+
+    assert CONTRACT_KEYS <= set(summary)
+    assert summary["world_size"] == 2 and summary["backend"] == "horovod" and summary["delta_version"] == 0
+    assert summary["rows_train"] + summary["rows_val"] == 600 and summary["epochs"] == 3
+    assert summary["val_acc"] > 0.25  # learning (chance is 0.1), in 3 short epochs on 480 rows
+
+    client = MlflowClient(summary["tracking_uri"])
+    run = _only_run(client, cfg)
+    assert run.info.run_id == summary["run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["train.np"] == "-2" and run.data.params["delta.engine"] == "delta-rs"
+    tags = run.data.tags
+    assert tags["delta_version"] == "0" and tags["delta_table"] == str(digits_table)
+    assert tags["rows_train"] == str(summary["rows_train"]) and tags["world_size"] == "2"
+    assert tags["backend"] == "horovod"
+    for metric in ("train_loss", "val_loss", "val_acc", "samples_per_sec", "data_wait_fraction",
+                   "rows_read_rank_0", "rows_read_rank_1"):
+        assert len(client.get_metric_history(run.info.run_id, metric)) == 3, metric
+    # every rank read the same planned rows each epoch
+    r0 = client.get_metric_history(run.info.run_id, "rows_read_rank_0")
+    r1 = client.get_metric_history(run.info.run_id, "rows_read_rank_1")
+    assert [m.value for m in r0] == [m.value for m in r1] and r0[0].value > 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
+        a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"config.yaml", "ranks.json", "plots/learning_curves.png", "plots/confusion_matrix.png"} <= artifacts
+    inputs = run.inputs.dataset_inputs
+    assert inputs and "delta" in inputs[0].dataset.source_type.lower()
+    assert '"delta_table_version": 0' in inputs[0].dataset.source or "0" in inputs[0].dataset.source
+
+    # two ranks, two processes, identical final weights, LR scaled linearly
+    ranks = _ranks(client, run.info.run_id, tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
+    assert ranks[0]["weights_digest"] == ranks[1]["weights_digest"]
+    assert ranks[0]["lr"] == pytest.approx(2 * 0.02) and ranks[1]["lr"] == pytest.approx(2 * 0.02)
+
+    versions = _versions(client, cfg.mlflow.registered_model)
+    assert len(versions) == 1 and versions[0].tags["delta_version"] == "0"
+    assert versions[0].tags["run_id"] == run.info.run_id
+    champion = client.get_model_version_by_alias(cfg.mlflow.registered_model, "champion")
+    assert str(champion.version) == str(versions[0].version) == str(summary["model_version"])
+
+    # the checkpoint records what it was trained on
+    ckpt = torch.load(os.path.join(cfg.train.checkpoint_dir, "last.ckpt"), map_location="cpu", weights_only=False)
+    assert ckpt["lakehouse"] == {"delta_table": str(digits_table), "delta_version": 0}
+
+    # the registered model predicts label names for rows read back from the Delta table
+    mlflow.set_tracking_uri(summary["tracking_uri"])
+    model = mlflow.pyfunc.load_model(f"models:/{cfg.mlflow.registered_model}@champion")
+    rows = spark.read.format("parquet").load(str(digits_table)).select("label", "content").limit(40).toPandas()
+    pred = model.predict(pd.DataFrame({"content": rows["content"]}))
+    from pipeline.lakehouse.sample_data import CLASS_NAMES
+
+    assert set(pred["label"]) <= set(CLASS_NAMES)
+    assert (pred["label"].values == rows["label"].values).mean() > 0.25
+    with pytest.raises(Exception, match="content|not a decodable image"):
+        model.predict(pd.DataFrame({"content": [b"not an image"]}))
+
+
+def test_resume_continues_epochs_and_checks_lineage(spark, digits_table, tmp_path):
+    from pipeline import workflow
+    from pipeline.distributed.loop import CheckpointLineageError, check_checkpoint_lineage
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1")
+    first = workflow.train(spark, cfg)
+    assert first["epochs"] == 1
+    ckpt_path = os.path.join(cfg.train.checkpoint_dir, "last.ckpt")
+    saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    momentum_before = saved["optimizer_states"][0]["state"]
+    assert momentum_before, "SGD momentum buffers were checkpointed"
+
+    cfg2 = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=3", "train.ckpt_restore=last",
+                "mlflow.experiment=resumed")
+    second = workflow.train(spark, cfg2)
+    assert second["epochs"] == 3
+    client = MlflowClient(second["tracking_uri"])
+    steps = [m.step for m in client.get_metric_history(second["run_id"], "val_loss")]
+    assert steps == [1, 2]  # epoch 0 was the first job's; the count continues
+
+    with pytest.raises(CheckpointLineageError, match="version 0.*version 5"):
+        check_checkpoint_lineage(ckpt_path, {"delta_table": str(digits_table), "delta_version": 5}, False)
+    check_checkpoint_lineage(ckpt_path, {"delta_table": str(digits_table), "delta_version": 5}, True)
+
+
+def test_failing_rank_fails_run_in_bounded_time(spark, digits_table, tmp_path):
+    from pipeline import workflow
+    from pipeline.distributed.launcher import DistributedTrainingError
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.fail_at_step=3", "train.fail_rank=1")
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTrainingError) as err:
+        workflow.train(spark, cfg)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 240, elapsed
+    assert "rank 1" in str(err.value) and "injected failure" in str(err.value)
+    client = MlflowClient(cfg.mlflow.tracking_uri.replace("sqlite:///", "sqlite:///"))
+    run = _only_run(client, cfg)
+    assert run.info.status == "FAILED"
+    assert _versions(client, cfg.mlflow.registered_model) == []
+
+
+def test_nan_loss_stops_and_registers_nothing(spark, digits_table, tmp_path):
+    from pipeline import workflow
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.nan_at_step=2")
+    with pytest.raises(workflow.TrainingStopped, match="non-finite training loss at step 2"):
+        workflow.train(spark, cfg)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    assert _only_run(client, cfg).info.status == "FAILED"
+    assert _versions(client, cfg.mlflow.registered_model) == []
+
+
+def test_uneven_partitions_equal_steps_no_hang(spark, digits_table, tmp_path):
+    from pyspark.sql import functions as F
+
+    from pipeline.data.convert import ConvertedData, class_names_of, make_converter, prepare_split, split_frame
+    from pipeline.distributed.launcher import launch
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+    from pipeline.data.convert import row_group_rows
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1", "data.batch_size=16")
+    df, pinned = get_engine("delta-rs").read(spark, str(digits_table))
+    train_df, val_df = split_frame(df, 0.2)
+    # two partitions of very different sizes: ~10% and ~90% of the rows
+    skew = F.when(F.col("label_index") == 0, 0).otherwise(1)
+    uneven = prepare_split(train_df, cfg, 1).repartition(2, skew)
+    train_conv = make_converter(spark, uneven, cfg.data.cache_dir)
+    val_conv = make_converter(spark, prepare_split(val_df, cfg, 2), cfg.data.cache_dir)
+    plan = ShardPlan(train=plan_split("train", row_group_rows(train_conv), 2, 16),
+                     val=plan_split("val", row_group_rows(val_conv), 2, 16))
+    assert plan.train.balance() > 3  # really uneven
+    data = ConvertedData(train_conv, val_conv, plan, class_names_of(df), 32, 1)
+    job = TrainJob(cfg=cfg, data=data, delta_table=str(digits_table), delta_version=pinned.version,
+                   job_dir=str(tmp_path / "job"))
+    try:
+        t0 = time.monotonic()
+        results = launch(job)
+        assert time.monotonic() - t0 < 300
+    finally:
+        data.delete()
+    assert len(results) == 2
+    rows = [r.history[-1][f"rows_read_rank_{r.rank}"] for r in results]
+    assert rows[0] == rows[1] == plan.train.steps_per_epoch * 16
+    assert results[0].final_weights_digest == results[1].final_weights_digest
+
+
+def test_horovod_spark_run_local_against_mlflow_server(spark, digits_table, tmp_path, mlflow_server):
+    from pipeline import workflow
+
+    cfg = _cfg(tmp_path, digits_table, "train.np=2", "train.max_epochs=1", f"mlflow.tracking_uri={mlflow_server}",
+               "mlflow.artifact_location=null", "mlflow.experiment=spark-run")
+    summary = workflow.train(spark, cfg)
+    assert summary["world_size"] == 2 and summary["backend"] == "horovod"
+    client = MlflowClient(mlflow_server)
+    run = _only_run(client, cfg)
+    assert run.info.status == "FINISHED" and run.data.tags["delta_version"] == "0"
+    ranks = _ranks(client, run.info.run_id, tmp_path)
+    assert len(ranks) == 2 and ranks[0]["pid"] != ranks[1]["pid"]
+    assert ranks[0]["weights_digest"] == ranks[1]["weights_digest"]
+    versions = _versions(client, cfg.mlflow.registered_model)
+    assert len(versions) == 1 and versions[0].tags["delta_version"] == "0"
+
+
+def test_ddp_with_torch_distributor_local_mode(spark, digits_table, tmp_path):
+    from pipeline import workflow
+
+    cfg = _cfg(tmp_path, digits_table, "train.backend=ddp", "train.np=-2", "train.max_epochs=1")
+    summary = workflow.train(spark, cfg)
+    assert summary["world_size"] == 2 and summary["backend"] == "ddp" and summary["model_version"] == 1
+    client = MlflowClient(summary["tracking_uri"])
+    assert _only_run(client, cfg).info.status == "FINISHED"

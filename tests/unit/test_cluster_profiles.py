@@ -1,0 +1,150 @@
+"""The profiles in conf/ load cleanly, the cluster ones point at shared storage, and the cache check refuses local paths on a real cluster."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.data.convert import check_cache_visible
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = sorted(p.name for p in (ROOT / "conf").glob("*.yaml"))
+
+
+def test_the_four_profiles_exist():
+    assert {"base.yaml", "local.yaml", "cluster.yaml", "databricks.yaml"} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_profile_loads_with_only_known_keys(name):
+    cfg = load_config(str(ROOT / "conf" / name))
+    assert isinstance(cfg, Config)
+    # load_config refuses unknown keys; also check the file uses no key the dataclasses lack
+    # (a misspelt key in a profile must not silently fall back to base.yaml's value).
+    raw = yaml.safe_load((ROOT / "conf" / name).read_text()) or {}
+    known = cfg.to_dict()
+
+    def walk(data, ref, prefix):
+        for key, value in data.items():
+            assert key in ref, f"{name}: unknown key {prefix}{key}"
+            if isinstance(value, dict) and key != "conf":
+                walk(value, ref[key], f"{prefix}{key}.")
+
+    walk({k: v for k, v in raw.items() if k != "extends"}, known, "")
+
+
+def test_cluster_profile_runs_on_spark_tasks_with_shared_storage():
+    cfg = load_config(str(ROOT / "conf/cluster.yaml"))
+    assert cfg.spark.master.startswith("spark://")
+    assert cfg.delta.engine == "spark"
+    assert cfg.spark.conf["spark.jars.packages"] == "io.delta:delta-spark_2.13:4.0.1"
+    assert cfg.train.np > 0
+    assert cfg.data.cache_dir.startswith(("hdfs://", "s3://", "s3a://", "dbfs:/", "file:///mnt/"))
+    assert cfg.mlflow.tracking_uri.startswith("http")
+    # the placeholder master is a one-machine cluster, and with a real master the cache stays visible
+    assert check_cache_visible(cfg.data.cache_dir, cfg.spark.master) is None
+    assert check_cache_visible(cfg.data.cache_dir, "spark://10.0.0.5:7077") is None
+
+
+def test_databricks_profile(monkeypatch):
+    cfg = load_config(str(ROOT / "conf/databricks.yaml"))
+    assert cfg.delta.engine == "spark"
+    assert cfg.train.np == 2
+    assert cfg.mlflow.tracking_uri == "databricks"
+    assert cfg.mlflow.registered_model.count(".") == 2, "Unity Catalog names are catalog.schema.model"
+    assert cfg.data.cache_dir.startswith("file:///dbfs/")
+    # /dbfs is a FUSE mount on every node: the job cluster says so with LAKEHOUSE_SHARED_FS=1
+    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
+    assert "data.cache_dir" in check_cache_visible(cfg.data.cache_dir, cfg.spark.master)
+    monkeypatch.setenv("LAKEHOUSE_SHARED_FS", "1")
+    assert check_cache_visible(cfg.data.cache_dir, cfg.spark.master) is None
+
+
+@pytest.mark.parametrize("cache_dir", ["work/petastorm_cache", "/tmp/cache", "file:///tmp/cache"])
+@pytest.mark.parametrize("master", ["spark://10.0.0.5:7077", "yarn", "k8s://https://api:6443"])
+def test_cache_check_refuses_a_local_path_on_a_remote_cluster(monkeypatch, cache_dir, master):
+    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
+    problem = check_cache_visible(cache_dir, master)
+    assert problem is not None
+    assert "data.cache_dir" in problem and cache_dir in problem and master in problem
+
+
+@pytest.mark.parametrize("master", ["local[2]", "local[*]", "local", "spark://127.0.0.1:7077", "spark://localhost:7077"])
+def test_cache_check_accepts_a_local_path_when_every_process_is_on_this_machine(monkeypatch, master):
+    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
+    assert check_cache_visible("work/petastorm_cache", master) is None
+
+
+@pytest.mark.parametrize("cache_dir", ["hdfs:///tmp/cache", "s3://bucket/cache", "dbfs:/tmp/cache"])
+def test_cache_check_accepts_shared_storage_on_a_remote_cluster(monkeypatch, cache_dir):
+    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
+    assert check_cache_visible(cache_dir, "spark://10.0.0.5:7077") is None
+
+
+def test_cache_check_accepts_a_local_path_declared_shared(monkeypatch):
+    monkeypatch.setenv("LAKEHOUSE_SHARED_FS", "1")
+    assert check_cache_visible("/mnt/nfs/cache", "spark://10.0.0.5:7077") is None
+
+
+def test_the_refusal_reaches_the_user_as_a_config_error(monkeypatch):
+    from pipeline.workflow import prepare_data
+
+    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
+    cfg = load_config(str(ROOT / "conf/local.yaml"), ["spark.master=spark://10.0.0.5:7077"])
+    with pytest.raises(ConfigError, match="data.cache_dir"):
+        prepare_data(None, cfg)  # refused before any Spark work
+
+
+@pytest.mark.parametrize("job,command", [("ingest.py", "ingest"), ("train.py", "train"), ("promote.py", "promote")])
+def test_jobs_are_thin_guarded_calls_of_the_cli(job, command):
+    path = ROOT / "jobs" / job
+    tree = ast.parse(path.read_text())
+    assert ast.get_docstring(tree), f"{job} needs a docstring"
+    assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body), f"{job} must hold no logic"
+    guard = [n for n in tree.body if isinstance(n, ast.If)]
+    assert len(guard) == 1 and "__main__" in ast.unparse(guard[0].test)
+    assert f'main([{command!r}, *sys.argv[1:]])'.replace("'", '"') in ast.unparse(guard[0]).replace("'", '"')
+
+
+def test_a_job_script_parses_its_arguments_like_the_cli(tmp_path):
+    """jobs/promote.py needs no Spark: a missing model is reported by the CLI with exit code 1."""
+    done = subprocess.run([sys.executable, str(ROOT / "jobs/promote.py"), "--conf", str(ROOT / "conf/local.yaml"),
+                           f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+                           f"mlflow.artifact_location={tmp_path}/mlartifacts"],
+                          capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "no versions of model" in done.stderr
+
+
+def test_databricks_bundle_runs_the_three_jobs_with_the_databricks_profile():
+    bundle = yaml.safe_load((ROOT / "conf/databricks/databricks.yml").read_text())
+    assert "bundle" in bundle and "targets" in bundle
+    jobs = {}
+    for path in sorted((ROOT / "conf/databricks/resources").glob("*.yml")):
+        jobs.update((yaml.safe_load(path.read_text()).get("resources") or {}).get("jobs") or {})
+    assert jobs, "no job in conf/databricks/resources"
+    (job,) = jobs.values()
+    tasks = {t["task_key"]: t for t in job["tasks"]}
+    assert set(tasks) == {"ingest", "train", "promote"}
+    assert tasks["train"]["depends_on"] == [{"task_key": "ingest"}]
+    assert tasks["promote"]["depends_on"] == [{"task_key": "train"}]
+    for key, task in tasks.items():
+        spt = task["spark_python_task"]
+        assert spt["python_file"].endswith(f"jobs/{key}.py")
+        params = spt["parameters"]
+        assert params[params.index("--conf") + 1].endswith("conf/databricks.yaml")
+        assert any(str(p).startswith("train.np=") for p in params)
+        assert task["job_cluster_key"] in {c["job_cluster_key"] for c in job["job_clusters"]}
+        libs = json.dumps(task.get("libraries", []))
+        assert ".whl" in libs
+    cluster = job["job_clusters"][0]["new_cluster"]
+    assert cluster["num_workers"] == 2
+    assert cluster["spark_env_vars"]["LAKEHOUSE_SHARED_FS"] == "1"
+    assert "horovod" in json.dumps(tasks["train"]["libraries"])
+    assert (ROOT / "conf/databricks/README.md").is_file()
