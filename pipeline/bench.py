@@ -50,9 +50,9 @@ class Sizes:
     hvd_steps: int  # steps per Horovod window (one window = one repeat)
 
 
-FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=20_000, train_steps=100, hvd_warmup_steps=30,
+FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=200_000, train_steps=200, hvd_warmup_steps=30,
              hvd_steps=60)
-QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=3_000, train_steps=25, hvd_warmup_steps=8,
+QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=10_000, train_steps=40, hvd_warmup_steps=8,
               hvd_steps=16)
 
 
@@ -369,13 +369,6 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
 # --------------------------------------------------------------------------- loader
 
 
-def _train_loader(cfg: Config, data, rank: int = 0, world: int = 1):
-    from pipeline.data.datamodule import make_datamodule
-
-    dm = make_datamodule(data, rank, world, cfg.data.reader_workers, cfg.data.shuffle_buffer, cfg.data.seed)
-    return dm
-
-
 def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
     """The hand-written reference: every row group of every file, the same transform, batches of `batch_size`."""
     import pyarrow.parquet as pq
@@ -395,6 +388,12 @@ def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
 
 
 def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
+    """Rows/s of the train ShardLoader vs the hand-written pyarrow loop, each over a contiguous stretch.
+
+    A repeat is one stretch of each (order flipped every repeat). The loader is opened afresh for its stretch,
+    runs one untimed epoch, then `blocks` timed epochs, and is closed before the reference runs, so its reader
+    threads neither prefetch for free nor take CPU from the reference.
+    """
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
 
     from pipeline.data.datamodule import PixelsToTensor
@@ -403,51 +402,55 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
     _, paths = get_filesystem_and_path_or_paths(list(data.train.file_urls))
     transform = PixelsToTensor(data.channels, data.image_size)
     bs = data.plan.train.batch_size
-    dm = _train_loader(cfg, data)
-    loader = dm.train_loader
     epoch_rows = data.plan.train.rows_per_epoch_per_rank
-    epochs = max(1, -(-sizes.loader_min_rows // max(1, epoch_rows)))
-    passes = max(1, -(-sizes.loader_min_rows // max(1, data.plan.train.total_rows)))
+    blocks = max(2, -(-sizes.loader_min_rows // max(1, epoch_rows)))
 
-    def run_loader() -> Tuple[int, float]:
-        rows = 0
+    def run_loader() -> float:
+        dm = _train_loader(cfg, data)
+        loader = dm.train_loader
+        try:
+            for _ in loader:  # untimed: opens the endless reader
+                pass
+            rows = 0
+            t0 = time.perf_counter()
+            for _ in range(blocks):
+                for _x, y in loader:
+                    rows += len(y)
+            return rows / (time.perf_counter() - t0)
+        finally:
+            dm.teardown("fit")
+
+    def run_reference() -> float:
         t0 = time.perf_counter()
-        for _ in range(epochs):
-            for _x, y in loader:
-                rows += len(y)
-        return rows, time.perf_counter() - t0
+        rows = sum(_pyarrow_pass(paths, transform, bs) for _ in range(blocks))
+        return rows / (time.perf_counter() - t0)
 
-    def run_reference() -> Tuple[int, float]:
-        t0 = time.perf_counter()
-        rows = sum(_pyarrow_pass(paths, transform, bs) for _ in range(passes))
-        return rows, time.perf_counter() - t0
-
-    try:
-        with _torch_threads(cfg.train.threads_per_rank):
-            run_reference()
-            run_loader()  # warm-up: opens the endless reader
-            ours, ref, ratios = [], [], []
-            for r in range(sizes.repeats):
-                if r % 2:
-                    rr, tr = run_reference()
-                    lr, tl = run_loader()
-                else:
-                    lr, tl = run_loader()
-                    rr, tr = run_reference()
-                ours.append(lr / tl)
-                ref.append(rr / tr)
-                ratios.append(ours[-1] / ref[-1])
-    finally:
-        dm.teardown("fit")
+    with _torch_threads(cfg.train.threads_per_rank):
+        _pyarrow_pass(paths, transform, bs)  # warm-up: page cache, imports
+        ours, ref, ratios = [], [], []
+        for r in range(sizes.repeats):
+            if r % 2:
+                ref.append(run_reference())
+                ours.append(run_loader())
+            else:
+                ours.append(run_loader())
+                ref.append(run_reference())
+            ratios.append(ours[-1] / ref[-1])
     return Result("loader_efficiency", prep.name, _median(ratios),
                   {"loader_rows_per_s": _median(ours), "pyarrow_rows_per_s": _median(ref),
-                   "rows_per_repeat": {"loader": epochs * epoch_rows, "pyarrow": passes * data.plan.train.total_rows},
+                   "rows_per_repeat": {"loader": blocks * epoch_rows, "pyarrow": blocks * data.plan.train.total_rows},
                    "reader_workers": cfg.data.reader_workers, "shuffle_buffer": cfg.data.shuffle_buffer,
                    "torch_threads": max(1, cfg.train.threads_per_rank)},
                   len(ratios), ratios)
 
 
 # --------------------------------------------------------------------------- input-bound
+
+
+def _train_loader(cfg: Config, data, rank: int = 0, world: int = 1):
+    from pipeline.data.datamodule import make_datamodule
+
+    return make_datamodule(data, rank, world, cfg.data.reader_workers, cfg.data.shuffle_buffer, cfg.data.seed)
 
 
 def _model_and_optimizer(cfg: Config, channels: int, classes: int, device):
@@ -467,6 +470,11 @@ def _step(model, opt, x, y) -> None:
 
 
 def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Result, Dict[str, float]]:
+    """Step time on in-memory batches vs with the real loader, same model, batch size and optimizer.
+
+    A repeat is one contiguous stretch of `train_steps` steps of each kind (order flipped every repeat); the
+    loader is opened afresh for its stretch and warmed up untimed, and closed before the in-memory stretch.
+    """
     import torch
 
     data = prep.data1
@@ -476,51 +484,56 @@ def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Resu
     gen = torch.Generator().manual_seed(0)
     fake = [(torch.randn(bs, data.channels, data.image_size, data.image_size, generator=gen).to(device),
              torch.randint(0, classes, (bs,), generator=gen).to(device)) for _ in range(8)]
-    dm = _train_loader(cfg, data)
-    loader = dm.train_loader
-    stream = {"it": iter(loader)}
+    steps = sizes.train_steps
+    warm = max(5, steps // 5)
 
-    def next_real():
+    def batches(loader):
+        while True:  # each pass of the endless loader is one epoch; the next pass continues the same reader
+            yield from loader
+
+    def run_real() -> float:
+        dm = _train_loader(cfg, data)
         try:
-            return next(stream["it"])
-        except StopIteration:  # one epoch of the endless reader ended: the next one continues it
-            stream["it"] = iter(loader)
-            return next(stream["it"])
+            it = batches(dm.train_loader)
+            for _ in range(warm):
+                x, y = next(it)
+                _step(model, opt, x.to(device), y.to(device))
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                x, y = next(it)
+                _step(model, opt, x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            _sync(device)
+            return (time.perf_counter() - t0) / steps
+        finally:
+            dm.teardown("fit")
 
-    def run(real: bool, steps: int) -> float:
+    def run_fake() -> float:
         _sync(device)
         t0 = time.perf_counter()
         for i in range(steps):
-            if real:
-                x, y = next_real()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            else:
-                x, y = fake[i % len(fake)]
-            _step(model, opt, x, y)
+            _step(model, opt, *fake[i % len(fake)])
         _sync(device)
         return (time.perf_counter() - t0) / steps
 
-    try:
-        with _torch_threads(cfg.train.threads_per_rank):
-            model, opt = _model_and_optimizer(cfg, data.channels, classes, device)
-            run(False, max(5, sizes.train_steps // 4))
-            run(True, max(5, sizes.train_steps // 4))
-            synth, real, ratios = [], [], []
-            for r in range(sizes.repeats):
-                if r % 2:
-                    real.append(run(True, sizes.train_steps))
-                    synth.append(run(False, sizes.train_steps))
-                else:
-                    synth.append(run(False, sizes.train_steps))
-                    real.append(run(True, sizes.train_steps))
-                ratios.append(1.0 - synth[-1] / real[-1])
-    finally:
-        dm.teardown("fit")
+    with _torch_threads(cfg.train.threads_per_rank):
+        model, opt = _model_and_optimizer(cfg, data.channels, classes, device)
+        for i in range(warm):
+            _step(model, opt, *fake[i % len(fake)])
+        synth, real, ratios = [], [], []
+        for r in range(sizes.repeats):
+            if r % 2:
+                real.append(run_real())
+                synth.append(run_fake())
+            else:
+                synth.append(run_fake())
+                real.append(run_real())
+            ratios.append(1.0 - synth[-1] / real[-1])
     per_dev = {"device": device.type, "images_per_s_real_loader": bs / _median(real),
                "images_per_s_in_memory": bs / _median(synth)}
     result = Result("input_bound_fraction", prep.name, _median(ratios),
                     {"step_s_in_memory": _median(synth), "step_s_real_loader": _median(real), "batch_size": bs,
-                     "steps_per_repeat": sizes.train_steps, "device": device.type,
+                     "steps_per_repeat": steps, "device": device.type,
                      "torch_threads": max(1, cfg.train.threads_per_rank)},
                     len(ratios), ratios)
     return result, per_dev
@@ -616,7 +629,7 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
     t0 = time.perf_counter()
     with _env(_rank_env(job)):
         results = horovod.run(_hvd_worker, args=(cfg, data, sizes.hvd_warmup_steps, sizes.hvd_steps, sizes.repeats),
-                              np=np_, use_gloo=True, hosts=f"localhost:{np_}",
+                              num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
                               start_timeout=cfg.train.start_timeout_s, verbose=0)
     wall = time.perf_counter() - t0
     results = sorted(results, key=lambda r: r["rank"])

@@ -140,14 +140,15 @@ def sample_rows(spark, cfg: Config, n: int = 16, version: Optional[int] = None,
 
 def grid_figure(images: Sequence[np.ndarray], titles: Sequence[str], cols: int = 8):
     """A matplotlib Figure with one image per cell; `images` are (C, H, W) or (H, W) uint8 arrays."""
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend switch
+    import matplotlib.pyplot as plt  # in Jupyter this registers the inline display of figures
 
     if len(images) != len(titles):
         raise ValueError(f"{len(images)} image(s) but {len(titles)} title(s)")
     n = max(1, len(images))
     cols = max(1, min(cols, n))
     rows = (n + cols - 1) // cols
-    fig = Figure(figsize=(1.4 * cols, 1.6 * rows))
+    fig = plt.figure(figsize=(1.4 * cols, 1.6 * rows))
+    plt.close(fig)  # not left open in pyplot's state: shown once, as the returned value
     for i in range(rows * cols):
         ax = fig.add_subplot(rows, cols, i + 1)
         ax.axis("off")

@@ -31,12 +31,20 @@ class PixelsToTensor:
         self.shape = (channels, size, size)
 
     def __call__(self, column: np.ndarray) -> torch.Tensor:
+        return self.normalize(self.pixels(column))
+
+    def pixels(self, column: np.ndarray) -> torch.Tensor:
+        """Raw uint8 bytes -> uint8 (N, C, H, W); 4x cheaper to shuffle than the float tensor."""
         flat = np.frombuffer(b"".join(column), dtype=np.uint8)
         expected = len(column) * int(np.prod(self.shape))
         if flat.size != expected:
             raise ValueError(f"pixel column holds {flat.size} bytes for {len(column)} rows, expected "
                              f"{expected} (rows of shape {self.shape}); convert again with this data.image_size")
-        pixels = torch.from_numpy(flat.copy()).view(len(column), *self.shape)
+        return torch.from_numpy(flat.copy()).view(len(column), *self.shape)
+
+    @staticmethod
+    def normalize(pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, C, H, W) -> normalised float32 of the same shape."""
         return pixels.float().mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD)
 
 
@@ -55,19 +63,22 @@ class BatchAssembler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def _emit(self, xs, ys, final: bool):
-        x, y = torch.cat(xs), torch.cat(ys)
+        # xs hold uint8 pixels: concatenating and permuting them moves a quarter of the bytes of float32,
+        # and the float conversion then runs once over the rows emitted.
+        x, y = (xs[0], ys[0]) if len(xs) == 1 else (torch.cat(xs), torch.cat(ys))
         if self.shuffle_buffer > 0:
             perm = torch.randperm(len(y), generator=self.generator)
-            x, y = x[perm], y[perm]
+            x, y = x.index_select(0, perm), y.index_select(0, perm)  # a row copy per index (x[perm] is ~25x slower)
         full = len(y) if final else (len(y) // self.batch_size) * self.batch_size
-        batches = [(x[i:i + self.batch_size], y[i:i + self.batch_size]) for i in range(0, full, self.batch_size)]
+        out = self.transform.normalize(x[:full])
+        batches = [(out[i:i + self.batch_size], y[i:i + self.batch_size]) for i in range(0, full, self.batch_size)]
         return batches, [x[full:]], [y[full:]]
 
     def __iter__(self):
         xs, ys, n = [], [], 0
         threshold = max(self.batch_size, self.shuffle_buffer)
         for chunk in self.reader:
-            xs.append(self.transform(chunk.pixels))
+            xs.append(self.transform.pixels(chunk.pixels))
             ys.append(torch.tensor(chunk.label_index, dtype=torch.long))
             n += len(ys[-1])
             if n >= threshold:

@@ -120,9 +120,10 @@ class EpochAccounting(pl.Callback):
         train_rows = [int(v) for v in gathered[:, 0].tolist()]
         val_rows = [int(v) for v in gathered[:, 1].tolist()]
         wait = gathered[:, 2].tolist()
-        train_loader.check_rows()
-        if val_loader.rows_read:
-            val_loader.check_rows()
+        if not trainer.should_stop:  # a stop mid-epoch (NaN, SIGTERM) reads less than planned, by design
+            train_loader.check_rows()
+            if val_loader.rows_read:
+                val_loader.check_rows()
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
         epoch = {
             "epoch": trainer.current_epoch,

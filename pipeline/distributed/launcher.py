@@ -4,7 +4,10 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-from typing import List
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List
 
 from pipeline.distributed.loop import RankResult, TrainJob, ddp_worker, horovod_worker, train
 from pipeline.log import get_logger
@@ -32,6 +35,68 @@ def _rank_env(job: TrainJob) -> dict:
     }
 
 
+# Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
+# TorchDistributor's torchrun); their launchers' middlemen are left alone so they can clean up.
+RANK_PROCESS_MARKERS = ("horovod.runner.run_task", "horovod.spark.task", "torch.distributed.run", "torchrun")
+
+
+def rank_processes() -> list:
+    """This process's descendants that run a training rank."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(marker in cmd for marker in RANK_PROCESS_MARKERS):
+            found.append(proc)
+    return found
+
+
+class _TermState:
+    terminated = False
+
+
+@contextmanager
+def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
+    """While ranks run, SIGTERM to the driver is passed on to them: each rank's StopSignals callback makes
+    them agree to stop, rank 0 writes a last checkpoint, and they return. Ranks still alive after
+    `grace_s` are killed.
+    """
+    state = _TermState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def kill_leftovers() -> None:
+        for proc in rank_processes():
+            log.error("rank process %d did not stop within %.0f s of SIGTERM; killing it", proc.pid, grace_s)
+            proc.kill()
+
+    def on_term(signum, frame) -> None:
+        if state.terminated:
+            return
+        state.terminated = True
+        ranks = rank_processes()
+        log.warning("SIGTERM: asking %d rank process(es) to write a last checkpoint and stop", len(ranks))
+        for proc in ranks:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except Exception:
+                pass
+        timer = threading.Timer(grace_s, kill_leftovers)
+        timer.daemon = True
+        timer.start()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _failures(job: TrainJob) -> str:
     parts = []
     for path in sorted(glob.glob(os.path.join(job.job_dir, "rank*.error"))):
@@ -48,41 +113,50 @@ def launch(job: TrainJob) -> List[RankResult]:
     Raises:
         DistributedTrainingError: any rank failed, with the rank and its exception in the message.
     """
-    cfg = job.cfg
-    np_, backend = cfg.train.np, cfg.train.backend
     shutil.rmtree(job.job_dir, ignore_errors=True)
     os.makedirs(job.job_dir, exist_ok=True)
     os.environ.update(_rank_env(job))  # inherited by every rank process
-    try:
-        if backend == "single" or np_ == 1:
-            if backend == "horovod":
-                return [horovod_worker(job)]
-            return [train(job)]
+    with forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
+        try:
+            return _launch(job)
+        except Exception as exc:
+            if term.terminated:
+                from pipeline.tracking.runs import Terminated
+
+                raise Terminated(f"SIGTERM; the ranks stopped with: {exc}") from exc
+            detail = _failures(job)
+            if detail:
+                raise DistributedTrainingError(f"training failed on {detail}") from exc
+            raise
+
+
+def _launch(job: TrainJob) -> List[RankResult]:
+    cfg = job.cfg
+    np_, backend = cfg.train.np, cfg.train.backend
+    if backend == "single" or np_ == 1:
         if backend == "horovod":
-            if np_ < 0:
-                import horovod
+            return [horovod_worker(job)]
+        return [train(job)]
+    if backend == "horovod":
+        if np_ < 0:
+            import horovod
 
-                log.info("launching %d Horovod processes on this machine (gloo)", -np_)
-                return list(horovod.run(horovod_worker, args=(job,), num_proc=-np_, use_gloo=True,
-                                        start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
-                                        verbose=0))
-            import horovod.spark
+            log.info("launching %d Horovod processes on this machine (gloo)", -np_)
+            return list(horovod.run(horovod_worker, args=(job,), num_proc=-np_, use_gloo=True,
+                                    start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
+                                    verbose=0))
+        import horovod.spark
 
-            log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
-            return list(horovod.spark.run(horovod_worker, args=(job,), num_proc=np_, use_gloo=True,
-                                          start_timeout=cfg.train.start_timeout_s,
-                                          env=dict(os.environ), verbose=0))
-        if backend == "ddp":
-            from pyspark.ml.torch.distributor import TorchDistributor
+        log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
+        return list(horovod.spark.run(horovod_worker, args=(job,), num_proc=np_, use_gloo=True,
+                                      start_timeout=cfg.train.start_timeout_s,
+                                      env=dict(os.environ), verbose=0))
+    if backend == "ddp":
+        from pyspark.ml.torch.distributor import TorchDistributor
 
-            log.info("launching %d DDP processes (%s) with TorchDistributor", abs(np_),
-                     "on this machine" if np_ < 0 else "on the Spark cluster")
-            dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=False)
-            result = dist.run(ddp_worker, job)
-            return [result]
-        raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp or single")
-    except Exception as exc:
-        detail = _failures(job)
-        if detail:
-            raise DistributedTrainingError(f"training failed on {detail}") from exc
-        raise
+        log.info("launching %d DDP processes (%s) with TorchDistributor", abs(np_),
+                 "on this machine" if np_ < 0 else "on the Spark cluster")
+        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=False)
+        result = dist.run(ddp_worker, job)
+        return [result]
+    raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp or single")

@@ -1,6 +1,7 @@
 """The LightningModule: loss, accuracy, optimizer and the learning-rate schedule around an injected network."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional
 
@@ -35,7 +36,10 @@ class ImageClassifier(pl.LightningModule):
                  nan_at_step: Optional[int] = None, fail_at_step: Optional[int] = None,
                  fail_rank: Optional[int] = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["network"])
+        # Only plain values in hparams, so checkpoints load with torch's weights_only=True.
+        self.model_cfg = model_cfg
+        self.save_hyperparameters(ignore=["network", "model_cfg"])
+        self.hparams["model"] = dataclasses.asdict(model_cfg)
         self.network = network
         self.loss_fn = nn.CrossEntropyLoss()
         self.last_confusion: Optional[torch.Tensor] = None  # rows = true class, columns = predicted
@@ -107,7 +111,7 @@ class ImageClassifier(pl.LightningModule):
         self._confusion = None
 
     def configure_optimizers(self) -> Dict[str, Any]:
-        cfg: ModelConfig = self.hparams.model_cfg
+        cfg: ModelConfig = self.model_cfg
         if cfg.optimizer == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=cfg.momentum,
                                   weight_decay=cfg.weight_decay)

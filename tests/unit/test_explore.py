@@ -59,7 +59,7 @@ def test_grid_figure_has_one_titled_cell_per_image(shape):
     assert [ax.get_title() for ax in axes[:5]] == [f"c{i}" for i in range(5)]
     assert all(not ax.images for ax in axes[5:])
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")  # renders without pyplot or a display
+    fig.savefig(buf, format="png")  # renders without a display
     assert buf.getvalue()[:4] == b"\x89PNG"
 
 
