@@ -17,7 +17,8 @@ log = get_logger(__name__)
 DEFAULT_PROFILE = "conf/local.yaml"
 HISTORY_COLUMNS = ["version", "timestamp", "operation", "rows"]
 BALANCE_COLUMNS = ["label", "label_index", "rows", "fraction"]
-REGISTRY_COLUMNS = ["version", "aliases", "status", "run_id", "delta_table", "delta_version", "created", "gate_decision"]
+REGISTRY_COLUMNS = ["version", "aliases", "status", "run_id", "delta_table", "delta_version", "created",
+                    "gate_decision"]
 
 
 # ---------------------------------------------------------------- notebook set-up
@@ -230,7 +231,11 @@ def _aliases(client, name: str) -> Dict[str, List[str]]:
 
 
 def registry_versions(cfg: Config) -> pd.DataFrame:
-    """Every version of `mlflow.registered_model`: aliases, run, the Delta table and version it was trained on, the gate metric."""
+    """Every version of `mlflow.registered_model`, newest first.
+
+    Columns: aliases, status, run id, the Delta table and version it was trained on, the gate metric
+    (`mlflow.gate_metric`, from the version's tag), when it was created and what the gate decided.
+    """
     client = _client(cfg)
     name = cfg.mlflow.registered_model
     versions = client.search_model_versions(f"name='{name}'")
@@ -260,7 +265,8 @@ def predictions_frame(rows: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFra
     return out
 
 
-def predict_rows(spark, cfg: Config, n: int = 8, alias: str = "champion", version: Optional[int] = None) -> pd.DataFrame:
+def predict_rows(spark, cfg: Config, n: int = 8, alias: str = "champion",
+                 version: Optional[int] = None) -> pd.DataFrame:
     """Load `models:/<registered_model>@<alias>` with mlflow.pyfunc and predict on `n` rows of the table."""
     import mlflow.pyfunc
 

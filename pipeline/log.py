@@ -58,8 +58,11 @@ def setup_logging(level: str = None) -> None:
                                            datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("py4j", "petastorm", "urllib3", "alembic", "mlflow.store", "pyspark"):
+    for noisy in ("py4j", "urllib3", "alembic", "mlflow.store", "pyspark"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Petastorm warns about small Parquet files and float64 -> float32 on every conversion; the
+    # project sizes its files per rank on purpose, so only its errors are shown.
+    logging.getLogger("petastorm").setLevel(logging.ERROR)
     quiet_third_party_warnings()
 
 

@@ -84,12 +84,38 @@ def cache_dir_url(cache_dir: str) -> str:
     return cache_dir
 
 
-def make_converter(spark, df, cache_dir: str):
-    """`make_spark_converter` with the cache under `data.cache_dir` (a cache hit for the same plan)."""
-    from petastorm.spark import SparkDatasetConverter, make_spark_converter
+_CONVERTERS: dict = {}  # cache_dir_url -> converter made in this process (local caches)
 
-    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, cache_dir_url(cache_dir))
-    return make_spark_converter(df)
+
+def make_converter(spark, df, cache_dir: str):
+    """`make_spark_converter` with the cache under `data.cache_dir` (a cache hit for the same plan).
+
+    For a local cache the same Petastorm cache is used, but the file list and row count come from the
+    Parquet footers instead of a Spark read + count job, and a cache hit returns the converter made before
+    without any Spark job (petastorm 0.12.1 runs both on every call; `lakehouse bench` measured the hit
+    at 10-20 % of a first conversion). Other stores go through `make_spark_converter` unchanged.
+    """
+    import glob
+
+    import pyarrow.parquet as pq
+    from petastorm.spark import SparkDatasetConverter, make_spark_converter
+    from petastorm.spark import spark_dataset_converter as sdc
+
+    parent = cache_dir_url(cache_dir)
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, parent)
+    if urlparse(parent).scheme != "file":
+        return make_spark_converter(df)
+    # The arguments make_spark_converter(df) uses by default, so both paths share one cache entry.
+    url = sdc._cache_df_or_retrieve_cache_data_url(df, sdc._get_parent_cache_dir_url(), sdc.DEFAULT_ROW_GROUP_SIZE_BYTES,
+                                                   "uncompressed", "float32")
+    path = urlparse(url).path
+    conv = _CONVERTERS.get(url)
+    if conv is None or not os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "*.parquet")))
+        rows = sum(pq.read_metadata(f).num_rows for f in files)
+        conv = SparkDatasetConverter(url, ["file://" + f for f in files], rows)
+        _CONVERTERS[url] = conv
+    return conv
 
 
 def row_group_rows(converter) -> List[int]:

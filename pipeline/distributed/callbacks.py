@@ -64,7 +64,9 @@ class StopSignals(pl.Callback):
     def _on_term(self, signum, frame) -> None:
         self._term = True
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
+        # After Lightning registered its own SIGTERM handler (which would raise SIGTERMException on each
+        # rank at a different step, without a checkpoint), so this one replaces it for the run.
         import threading
 
         if threading.current_thread() is threading.main_thread():
@@ -84,7 +86,9 @@ class StopSignals(pl.Callback):
         flags = torch.tensor([bad, 1.0 if self._term else 0.0])
         flags = trainer.strategy.reduce(flags, reduce_op="sum")
         if flags[0] > 0:
-            self.reason = f"non-finite training loss at step {trainer.global_step} (epoch {trainer.current_epoch})"
+            # global_step already counts this step's optimizer update: the loss was computed at step - 1
+            self.reason = (f"non-finite training loss at step {trainer.global_step - 1} "
+                           f"(epoch {trainer.current_epoch})")
             log.error("stopping: %s", self.reason)
             trainer.should_stop = True
         elif flags[1] > 0:

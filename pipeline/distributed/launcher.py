@@ -47,10 +47,12 @@ def rank_processes() -> list:
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            cmd = " ".join(proc.cmdline())
+            argv = proc.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if any(marker in cmd for marker in RANK_PROCESS_MARKERS):
+        # the Python process itself, not the `sh -c` that started it (a signalled shell would make
+        # Horovod's launcher treat the rank as failed and kill the others before they checkpoint)
+        if argv and "python" in os.path.basename(argv[0]) and any(m in " ".join(argv) for m in RANK_PROCESS_MARKERS):
             found.append(proc)
     return found
 
@@ -156,7 +158,9 @@ def _launch(job: TrainJob) -> List[RankResult]:
 
         log.info("launching %d DDP processes (%s) with TorchDistributor", abs(np_),
                  "on this machine" if np_ < 0 else "on the Spark cluster")
-        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=False)
+        import torch
+
+        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=torch.cuda.is_available())
         result = dist.run(ddp_worker, job)
         return [result]
     raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp or single")

@@ -139,7 +139,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                                        patience=es.patience, stopping_threshold=es.stopping_threshold,
                                        check_finite=True, verbose=False))
     trainer = pl.Trainer(
-        max_epochs=cfg.train.max_epochs, accelerator="cpu", devices=devices, num_nodes=num_nodes,
+        max_epochs=cfg.train.max_epochs, accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=devices, num_nodes=num_nodes,
         strategy=strategy if strategy is not None else "auto", plugins=[AtomicCheckpointIO()],
         callbacks=callbacks, logger=False, enable_progress_bar=is_zero and os.environ.get("LAKEHOUSE_PROGRESS", "1") == "1",
         enable_model_summary=is_zero, num_sanity_val_steps=0, deterministic=False,

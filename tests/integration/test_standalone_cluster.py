@@ -153,7 +153,7 @@ def standalone_cluster(tmp: Path) -> Iterator[dict]:
 def _submit(cluster: dict, tmp: Path, script: str, args: List[str], name: str) -> subprocess.CompletedProcess:
     """spark-submit jobs/<script> to the cluster in its own process group; killed with it on timeout."""
     cmd = [str(SPARK_BIN / "spark-submit"), "--master", cluster["url"], "--conf", "spark.executor.cores=1",
-           "--conf", "spark.task.cpus=1", "--conf", "spark.executor.memory=1g",
+           "--conf", "spark.task.cpus=1", "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
            str(ROOT / "jobs" / script), *args]
     proc = subprocess.Popen(cmd, env=cluster["env"], cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -169,7 +169,8 @@ def _submit(cluster: dict, tmp: Path, script: str, args: List[str], name: str) -
     # The Python driver's own log lines come on stdout (spark-submit merges them), Spark's on stderr.
     (cluster["logs"] / f"{name}.stdout").write_text(out)
     (cluster["logs"] / f"{name}.stderr").write_text(err)
-    assert proc.returncode == 0, f"spark-submit {script} exited {proc.returncode}; output tail:\n{out[-6000:]}\n{err[-3000:]}"
+    assert proc.returncode == 0, (f"spark-submit {script} exited {proc.returncode}; output tail:\n{out[-6000:]}\n"
+                                  f"Spark log tail:\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
