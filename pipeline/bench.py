@@ -578,6 +578,10 @@ def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dic
     import horovod.torch as hvd
     import torch
 
+    from pipeline.distributed.loop import repair_horovod_env
+
+    if os.environ.get("LAKEHOUSE_BENCH_RAW_HOROVOD_ENV") != "1":  # =1: what training got before the repair
+        repair_horovod_env()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(max(1, cfg.train.threads_per_rank))
@@ -598,13 +602,25 @@ def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dic
             it = iter(loader)
             return next(it)
 
-    times, waits = [], []
+    quiet = os.environ.get("BENCH_QUIET_WAIT", "1") == "1"
+
+    def _step(model, opt, x, y) -> None:
+        opt.zero_grad()
+        loss = model.loss_fn(model(x), y)
+        loss.backward()
+        if quiet:
+            handles = [h for h, _ in opt._handles.values() if h is not None and not callable(h)]
+            while not all(hvd.poll(h) for h in handles):
+                time.sleep(0.0002)
+        opt.step()
+
+    times, waits, cpu_main, cpu_all = [], [], [], []
     try:
         for _ in range(warmup):
             _step(model, opt, *batch())
         hvd.allreduce(torch.zeros(1), name="bench.sync")
         for _ in range(windows):
-            t0 = time.perf_counter()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             wait = 0.0
             for _ in range(steps):
                 tw = time.perf_counter()
@@ -612,11 +628,14 @@ def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dic
                 wait += time.perf_counter() - tw
                 _step(model, opt, x, y)
             times.append(time.perf_counter() - t0)
+            cpu_all.append(time.process_time() - c0)
+            cpu_main.append(time.thread_time() - m0)
             waits.append(wait)
     finally:
         dm.teardown("fit")
     return {"rank": rank, "size": size, "batch_size": data.plan.train.batch_size, "steps": steps,
-            "window_s": times, "wait_s": waits}
+            "window_s": times, "wait_s": waits, "cpu_s": cpu_all, "main_thread_cpu_s": cpu_main,
+            "horovod_env": {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")}}
 
 
 def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
@@ -638,7 +657,12 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
         slowest = max(r["window_s"][w] for r in results)
         rates.append(sum(r["batch_size"] * r["steps"] for r in results) / slowest)
     wait_frac = max(_median([ws / t for ws, t in zip(r["wait_s"], r["window_s"])]) for r in results)
-    return {"samples_per_s": rates, "wall_s": wall, "loader_wait_fraction": wait_frac}
+    # CPU cores each rank used in its windows: all its threads, and the training (main) thread alone
+    cores = [sum(r["cpu_s"]) / sum(r["window_s"]) for r in results]
+    main = [sum(r["main_thread_cpu_s"]) / sum(r["window_s"]) for r in results]
+    return {"samples_per_s": rates, "wall_s": wall, "loader_wait_fraction": wait_frac,
+            "cores_per_rank": cores, "main_thread_cores_per_rank": main,
+            "horovod_env": results[0]["horovod_env"]}
 
 
 def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
@@ -653,6 +677,11 @@ def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result
                    "samples_per_s_1_rank": _median(one["samples_per_s"]),
                    "loader_wait_fraction_2_ranks": two["loader_wait_fraction"],
                    "loader_wait_fraction_1_rank": one["loader_wait_fraction"],
+                   "cpu_cores_used_1_rank": sum(one["cores_per_rank"]),
+                   "cpu_cores_used_2_ranks": sum(two["cores_per_rank"]),
+                   "main_thread_cores_1_rank": sum(one["main_thread_cores_per_rank"]),
+                   "main_thread_cores_2_ranks": sum(two["main_thread_cores_per_rank"]),
+                   "cpus": os.cpu_count(), "horovod_env": two["horovod_env"],
                    "threads_per_rank": max(1, cfg.train.threads_per_rank), "warmup_steps": sizes.hvd_warmup_steps,
                    "steps_per_window": sizes.hvd_steps, "launch_wall_s": {"1": one["wall_s"], "2": two["wall_s"]}},
                   sizes.repeats, ratios)

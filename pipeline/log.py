@@ -42,6 +42,10 @@ def is_rank_zero() -> bool:
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = current_rank()
+        # py4j reports at INFO, with a traceback, that a forked launcher process closed its inherited
+        # copy of the gateway socket; the session is unaffected (seen with horovod.run and spark.stop()).
+        if record.levelno <= logging.INFO and str(record.msg).startswith("Exception while sending command"):
+            return False
         return True
 
 

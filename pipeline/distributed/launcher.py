@@ -122,7 +122,7 @@ def launch(job: TrainJob) -> List[RankResult]:
         try:
             return _launch(job)
         except Exception as exc:
-            if term.terminated:
+            if term.terminated or glob.glob(os.path.join(job.job_dir, "rank*.sigterm")):
                 from pipeline.tracking.runs import Terminated
 
                 raise Terminated(f"SIGTERM; the ranks stopped with: {exc}") from exc

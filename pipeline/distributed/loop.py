@@ -156,6 +156,12 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     finally:
         stop.restore()
 
+    if stop.reason and stop.reason.startswith("SIGTERM"):
+        # Launchers may kill the ranks right after they stop (horovod.run does, 5 s after SIGTERM), so the
+        # driver learns why from this marker rather than from a return value that may never arrive.
+        os.makedirs(job.job_dir, exist_ok=True)
+        with open(os.path.join(job.job_dir, f"rank{rank}.sigterm"), "w") as fh:
+            fh.write(stop.reason)
     result = RankResult(rank=rank, world_size=world_size, lr=lr, **host_and_pid())
     if trainer.optimizers:  # the rate the optimizer was actually built with (before the schedule)
         group = trainer.optimizers[0].param_groups[0]
@@ -195,6 +201,21 @@ def _write_failure(job: TrainJob, rank: int, exc: BaseException) -> None:
         pass
 
 
+def repair_horovod_env() -> None:
+    """Undo a horovod.run (0.28.1) bug before `hvd.init()`: a stray comma in its argument defaults hands every rank
+    HOROVOD_CYCLE_TIME="(None,)" and HOROVOD_CACHE_CAPACITY="(None,)", which Horovod parses as 0: a background
+    thread that negotiates without pause (measured: 20-65 % of a core per idle rank) and no response cache.
+    The value set by the launcher (LAKEHOUSE_HOROVOD_CYCLE_TIME, ...) is restored, else Horovod's default.
+    """
+    for key in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"):
+        if os.environ.get(key, "").startswith("("):
+            wanted = os.environ.get(f"LAKEHOUSE_{key}")
+            if wanted:
+                os.environ[key] = wanted
+            else:
+                del os.environ[key]
+
+
 def horovod_worker(job: TrainJob) -> RankResult:
     """The Horovod entry of the super train loop: init, shard = rank, LR × size, then the same `train()`."""
     setup_logging()
@@ -202,6 +223,7 @@ def horovod_worker(job: TrainJob) -> RankResult:
 
     from pipeline.distributed.horovod_strategy import HorovodStrategy
 
+    repair_horovod_env()
     hvd.init()
     rank = hvd.rank()
     try:

@@ -25,7 +25,10 @@ def get_spark(cfg: Config):
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = (SparkSession.builder.master(cfg.spark.master).appName(cfg.spark.app_name)
+    builder = SparkSession.builder
+    if cfg.spark.master != "databricks":  # on Databricks the cluster's own session is used as it is
+        builder = builder.master(cfg.spark.master)
+    builder = (builder.appName(cfg.spark.app_name)
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8")
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
