@@ -74,44 +74,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 with a free port, proxying artifacts; stopped by PID."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
+def start_mlflow_server(root: Path, port: int = None):
+    """A real `mlflow server` on 127.0.0.1 (free port unless given), proxying artifacts; returns (proc, uri)."""
+    port = port or free_port()
     log_path = root / "server.log"
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
            "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
            "--workers", "1"]
-    with open(log_path, "wb") as log_fh:
+    with open(log_path, "ab") as log_fh:
         proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=root, env=env,
                                 start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, uri
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_mlflow_server(proc)
+            pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_mlflow_server(proc) -> None:
+    """Stop the server and its workers: the process group it was started in."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    proc, uri = start_mlflow_server(tmp_path_factory.mktemp("mlflow_server"))
     try:
-        uri = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
         yield uri
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: the group this fixture started
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
-
+        stop_mlflow_server(proc)
 
 
 def cli(*args: str) -> List[str]:

@@ -118,6 +118,11 @@ def launch(job: TrainJob) -> List[RankResult]:
     shutil.rmtree(job.job_dir, ignore_errors=True)
     os.makedirs(job.job_dir, exist_ok=True)
     os.environ.update(_rank_env(job))  # inherited by every rank process
+    # MLflow's own HTTP retries take minutes against a dead server; bound them by `mlflow.retries`
+    # unless the user set them (rank 0 then fails at model logging and the run registers nothing).
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(job.cfg.mlflow.retries))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     with forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
         try:
             return _launch(job)

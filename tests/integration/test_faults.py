@@ -273,3 +273,40 @@ def test_sigterm_to_driver_checkpoints_and_ends_killed(table, tmp_path):
     assert _alive(everything) == []
     _, runs, versions = _runs(tmp_path)
     assert [r.info.status for r in runs] == ["KILLED"] and versions == []
+
+
+def test_mlflow_down_mid_run_fails_bounded_and_registers_nothing(table, tmp_path):
+    """Fault 10 (mid-run): the server dies after the first epoch: bounded retries, a non-zero exit, and once the
+    server is back on the same store, no model version exists."""
+    from conftest import start_mlflow_server, stop_mlflow_server
+
+    root = tmp_path / "server"
+    root.mkdir()
+    server, uri = start_mlflow_server(root)
+    port = uri.rsplit(":", 1)[1]
+    proc = _start_train(tmp_path, table, f"mlflow.tracking_uri={uri}", "mlflow.artifact_location=null",
+                        "mlflow.retries=2", "mlflow.retry_wait_s=1", "train.max_epochs=4",
+                        "train.early_stopping.enabled=false")
+    try:
+        _wait_for(lambda: "epoch 0:" in _log(tmp_path), 400, "the first epoch", proc, tmp_path)
+        stop_mlflow_server(server)
+        t0 = time.monotonic()
+        proc.wait(timeout=400)
+        elapsed = time.monotonic() - t0
+    finally:
+        _kill_group(proc)
+        stop_mlflow_server(server)
+    assert proc.returncode not in (0, None), _log(tmp_path)
+    assert elapsed < 300, f"{elapsed:.0f} s after the server went down"
+    server, uri = start_mlflow_server(root, int(port))
+    try:
+        client = MlflowClient(uri)
+        try:
+            versions = client.search_model_versions("name='lakehouse_classifier'")
+        except Exception:
+            versions = []
+        assert versions == []
+        runs = client.search_runs([client.get_experiment_by_name("lakehouse-local").experiment_id])
+        assert len(runs) == 1 and runs[0].info.status != "FINISHED"
+    finally:
+        stop_mlflow_server(server)
