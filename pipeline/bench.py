@@ -46,13 +46,13 @@ class Sizes:
     repeats: int
     loader_min_rows: int  # rows read per loader repeat (whole epochs)
     train_steps: int  # steps per input-bound repeat
-    hvd_warmup_steps: int
+    warmup_steps: int  # untimed training steps before the first timed one (a process reaches steady speed after ~200)
     hvd_steps: int  # steps per Horovod window (one window = one repeat)
 
 
-FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=200_000, train_steps=100, hvd_warmup_steps=30,
+FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=200_000, train_steps=100, warmup_steps=250,
              hvd_steps=60)
-QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=10_000, train_steps=40, hvd_warmup_steps=8,
+QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=10_000, train_steps=40, warmup_steps=8,
               hvd_steps=16)
 
 
@@ -370,7 +370,11 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
 
 
 def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
-    """The hand-written reference: every row group of every file, the same transform, batches of `batch_size`."""
+    """The hand-written reference: every row group of every file, then the same transform per batch of rows.
+
+    (Per batch, not per row group: a float32 tensor for a whole row group is a fresh multi-MB allocation whose
+    speed swings 4-10x with the allocator's state, which made the reference, not the loader, the noise.)
+    """
     import pyarrow.parquet as pq
     import torch
 
@@ -379,11 +383,11 @@ def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
         pf = pq.ParquetFile(path)
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g, columns=["pixels", "label_index"])
-            x = transform(table.column("pixels").to_numpy())
-            y = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
-            for i in range(0, len(y), batch_size):
-                xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-                rows += len(yb)
+            pixels = table.column("pixels").to_numpy()
+            labels = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
+            for i in range(0, len(labels), batch_size):
+                x, y = transform(pixels[i:i + batch_size]), labels[i:i + batch_size]
+                rows += len(y)
     return rows
 
 
@@ -518,7 +522,7 @@ def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Resu
 
     with _torch_threads(cfg.train.threads_per_rank):
         model, opt = _model_and_optimizer(cfg, data.channels, classes, device)
-        for i in range(warm):
+        for i in range(max(warm, sizes.warmup_steps)):
             _step(model, opt, *fake[i % len(fake)])
         synth, real, ratios = [], [], []
         for r in range(sizes.repeats):
@@ -638,7 +642,7 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
     with _env(_rank_env(job)):
-        results = horovod.run(_hvd_worker, args=(cfg, data, sizes.hvd_warmup_steps, sizes.hvd_steps, sizes.repeats),
+        results = horovod.run(_hvd_worker, args=(cfg, data, sizes.warmup_steps, sizes.hvd_steps, sizes.repeats),
                               num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
                               start_timeout=cfg.train.start_timeout_s, verbose=0)
     wall = time.perf_counter() - t0
@@ -673,7 +677,7 @@ def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result
                    "main_thread_cores_1_rank": sum(one["main_thread_cores_per_rank"]),
                    "main_thread_cores_2_ranks": sum(two["main_thread_cores_per_rank"]),
                    "cpus": os.cpu_count(), "horovod_env": two["horovod_env"],
-                   "threads_per_rank": max(1, cfg.train.threads_per_rank), "warmup_steps": sizes.hvd_warmup_steps,
+                   "threads_per_rank": max(1, cfg.train.threads_per_rank), "warmup_steps": sizes.warmup_steps,
                    "steps_per_window": sizes.hvd_steps, "launch_wall_s": {"1": one["wall_s"], "2": two["wall_s"]}},
                   sizes.repeats, ratios)
 
