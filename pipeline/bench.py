@@ -11,7 +11,7 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pandas as pd
 
@@ -71,6 +71,7 @@ class Result:
     op: str = ""
     passed: bool = False
     spread: Dict[str, float] = field(default_factory=dict)
+    note: str = ""
 
     def __post_init__(self) -> None:
         self.op, self.target, desc = TARGETS[self.name]
@@ -440,12 +441,15 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
                 ours.append(run_loader())
                 ref.append(run_reference())
             ratios.append(ours[-1] / ref[-1])
+    groups = data.plan.train.row_group_rows
+    note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm costs the consuming "
+            f"thread ~1 ms per row group whatever its size, so small row groups cost more per row")
     return Result("loader_efficiency", prep.name, _median(ratios),
                   {"loader_rows_per_s": _median(ours), "pyarrow_rows_per_s": _median(ref),
                    "rows_per_repeat": {"loader": blocks * epoch_rows, "pyarrow": blocks * data.plan.train.total_rows},
                    "reader_workers": cfg.data.reader_workers, "shuffle_buffer": cfg.data.shuffle_buffer,
                    "torch_threads": max(1, cfg.train.threads_per_rank)},
-                  len(ratios), ratios)
+                  len(ratios), ratios, note=note)
 
 
 # --------------------------------------------------------------------------- input-bound
@@ -667,6 +671,11 @@ def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result
     log.info("Horovod 2 ranks: %.0f samples/s (median of %d windows)", _median(two["samples_per_s"]), sizes.repeats)
     ratios = [b / a for a, b in zip(one["samples_per_s"], two["samples_per_s"])]
     ratio = _median(two["samples_per_s"]) / _median(one["samples_per_s"])
+    note = (f"1 rank used {sum(one['cores_per_rank']):.2f} cores (training thread "
+            f"{sum(one['main_thread_cores_per_rank']):.2f}); 2 ranks used {sum(two['cores_per_rank']):.2f} of "
+            f"{os.cpu_count()} cores (training threads {sum(two['main_thread_cores_per_rank']):.2f}): the single "
+            f"rank has a spare core for its reader and Horovod threads, the two ranks share theirs with them "
+            f"and with any other load on the machine")
     return Result("horovod_cpu_scaling", prep.name, ratio,
                   {"samples_per_s_2_ranks": _median(two["samples_per_s"]),
                    "samples_per_s_1_rank": _median(one["samples_per_s"]),
@@ -679,7 +688,7 @@ def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result
                    "cpus": os.cpu_count(), "horovod_env": two["horovod_env"],
                    "threads_per_rank": max(1, cfg.train.threads_per_rank), "warmup_steps": sizes.warmup_steps,
                    "steps_per_window": sizes.hvd_steps, "launch_wall_s": {"1": one["wall_s"], "2": two["wall_s"]}},
-                  sizes.repeats, ratios)
+                  sizes.repeats, ratios, note=note)
 
 
 # --------------------------------------------------------------------------- checkpoint and tracking
@@ -780,6 +789,8 @@ def log_table(report: Dict[str, Any]) -> None:
         lines.append(f"{r['name']:<28} {r['dataset']:<10} {r['ratio']:>9.3f} {r['op'] + format(r['target'], 'g'):>8} "
                      f"{'pass' if r['passed'] else 'FAIL':>6} {r['repeats']:>7} {spread:>17}")
         lines.append("    " + ", ".join(f"{k}={_fmt(v)}" for k, v in r["parts"].items() if k != "tracking_uri"))
+        if r.get("note") and not r["passed"]:
+            lines.append("    note: " + r["note"])
     m = report["machine"]
     lines.append(f"machine: {m['cpus']} CPU(s), device {m['device']}; load before {report['load']['before']}, "
                  f"after {report['load']['after']}; {report['repeats']} repeat(s){' (--quick)' if report['quick'] else ''}")
