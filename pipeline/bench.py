@@ -17,6 +17,7 @@ import pandas as pd
 
 from pipeline.config import Config
 from pipeline.log import get_logger, quiet_third_party_warnings
+from pipeline.tracking.runs import temporary_env
 
 quiet_third_party_warnings()
 log = get_logger(__name__)
@@ -104,20 +105,6 @@ def _patched(owner: Any, attr: str, make: Callable[[Callable], Callable]) -> Ite
         yield
     finally:
         setattr(owner, attr, original)
-
-
-@contextlib.contextmanager
-def _env(values: Dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -645,7 +632,7 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
 
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
-    with _env(_rank_env(job)):
+    with temporary_env(_rank_env(job)):
         results = horovod.run(_hvd_worker, args=(cfg, data, sizes.warmup_steps, sizes.hvd_steps, sizes.repeats),
                               num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
                               start_timeout=cfg.train.start_timeout_s, verbose=0)
@@ -742,7 +729,7 @@ def measure_train_overheads(cfg: Config, prep: Prepared, sizes: Sizes, run) -> L
         stack.enter_context(_patched(RankZeroTracker, "log_epoch", timed(logs)))
         stack.enter_context(_patched(RankZeroTracker, "finish", lambda original: lambda *a, **kw: None))
         stack.enter_context(_patched(cb.EpochAccounting, "on_train_epoch_start", epoch_start))
-        stack.enter_context(_env({"LAKEHOUSE_PROGRESS": "0"}))
+        stack.enter_context(temporary_env({"LAKEHOUSE_PROGRESS": "0"}))
         train(job)
     ckpt_ratios, track_ratios, epoch_s, save_s, log_s = [], [], [], [], []
     for i in range(1, len(starts) - 1):

@@ -40,7 +40,8 @@ class TrackingUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def _env(overrides: Mapping[str, str]) -> Iterator[None]:
+def temporary_env(overrides: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the block, restoring (or removing) them afterwards."""
     old = {k: os.environ.get(k) for k in overrides}
     os.environ.update(overrides)
     try:
@@ -86,7 +87,7 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
         raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {uri!r} is not usable: {exc.message}") from exc
     attempts = max(0, int(cfg_mlflow.retries)) + 1
     last: Optional[BaseException] = None
-    with _env(_CONNECT_ENV):
+    with temporary_env(_CONNECT_ENV):
         for attempt in range(1, attempts + 1):
             try:
                 exp = client.get_experiment_by_name(cfg_mlflow.experiment)
@@ -159,7 +160,7 @@ def _end_run(client: MlflowClient, run_id: str, status: str) -> None:
     # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take.
     for attempt in range(3):
         try:
-            with _env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
+            with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
                 client.set_terminated(run_id, status=status)
             return
         except Exception as exc:  # never mask the exception that ended the run
