@@ -358,10 +358,11 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
 
 
 def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
-    """The hand-written reference: every row group of every file, then the same transform per batch of rows.
+    """The hand-written reference: every row group of every file, then the same transform (the pixel rows of the
+    row group, normalised per batch of rows) without shuffling.
 
-    (Per batch, not per row group: a float32 tensor for a whole row group is a fresh multi-MB allocation whose
-    speed swings 4-10x with the allocator's state, which made the reference, not the loader, the noise.)
+    (Normalised per batch, not per row group: a float32 tensor for a whole row group is a fresh multi-MB allocation
+    whose speed swings 4-10x with the allocator's state, which made the reference, not the loader, the noise.)
     """
     import pyarrow.parquet as pq
     import torch
@@ -371,10 +372,10 @@ def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
         pf = pq.ParquetFile(path)
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g, columns=["pixels", "label_index"])
-            pixels = table.column("pixels").to_numpy()
+            pixels = transform.rows(table.column("pixels"))
             labels = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
             for i in range(0, len(labels), batch_size):
-                x, y = transform(pixels[i:i + batch_size]), labels[i:i + batch_size]
+                x, y = transform.normalize(pixels[i:i + batch_size]), labels[i:i + batch_size]
                 rows += len(y)
     return rows
 
