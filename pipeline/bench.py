@@ -430,8 +430,9 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
                 ref.append(run_reference())
             ratios.append(ours[-1] / ref[-1])
     groups = data.plan.train.row_group_rows
-    note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm costs the consuming "
-            f"thread ~1 ms per row group whatever its size, so small row groups cost more per row")
+    note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm's reader threads spend "
+            f"~0.9 ms per row group whatever its size (two file opens and a legacy ParquetDataset read, partly holding "
+            f"the GIL the consuming thread needs), so small row groups cost more per row")
     return Result("loader_efficiency", prep.name, _median(ratios),
                   {"loader_rows_per_s": _median(ours), "pyarrow_rows_per_s": _median(ref),
                    "rows_per_repeat": {"loader": blocks * epoch_rows, "pyarrow": blocks * data.plan.train.total_rows},
@@ -569,8 +570,77 @@ def measure_shard_balance(cfg: Config, prep: Prepared) -> Result:
 # --------------------------------------------------------------------------- Horovod scaling
 
 
-def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dict[str, Any]:
-    """One rank: the real ShardLoader (shard = rank), ImageClassifier, hvd.DistributedOptimizer, fixed steps."""
+def _timed_windows(step, batch, warmup: int, steps: int, windows: int, sync: Callable[[], None]) -> Dict[str, Any]:
+    """`warmup` untimed steps, `sync()`, then `windows` timed stretches of `steps` steps: wall, wait and CPU time."""
+    times, waits, cpu_main, cpu_all = [], [], [], []
+    for _ in range(warmup):
+        step(*batch())
+    sync()
+    for _ in range(windows):
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        wait = 0.0
+        for _ in range(steps):
+            tw = time.perf_counter()
+            x, y = batch()
+            wait += time.perf_counter() - tw
+            step(x, y)
+        times.append(time.perf_counter() - t0)
+        cpu_all.append(time.process_time() - c0)
+        cpu_main.append(time.thread_time() - m0)
+        waits.append(wait)
+    return {"steps": steps, "window_s": times, "wait_s": waits, "cpu_s": cpu_all, "main_thread_cpu_s": cpu_main}
+
+
+def _memory_batch(data):
+    """A fixed synthetic batch of the plan's batch size and the data's image shape (no loader at all)."""
+    import torch
+
+    bs = data.plan.train.batch_size
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(bs, data.channels, data.image_size, data.image_size, generator=g)
+    y = torch.randint(0, max(2, len(data.class_names)), (bs,), generator=g)
+    return lambda: (x, y)
+
+
+def _solo_worker(cfg: Config, data, warmup: int, steps: int, windows: int, barrier, results) -> None:
+    """Control: a plain process (no Horovod) training the same model on in-memory batches, 1 thread."""
+    import torch
+
+    torch.set_num_threads(max(1, cfg.train.threads_per_rank))
+    torch.manual_seed(cfg.train.seed)
+    model, opt = _model_and_optimizer(cfg, data.channels, max(2, len(data.class_names)), torch.device("cpu"))
+    out = _timed_windows(lambda x, y: _step(model, opt, x, y), _memory_batch(data), warmup, steps, windows,
+                         lambda: barrier.wait(timeout=600))
+    out["batch_size"] = data.plan.train.batch_size
+    results.put(out)
+
+
+def _solo_run(cfg: Config, data, procs: int, sizes: Sizes) -> Dict[str, Any]:
+    """`procs` independent control processes at once (their timed windows start together)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_solo_worker, args=(cfg, data, sizes.warmup_steps, sizes.hvd_steps,
+                                                      sizes.repeats, barrier, results)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        outs = [results.get(timeout=cfg.train.start_timeout_s + 600) for _ in workers]
+    finally:
+        for w in workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.kill()
+    return {"samples_per_s": [sum(o["batch_size"] * o["steps"] / o["window_s"][i] for o in outs)
+                              for i in range(sizes.repeats)]}
+
+
+def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int, in_memory: bool = False) -> Dict[str, Any]:
+    """One rank: the real ShardLoader (shard = rank), ImageClassifier, hvd.DistributedOptimizer, fixed steps.
+
+    `in_memory`: a fixed synthetic batch instead of the loader (Horovod's own cost, without the pipeline's).
+    """
     from pipeline.log import setup_logging
 
     setup_logging()
@@ -589,43 +659,33 @@ def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dic
     model, opt = _model_and_optimizer(cfg, data.channels, max(2, len(data.class_names)), device)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    dm = _train_loader(cfg, data, rank, size)
-    loader = dm.train_loader
-    it = iter(loader)
+    dm = None if in_memory else _train_loader(cfg, data, rank, size)
+    if in_memory:
+        batch = _memory_batch(data)
+    else:
+        loader = dm.train_loader
+        it = iter(loader)
 
-    def batch():
-        nonlocal it
-        try:
-            return next(it)
-        except StopIteration:
-            it = iter(loader)
-            return next(it)
+        def batch():
+            nonlocal it
+            try:
+                return next(it)
+            except StopIteration:
+                it = iter(loader)
+                return next(it)
 
-    times, waits, cpu_main, cpu_all = [], [], [], []
     try:
-        for _ in range(warmup):
-            _step(model, opt, *batch())
-        hvd.allreduce(torch.zeros(1), name="bench.sync")
-        for _ in range(windows):
-            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-            wait = 0.0
-            for _ in range(steps):
-                tw = time.perf_counter()
-                x, y = batch()
-                wait += time.perf_counter() - tw
-                _step(model, opt, x, y)
-            times.append(time.perf_counter() - t0)
-            cpu_all.append(time.process_time() - c0)
-            cpu_main.append(time.thread_time() - m0)
-            waits.append(wait)
+        out = _timed_windows(lambda x, y: _step(model, opt, x, y), batch, warmup, steps, windows,
+                             lambda: hvd.allreduce(torch.zeros(1), name="bench.sync"))
     finally:
-        dm.teardown("fit")
-    return {"rank": rank, "size": size, "batch_size": data.plan.train.batch_size, "steps": steps,
-            "window_s": times, "wait_s": waits, "cpu_s": cpu_all, "main_thread_cpu_s": cpu_main,
-            "horovod_env": {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")}}
+        if dm is not None:
+            dm.teardown("fit")
+    out.update({"rank": rank, "size": size, "batch_size": data.plan.train.batch_size,
+                "horovod_env": {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")}})
+    return out
 
 
-def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
+def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes, in_memory: bool = False) -> Dict[str, Any]:
     import horovod
 
     from pipeline.distributed.launcher import _rank_env
@@ -634,7 +694,8 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
     with temporary_env(_rank_env(job)):
-        results = horovod.run(_hvd_worker, args=(cfg, data, sizes.warmup_steps, sizes.hvd_steps, sizes.repeats),
+        results = horovod.run(_hvd_worker, args=(cfg, data, sizes.warmup_steps, sizes.hvd_steps, sizes.repeats,
+                                                 in_memory),
                               num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
                               start_timeout=cfg.train.start_timeout_s, verbose=0)
     wall = time.perf_counter() - t0
@@ -653,20 +714,39 @@ def _hvd_run(cfg: Config, data, np_: int, sizes: Sizes) -> Dict[str, Any]:
 
 
 def measure_horovod_scaling(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
+    """The pipeline's 2-rank / 1-rank scaling, beside two controls measured in the same run.
+
+    machine: two independent plain processes at once / one (same model, in-memory batches, no Horovod): what this
+    machine gives a second process. horovod_alone: Horovod with 2 ranks on in-memory batches / one plain process:
+    Horovod's own cost (a size-1 Horovod optimizer does no allreduce, so the plain process is its 1-rank run).
+    The pipeline's figure can only approach horovod_alone, which can only approach machine.
+    """
     one = _hvd_run(cfg, prep.data1, 1, sizes)
     log.info("Horovod 1 rank: %.0f samples/s (median of %d windows)", _median(one["samples_per_s"]), sizes.repeats)
     two = _hvd_run(cfg, prep.data, 2, sizes)
     log.info("Horovod 2 ranks: %.0f samples/s (median of %d windows)", _median(two["samples_per_s"]), sizes.repeats)
+    solo1 = _median(_solo_run(cfg, prep.data1, 1, sizes)["samples_per_s"])
+    solo2 = _median(_solo_run(cfg, prep.data1, 2, sizes)["samples_per_s"])
+    mem2 = _median(_hvd_run(cfg, prep.data, 2, sizes, in_memory=True)["samples_per_s"])
+    log.info("controls, in-memory batches: 1 plain process %.0f, 2 plain processes %.0f, Horovod 2 ranks %.0f "
+             "samples/s", solo1, solo2, mem2)
     ratios = [b / a for a, b in zip(one["samples_per_s"], two["samples_per_s"])]
     ratio = _median(two["samples_per_s"]) / _median(one["samples_per_s"])
-    note = (f"1 rank used {sum(one['cores_per_rank']):.2f} cores (training thread "
-            f"{sum(one['main_thread_cores_per_rank']):.2f}); 2 ranks used {sum(two['cores_per_rank']):.2f} of "
-            f"{os.cpu_count()} cores (training threads {sum(two['main_thread_cores_per_rank']):.2f}): the single "
-            f"rank has a spare core for its reader and Horovod threads, the two ranks share theirs with them "
-            f"and with any other load on the machine")
+    machine, alone = solo2 / solo1, mem2 / solo1
+    note = (f"controls in the same run: two independent processes scale {machine:.2f}x on this machine, Horovod "
+            f"alone (2 ranks, in-memory batches, no loader) {alone:.2f}x, the pipeline {ratio:.2f}x. 1 rank used "
+            f"{sum(one['cores_per_rank']):.2f} cores (training thread {sum(one['main_thread_cores_per_rank']):.2f}); "
+            f"2 ranks {sum(two['cores_per_rank']):.2f} of {os.cpu_count()} (training threads "
+            f"{sum(two['main_thread_cores_per_rank']):.2f}): each rank's Horovod background and Gloo threads and "
+            f"its spin-wait for the allreduce take CPU from the other rank's training thread when ranks have no "
+            f"spare core")
     return Result("horovod_cpu_scaling", prep.name, ratio,
                   {"samples_per_s_2_ranks": _median(two["samples_per_s"]),
                    "samples_per_s_1_rank": _median(one["samples_per_s"]),
+                   "control_machine_2_procs_over_1": machine, "control_horovod_alone_2_ranks_over_1": alone,
+                   "control_samples_per_s": {"plain_1_proc": solo1, "plain_2_procs": solo2,
+                                             "horovod_2_ranks_in_memory": mem2},
+                   "pipeline_over_horovod_alone": ratio / alone if alone else float("nan"),
                    "loader_wait_fraction_2_ranks": two["loader_wait_fraction"],
                    "loader_wait_fraction_1_rank": one["loader_wait_fraction"],
                    "cpu_cores_used_1_rank": sum(one["cores_per_rank"]),

@@ -46,6 +46,11 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert r["parts"] and r["spread"], r
         assert report["ratios"][f"{r['name']}/{r['dataset']}"] == r["ratio"]
     assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic"}
+    scaling = next(r for r in report["results"] if r["name"] == "horovod_cpu_scaling")["parts"]
+    for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory"):  # measured, not assumed
+        assert scaling["control_samples_per_s"][control] > 0, scaling
+    assert scaling["control_machine_2_procs_over_1"] == pytest.approx(
+        scaling["control_samples_per_s"]["plain_2_procs"] / scaling["control_samples_per_s"]["plain_1_proc"])
     assert report["datasets"]["sample"]["rows"] > 0 and report["datasets"]["synthetic"]["rows"] == 2000
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
