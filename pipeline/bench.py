@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -357,9 +358,9 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
 # --------------------------------------------------------------------------- loader
 
 
-def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
+def _pyarrow_batches(paths: List[str], transform, batch_size: int) -> Iterator[Tuple[Any, Any]]:
     """The hand-written reference: every row group of every file, then the same transform (the pixel rows of the
-    row group, normalised per batch of rows) without shuffling.
+    row group, normalised per batch of rows) without shuffling; the last batch of a row group may be short.
 
     (Normalised per batch, not per row group: a float32 tensor for a whole row group is a fresh multi-MB allocation
     whose speed swings 4-10x with the allocator's state, which made the reference, not the loader, the noise.)
@@ -367,7 +368,6 @@ def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
     import pyarrow.parquet as pq
     import torch
 
-    rows = 0
     for path in paths:
         pf = pq.ParquetFile(path)
         for g in range(pf.num_row_groups):
@@ -375,9 +375,26 @@ def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
             pixels = transform.rows(table.column("pixels"))
             labels = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
             for i in range(0, len(labels), batch_size):
-                x, y = transform.normalize(pixels[i:i + batch_size]), labels[i:i + batch_size]
-                rows += len(y)
-    return rows
+                yield transform.normalize(pixels[i:i + batch_size]), labels[i:i + batch_size]
+
+
+def _pyarrow_pass(paths: List[str], transform, batch_size: int) -> int:
+    """One timed pass of the reference; returns the rows read."""
+    return sum(len(y) for _x, y in _pyarrow_batches(paths, transform, batch_size))
+
+
+def _interleaved(first: Callable[[], float], second: Callable[[], float],
+                 repeats: int) -> Tuple[List[float], List[float]]:
+    """Run each of two measurements once per repeat, `first` first on even repeats and `second` first on odd ones."""
+    a, b = [], []
+    for r in range(repeats):
+        if r % 2:
+            b.append(second())
+            a.append(first())
+        else:
+            a.append(first())
+            b.append(second())
+    return a, b
 
 
 def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
@@ -420,15 +437,8 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes) -> Result:
 
     with _torch_threads(cfg.train.threads_per_rank):
         _pyarrow_pass(paths, transform, bs)  # warm-up: page cache, imports
-        ours, ref, ratios = [], [], []
-        for r in range(sizes.repeats):
-            if r % 2:
-                ref.append(run_reference())
-                ours.append(run_loader())
-            else:
-                ours.append(run_loader())
-                ref.append(run_reference())
-            ratios.append(ours[-1] / ref[-1])
+        ours, ref = _interleaved(run_loader, run_reference, sizes.repeats)
+        ratios = [o / r for o, r in zip(ours, ref)]
     groups = data.plan.train.row_group_rows
     note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm's reader threads spend "
             f"~0.9 ms per row group whatever its size (two file opens and a legacy ParquetDataset read, partly holding "
@@ -517,15 +527,8 @@ def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Resu
         model, opt = _model_and_optimizer(cfg, data.channels, classes, device)
         for i in range(max(warm, sizes.warmup_steps)):
             _step(model, opt, *fake[i % len(fake)])
-        synth, real, ratios = [], [], []
-        for r in range(sizes.repeats):
-            if r % 2:
-                real.append(run_real())
-                synth.append(run_fake())
-            else:
-                synth.append(run_fake())
-                real.append(run_real())
-            ratios.append(1.0 - synth[-1] / real[-1])
+        synth, real = _interleaved(run_fake, run_real, sizes.repeats)
+        ratios = [1.0 - f / r for f, r in zip(synth, real)]
     per_dev = {"device": device.type, "images_per_s_real_loader": bs / _median(real),
                "images_per_s_in_memory": bs / _median(synth)}
     if device.type == "cuda":  # one process drives one GPU here
@@ -592,30 +595,18 @@ def _timed_windows(step, batch, warmup: int, steps: int, windows: int, sync: Cal
 
 
 def _memory_batches(data, count: int = 32):
-    """Up to `count` batches of real training rows, read once with pyarrow and kept in memory, served in turn.
+    """Up to `count` full batches of real training rows (the reference's), kept in memory and served in turn.
 
     The controls train on the same images as the pipeline, so that only the loader and Horovod differ.
     """
-    import itertools
-
-    import pyarrow.parquet as pq
-    import torch
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
 
     from pipeline.data.datamodule import PixelsToTensor
 
     bs = data.plan.train.batch_size
-    transform = PixelsToTensor(data.channels, data.image_size)
     _, paths = get_filesystem_and_path_or_paths(list(data.train.file_urls))
-    batches = []
-    for path in paths:
-        table = pq.read_table(path, columns=["pixels", "label_index"])
-        rows = transform.rows(table.column("pixels"))
-        labels = torch.from_numpy(table.column("label_index").to_numpy().astype("int64"))
-        batches += [(transform.normalize(rows[i:i + bs]), labels[i:i + bs]) for i in range(0, len(labels) - bs + 1, bs)]
-        if len(batches) >= count:
-            break
-    cycle = itertools.cycle(batches[:count])
+    full = (b for b in _pyarrow_batches(paths, PixelsToTensor(data.channels, data.image_size), bs) if len(b[1]) == bs)
+    cycle = itertools.cycle(list(itertools.islice(full, count)))
     return lambda: next(cycle)
 
 
