@@ -214,14 +214,31 @@ def test_append_during_pinned_training_and_retyped_append(spark, digits_dir, tab
         assert [m.value for m in history] == [per_epoch, per_epoch]
 
 
+def _val_fraction_for(table: Path, val_rows: int) -> float:
+    """A data.val_fraction that puts exactly `val_rows` rows of `table` in the val split.
+
+    The split keys on each row's absolute path, so a fixed fraction gives a different count in every
+    temporary folder (0.003 of 600 rows was 0 rows in about one folder in six).
+    """
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.partition import SPLIT_BUCKETS, split_bucket
+
+    paths = DeltaTable(str(table)).to_pyarrow_table(columns=["path"])["path"].to_pylist()
+    buckets = sorted(split_bucket(p) for p in paths)
+    assert buckets[val_rows - 1] < buckets[val_rows], "two paths share a bucket at the cut; pick another count"
+    return (buckets[val_rows - 1] + 1) / SPLIT_BUCKETS
+
+
 def test_more_ranks_than_row_groups_and_empty_table(table, tmp_path):
     """Fault 8: a clear error with the numbers before any rank starts (no MLflow run is even opened)."""
+    val_fraction = _val_fraction_for(table, 3)  # 3 val rows: at most 3 row groups for 8 ranks
     t0 = time.monotonic()
     out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *_paths(tmp_path, table),
-                             "train.np=-8", "data.partitions_per_worker=1", "data.val_fraction=0.003"),
+                             "train.np=-8", "data.partitions_per_worker=1", f"data.val_fraction={val_fraction}"),
                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert out.returncode == 1 and time.monotonic() - t0 < 300
-    assert "8 ranks" in out.stderr and "row group" in out.stderr and "train.np" in out.stderr
+    assert "val split: 3 rows" in out.stderr and "8 ranks" in out.stderr and "train.np" in out.stderr
     assert RANK_MARKER not in out.stderr and "launching" not in out.stderr
     assert _runs(tmp_path)[1] == []
 
