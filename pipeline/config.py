@@ -45,6 +45,7 @@ class DataConfig:
     channels: int = 1  # 1 = greyscale, 3 = RGB
     reader_workers: int = 2
     shuffle_buffer: int = 1024
+    memory_cache_mb: int = 1024  # a rank's shard up to this size is read once, then served from memory; 0 = never
     seed: int = 42
 
 
@@ -284,6 +285,7 @@ def validate(cfg: Config) -> None:
         ("data.partitions_per_worker", cfg.data.partitions_per_worker >= 1, "must be >= 1"),
         ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
         ("data.reader_workers", cfg.data.reader_workers >= 1, "must be >= 1"),
+        ("data.memory_cache_mb", cfg.data.memory_cache_mb >= 0, "must be >= 0 (0: read every epoch from Parquet)"),
         ("model.lr", cfg.model.lr > 0, "must be > 0"),
         ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),

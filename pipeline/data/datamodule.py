@@ -1,6 +1,7 @@
 """The LightningDataModule: per-rank Petastorm readers (shard = rank) that yield exactly the planned steps."""
 from __future__ import annotations
 
+import itertools
 from contextlib import ExitStack, contextmanager
 from typing import Iterator, List, Optional, Tuple
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from pipeline.config import DataConfig
 from pipeline.data.convert import ConvertedData
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 from pipeline.lakehouse.partition import SplitPlan
@@ -124,16 +126,16 @@ def read_arrow_columns(reader) -> None:
 
 
 class BatchAssembler:
-    """Turns a Petastorm batch reader's row groups into (features, labels) batches of `batch_size`.
+    """Turns row groups (Arrow columns `pixels`, `label_index`) into (features, labels) batches of `batch_size`.
 
     Row groups stay uint8 views of the Arrow buffers until they are gathered, in a shuffle buffer of about
     `shuffle_buffer` rows, with one permutation (a quarter of the bytes of float32), into memory that is reused
     from one buffer to the next: a fresh multi-MB array page-faults on every write (measured 4-10x slower).
-    Batches are normalised one at a time into new tensors. The last batch of a finite reader may be short.
+    Batches are normalised one at a time into new tensors. The last batch of a finite source may be short.
     """
 
-    def __init__(self, reader, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int) -> None:
-        self.reader = reader
+    def __init__(self, row_groups, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int) -> None:
+        self.row_groups = row_groups
         self.batch_size = batch_size
         self.transform = transform
         self.shuffle_buffer = shuffle_buffer
@@ -161,7 +163,7 @@ class BatchAssembler:
     def __iter__(self):
         xs, ys, n = [], [], 0
         threshold = max(self.batch_size, self.shuffle_buffer)
-        for chunk in self.reader:
+        for chunk in self.row_groups:
             xs.append(self.transform.rows(chunk.pixels))
             ys.append(chunk.label_index.to_numpy())
             n += len(ys[-1])
@@ -173,24 +175,18 @@ class BatchAssembler:
             batches, _, _ = self._emit(xs, ys, final=True)
             yield from batches
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.reader.stop()
-        self.reader.join()
-
 
 class ShardLoader:
     """Iterable of (features, labels) batches for one rank.
 
-    Train: one endless Petastorm reader; each pass yields exactly `steps` full batches, the same on every
-    rank. Val: a fresh one-epoch reader per pass, so every validation row of the shard is read once.
-    The rows read in the last pass are kept in `rows_read`.
+    Train: one endless stream of the shard's row groups; each pass yields exactly `steps` full batches, the same
+    on every rank. Val: every validation row of the shard once per pass. A shard of at most `memory_cache_mb` is
+    read through Petastorm once and then served from memory (see `_row_groups`); a larger one through a Petastorm
+    reader every pass. The rows read in the last pass are kept in `rows_read`.
     """
 
     def __init__(self, converter, plan: SplitPlan, rank: int, world_size: int, channels: int, image_size: int,
-                 endless: bool, workers: int, shuffle_buffer: int, seed: int) -> None:
+                 endless: bool, workers: int, shuffle_buffer: int, seed: int, memory_cache_mb: int = 0) -> None:
         self.converter = converter
         self.plan = plan
         self.rank = rank
@@ -200,10 +196,16 @@ class ShardLoader:
         self.workers = workers
         self.shuffle_buffer = shuffle_buffer if endless else 0
         self.seed = seed
+        self.keeps_in_memory = self.shard_mb() <= memory_cache_mb
         self.rows_read = 0
         self.wait_s = 0.0  # time spent waiting for batches in the last pass
-        self._stack = ExitStack()
+        self._kept: Optional[List] = None  # the shard's row groups, once one whole pass has been read
+        self._source: Optional[Iterator] = None
         self._it: Optional[Iterator] = None
+
+    def shard_mb(self) -> float:
+        """Memory this rank's shard takes held as Arrow columns (pixels and labels)."""
+        return self.plan.rows_per_rank[self.rank] * (self.transform.row_bytes + 8) / 2 ** 20
 
     def _extra_row_groups(self) -> int:
         groups = self.plan.row_group_rows
@@ -213,19 +215,45 @@ class ShardLoader:
 
     @contextmanager
     def _open(self, num_epochs: Optional[int]) -> Iterator:
-        def make_loader(reader, batch_size, shuffling_queue_capacity):
+        """A Petastorm reader of this shard yielding each row group as Arrow columns; stopped on leaving."""
+        def arrow_reader(reader, batch_size, shuffling_queue_capacity):
             read_arrow_columns(reader)
-            return BatchAssembler(reader, batch_size, self.transform, shuffling_queue_capacity, self.seed)
+            return reader
 
         ctx = self.converter.make_torch_dataloader(
             batch_size=self.plan.batch_size, num_epochs=num_epochs, workers_count=self.workers,
-            shuffling_queue_capacity=self.shuffle_buffer, data_loader_fn=make_loader,
-            cur_shard=self.rank, shard_count=self.world_size, seed=self.seed,
+            data_loader_fn=arrow_reader, cur_shard=self.rank, shard_count=self.world_size, seed=self.seed,
             shuffle_row_groups=self.endless, reader_pool_type="thread")
         with ExitStack() as stack:
             with _ventilation_depth(self._extra_row_groups()):  # the reader is created on entering
-                loader = stack.enter_context(ctx)
-            yield loader
+                reader = stack.enter_context(ctx)
+            yield reader
+
+    def _row_groups(self, passes: Optional[int]) -> Iterator:
+        """The shard's row groups for `passes` passes over it (None: endless).
+
+        A shard that fits data.memory_cache_mb is read through Petastorm once, kept (the Arrow columns as read) and
+        served from memory after that whole first pass, in a new seeded order each train pass; a larger one is read
+        through Petastorm every pass. A pass cut short (Lightning's sanity check) keeps nothing.
+        """
+        if not self.keeps_in_memory:
+            with self._open(passes) as reader:
+                yield from reader
+            return
+        order = np.random.default_rng(self.seed)
+        for _ in (itertools.count() if passes is None else range(passes)):
+            if self._kept is not None:
+                for i in (order.permutation(len(self._kept)) if self.endless else range(len(self._kept))):
+                    yield self._kept[i]
+                continue
+            kept = []
+            with self._open(1) as reader:
+                for group in reader:
+                    kept.append(group)
+                    yield group
+            self._kept = kept
+            log.info("rank %d: %s shard (%d rows, %.1f MB) kept in memory after its first pass (data.memory_cache_mb)",
+                     self.rank, self.plan.name, sum(len(g.label_index) for g in kept), self.shard_mb())
 
     def __len__(self) -> int:
         if self.endless:
@@ -239,7 +267,9 @@ class ShardLoader:
         self.wait_s = 0.0
         if self.endless:
             if self._it is None:
-                self._it = iter(self._stack.enter_context(self._open(None)))
+                self._source = self._row_groups(None)
+                self._it = iter(BatchAssembler(self._source, self.plan.batch_size, self.transform,
+                                               self.shuffle_buffer, self.seed))
             for _ in range(self.plan.steps_per_epoch):
                 t0 = time.perf_counter()
                 x, y = next(self._it)
@@ -247,8 +277,9 @@ class ShardLoader:
                 self.rows_read += len(y)
                 yield x, y
             return
-        with self._open(1) as loader:
-            it = iter(loader)
+        source = self._row_groups(1)
+        it = iter(BatchAssembler(source, self.plan.batch_size, self.transform, 0, self.seed))
+        try:
             while True:
                 t0 = time.perf_counter()
                 try:
@@ -258,6 +289,8 @@ class ShardLoader:
                 self.wait_s += time.perf_counter() - t0
                 self.rows_read += len(y)
                 yield x, y
+        finally:
+            source.close()  # stops a Petastorm reader left mid-pass
 
     def expected_rows(self) -> int:
         return self.plan.rows_per_epoch_per_rank if self.endless else self.plan.rows_per_rank[self.rank]
@@ -270,25 +303,29 @@ class ShardLoader:
                                   f"the plan says {expected} ({self.plan.rows_per_rank} per rank)")
 
     def close(self) -> None:
-        self._stack.close()
-        self._it = None
+        """Stop the endless train reader (the rows kept in memory stay for the next fit)."""
+        if self._source is not None:
+            self._source.close()
+        self._source = self._it = None
 
 
 class LakehouseDataModule(pl.LightningDataModule):
     """Loaders for shard `rank` of `world_size` over converted Delta data."""
 
-    def __init__(self, data: ConvertedData, rank: int = 0, world_size: int = 1, reader_workers: int = 2,
-                 shuffle_buffer: int = 1024, seed: int = 42) -> None:
+    def __init__(self, data: ConvertedData, rank: int = 0, world_size: int = 1,
+                 data_cfg: Optional[DataConfig] = None) -> None:
         super().__init__()
         if data.plan.train.world_size != world_size:
             raise ValueError(f"the shard plan was made for {data.plan.train.world_size} rank(s), "
                              f"this job has {world_size}")
+        c = data_cfg or DataConfig()
         self.data = data
         self.rank = rank
         self.world_size = world_size
         kw = dict(rank=rank, world_size=world_size, channels=data.channels, image_size=data.image_size,
-                  workers=reader_workers, seed=seed + rank)
-        self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=shuffle_buffer, **kw)
+                  workers=c.reader_workers, seed=c.seed + rank, memory_cache_mb=c.memory_cache_mb)
+        self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=c.shuffle_buffer,
+                                        **kw)
         self.val_loader = ShardLoader(data.val, data.plan.val, endless=False, shuffle_buffer=0, **kw)
 
     @property
@@ -306,6 +343,7 @@ class LakehouseDataModule(pl.LightningDataModule):
         self.val_loader.close()
 
 
-def make_datamodule(data: ConvertedData, rank: int, world_size: int, reader_workers: int = 2,
-                    shuffle_buffer: int = 1024, seed: int = 42) -> LakehouseDataModule:
-    return LakehouseDataModule(data, rank, world_size, reader_workers, shuffle_buffer, seed)
+def make_datamodule(data: ConvertedData, rank: int, world_size: int,
+                    data_cfg: Optional[DataConfig] = None) -> LakehouseDataModule:
+    """The data module of rank `rank`; loader settings from `data_cfg` (the data.* config keys)."""
+    return LakehouseDataModule(data, rank, world_size, data_cfg)

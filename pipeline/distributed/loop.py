@@ -113,8 +113,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         log.info("training on %d rank(s), lr %.4g (%s scaling of %.4g)", world_size, lr, cfg.train.lr_scaling,
                  cfg.model.lr)
 
-    dm = make_datamodule(job.data, rank, world_size, cfg.data.reader_workers, cfg.data.shuffle_buffer,
-                         cfg.data.seed)
+    dm = make_datamodule(job.data, rank, world_size, cfg.data)
     plan = job.data.plan
     model = ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,

@@ -14,7 +14,7 @@ from conftest import ROOT, cli
 
 pytestmark = pytest.mark.integration
 
-RATIOS = ["loader_efficiency", "input_bound_fraction", "conversion_vs_plain_write", "conversion_cache_hit",
+RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write", "conversion_cache_hit",
           "horovod_cpu_scaling", "shard_balance", "checkpoint_overhead", "tracking_overhead"]
 
 
@@ -52,6 +52,10 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert scaling["control_machine_2_procs_over_1"] == pytest.approx(
         scaling["control_samples_per_s"]["plain_2_procs"] / scaling["control_samples_per_s"]["plain_1_proc"])
     assert report["datasets"]["sample"]["rows"] > 0 and report["datasets"]["synthetic"]["rows"] == 2000
+    loaders = {(r["name"], r["dataset"]): r["parts"]["kept_in_memory"] for r in report["results"]
+               if r["name"].startswith("loader_efficiency")}
+    assert loaders == {("loader_efficiency", d): True for d in ("sample", "synthetic")} | {
+        ("loader_efficiency_uncached", d): False for d in ("sample", "synthetic")}  # both ways of reading, measured
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()

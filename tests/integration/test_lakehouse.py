@@ -184,6 +184,7 @@ def test_spark_split_matches_python_rule(spark, digits_table, tmp_path):
 
 
 def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, tmp_path):
+    from pipeline.config import DataConfig
     from pipeline.data.convert import class_names_of, convert_for_training
     from pipeline.data.datamodule import make_datamodule
 
@@ -194,7 +195,7 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
         assert data.plan.train.total_rows + data.plan.val.total_rows == 600
         steps, val_rows, labels = [], [], set()
         for rank in range(2):
-            dm = make_datamodule(data, rank, 2, reader_workers=1)
+            dm = make_datamodule(data, rank, 2, DataConfig(reader_workers=1, memory_cache_mb=0))  # Petastorm each pass
             try:
                 for _ in range(2):  # two epochs: the same steps every time
                     n = 0
@@ -217,6 +218,53 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
     finally:
         data.delete()
     assert not os.path.exists(data.train.cache_dir_url.replace("file://", ""))
+
+
+def _row_keys(batches) -> list:
+    return [row.numpy().tobytes() for x, _ in batches for row in x]
+
+
+def _parquet_files(converter) -> list:
+    return [u.replace("file://", "") for u in converter.file_urls]
+
+
+def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path):
+    """data.memory_cache_mb: a shard that fits is read through Petastorm once, then served from memory
+    (the converted files are deleted after the first pass to prove it), its row groups in a new order each pass."""
+    from pipeline.config import DataConfig
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.data.datamodule import make_datamodule
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16", "data.partitions_per_worker=4")
+    df, _ = _read(spark, cfg)
+    data = convert_for_training(spark, df, cfg, 2, class_names_of(df))
+    # no shuffle buffer: the rows come in row-group order, so the passes can be cut out of the stream of rows
+    dm = make_datamodule(data, 1, 2, DataConfig(reader_workers=1, memory_cache_mb=64, shuffle_buffer=0))
+    try:
+        train, val = dm.train_dataloader(), dm.val_dataloader()
+        assert train.keeps_in_memory and val.keeps_in_memory and 0 < train.shard_mb() < 64
+        next(iter(val))  # a pass cut short, as by Lightning's sanity check: nothing is kept from it
+        first_val = _row_keys(val)
+        val.check_rows()
+        plan = data.plan.train
+        shard_rows, epoch_rows = plan.rows_per_rank[1], plan.rows_per_epoch_per_rank
+        stream = []
+        while len(stream) < shard_rows:
+            stream += _row_keys(train)
+        train.check_rows()
+        for path in _parquet_files(data.train) + _parquet_files(data.val):
+            os.remove(path)
+        assert _row_keys(val) == first_val and len(first_val) == data.plan.val.rows_per_rank[1]
+        for _ in range(3):
+            stream += _row_keys(train)
+            train.check_rows()
+        passes = [stream[k:k + shard_rows] for k in range(0, len(stream) - shard_rows + 1, shard_rows)]
+        assert len(passes) >= 3 and plan.row_groups_per_rank[1] == 4
+        assert all(len(p) == len(set(p)) == shard_rows and set(p) == set(passes[0]) for p in passes)
+        assert any(p != passes[0] for p in passes[1:])  # the row groups are reordered between passes
+    finally:
+        dm.teardown("fit")
+        data.delete()
 
 
 def test_too_few_row_groups_fails_before_training(spark, digits_dir, tmp_path):

@@ -57,6 +57,8 @@ def test_choice_and_range_validation():
         load_config(None, ["data.val_fraction=1.5"])
     with pytest.raises(ConfigError, match="train.np"):
         load_config(None, ["train.np=0"])
+    with pytest.raises(ConfigError, match=r"data.memory_cache_mb': value -1 must be >= 0"):
+        load_config(None, ["data.memory_cache_mb=-1"])
 
 
 def test_bad_override_syntax():
