@@ -101,6 +101,8 @@ class MlflowConfig:
     gate_mode: str = "max"
     retries: int = 3
     retry_wait_s: float = 2.0
+    # runs a job could not end (the server was unreachable) are written here and ended at the next connection
+    unended_runs: Optional[str] = "work/mlflow_unended_runs.jsonl"
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -96,8 +97,7 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                         exp_id = client.create_experiment(
                             cfg_mlflow.experiment, artifact_location=resolve_artifact_location(cfg_mlflow.artifact_location))
                         log.info("created MLflow experiment %r (id %s) at %s", cfg_mlflow.experiment, exp_id, uri)
-                        mlflow.set_tracking_uri(uri)
-                        return client, exp_id
+                        return _connected(client, uri, exp_id, cfg_mlflow)
                     except MlflowException as exc:  # another process created it first
                         if "ALREADY_EXISTS" not in str(exc.error_code):
                             raise
@@ -107,8 +107,7 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                 if exp.lifecycle_stage == "deleted":
                     raise ValueError(f"config key 'mlflow.experiment': experiment {cfg_mlflow.experiment!r} is deleted "
                                      f"at {uri}; restore it or choose another name")
-                mlflow.set_tracking_uri(uri)  # for the fluent API and model logging in this process
-                return client, exp.experiment_id
+                return _connected(client, uri, exp.experiment_id, cfg_mlflow)
             except ValueError:
                 raise
             except MlflowException as exc:
@@ -123,6 +122,74 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                 time.sleep(max(0.0, float(cfg_mlflow.retry_wait_s)))
     raise TrackingUnavailable(f"cannot reach MLflow at config key 'mlflow.tracking_uri' = {uri!r} after {attempts} "
                               f"attempt(s): {_short(last)}") from last
+
+
+def _connected(client: MlflowClient, uri: str, experiment_id: str, cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
+    mlflow.set_tracking_uri(uri)  # for the fluent API and model logging in this process
+    if cfg_mlflow.unended_runs:
+        UnendedRuns(cfg_mlflow.unended_runs).end_all(client, uri)
+    return client, experiment_id
+
+
+class UnendedRuns:
+    """A local JSON-lines file of runs whose end could not be recorded because the tracking server was down.
+
+    Each line keeps the run id, the server, the status the job ended with and when. The next connection to that
+    server ends every such run still RUNNING with that status and end time, so the registry's runs tell the truth.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(os.path.expanduser(path))
+
+    def add(self, tracking_uri: str, run_id: str, status: str, end_time_ms: int, error: str) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        entry = {"tracking_uri": tracking_uri, "run_id": run_id, "status": status, "end_time_ms": end_time_ms,
+                 "error": error}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        log.warning("MLflow run %s could not be marked %s; recorded in %s (config key 'mlflow.unended_runs'): the "
+                    "next job that reaches %s ends it", run_id, status, self.path, tracking_uri)
+
+    def end_all(self, client: MlflowClient, tracking_uri: str) -> List[str]:
+        """End the recorded runs of `tracking_uri`; keep lines for other servers and the ones that still fail."""
+        if not os.path.exists(self.path):
+            return []
+        keep, ended = [], []
+        with open(self.path) as fh:
+            lines = [line for line in fh.read().splitlines() if line.strip()]
+        for number, line in enumerate(lines, 1):
+            try:
+                entry = json.loads(line)
+                run_id, status, end_ms = entry["run_id"], entry["status"], int(entry["end_time_ms"])
+                same_server = entry["tracking_uri"] == tracking_uri
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("%s line %d is not a recorded run (%s); left as it is", self.path, number, _short(exc))
+                keep.append(line)
+                continue
+            if not same_server:
+                keep.append(line)
+                continue
+            try:
+                if client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.RUNNING):
+                    client.set_terminated(run_id, status=status, end_time=end_ms)
+                    client.set_tag(run_id, "lakehouse.ended_by", "a later job (the server was down when it ended)")
+                    log.warning("MLflow run %s ended %s now: its job could not reach %s when it ended", run_id,
+                                status, tracking_uri)
+                ended.append(run_id)
+            except MlflowException as exc:
+                if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code):
+                    continue  # deleted from the store since: nothing left to end
+                keep.append(line)
+            except Exception:  # still unreachable: try again next time
+                keep.append(line)
+        if keep:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write("\n".join(keep) + "\n")
+            os.replace(tmp, self.path)
+        else:
+            os.remove(self.path)
+        return ended
 
 
 def _short(exc: Optional[BaseException], limit: int = 400) -> str:
@@ -156,18 +223,22 @@ class TrackedRun:
     tracking_uri: str
 
 
-def _end_run(client: MlflowClient, run_id: str, status: str) -> None:
+def _end_run(client: MlflowClient, run_id: str, status: str, cfg_mlflow: MlflowConfig) -> None:
     # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take.
+    end_ms = int(time.time() * 1000)
     for attempt in range(3):
         try:
             with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
-                client.set_terminated(run_id, status=status)
+                client.set_terminated(run_id, status=status, end_time=end_ms)
             return
         except Exception as exc:  # never mask the exception that ended the run
-            if attempt == 2:
-                log.error("could not mark MLflow run %s as %s: %s", run_id, status, _short(exc))
-            else:
+            if attempt < 2:
                 time.sleep(1.0)
+                continue
+            log.error("could not mark MLflow run %s as %s: %s", run_id, status, _short(exc))
+            if cfg_mlflow.unended_runs:
+                UnendedRuns(cfg_mlflow.unended_runs).add(resolve_tracking_uri(cfg_mlflow.tracking_uri), run_id,
+                                                          status, end_ms, _short(exc))
 
 
 @contextlib.contextmanager
@@ -216,7 +287,7 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
         raise
     finally:
         terminating["flag"] = True
-        _end_run(client, run_id, status)
+        _end_run(client, run_id, status, cfg.mlflow)
         if installed:
             signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
         log.info("MLflow run %s ended %s", run_id, status)

@@ -294,16 +294,20 @@ def test_sigterm_to_driver_checkpoints_and_ends_killed(table, tmp_path):
 
 def test_mlflow_down_mid_run_fails_bounded_and_registers_nothing(table, tmp_path):
     """Fault 10 (mid-run): the server dies after the first epoch: bounded retries, a non-zero exit, and once the
-    server is back on the same store, no model version exists."""
+    server is back on the same store, no model version exists; the run the job could not end is recorded in
+    mlflow.unended_runs and the next connection ends it FAILED at the time the job ended."""
     from conftest import start_mlflow_server, stop_mlflow_server
+    from pipeline.config import load_config
+    from pipeline.tracking.runs import configure
 
     root = tmp_path / "server"
     root.mkdir()
     server, uri = start_mlflow_server(root)
     port = uri.rsplit(":", 1)[1]
-    proc = _start_train(tmp_path, table, f"mlflow.tracking_uri={uri}", "mlflow.artifact_location=null",
-                        "mlflow.retries=2", "mlflow.retry_wait_s=1", "train.max_epochs=4",
-                        "train.early_stopping.enabled=false")
+    journal = tmp_path / "unended.jsonl"
+    mlflow_keys = [f"mlflow.tracking_uri={uri}", "mlflow.artifact_location=null", "mlflow.retries=2",
+                   "mlflow.retry_wait_s=1", f"mlflow.unended_runs={journal}"]
+    proc = _start_train(tmp_path, table, *mlflow_keys, "train.max_epochs=4", "train.early_stopping.enabled=false")
     try:
         _wait_for(lambda: "epoch 0:" in _log(tmp_path), 400, "the first epoch", proc, tmp_path)
         stop_mlflow_server(server)
@@ -324,6 +328,12 @@ def test_mlflow_down_mid_run_fails_bounded_and_registers_nothing(table, tmp_path
             versions = []
         assert versions == []
         runs = client.search_runs([client.get_experiment_by_name("lakehouse-local").experiment_id])
-        assert len(runs) == 1 and runs[0].info.status != "FINISHED"
+        assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # the server was down when the job ended it
+        recorded = [json.loads(line) for line in journal.read_text().splitlines()]
+        assert [(e["run_id"], e["status"], e["tracking_uri"]) for e in recorded] == [(runs[0].info.run_id, "FAILED", uri)]
+        configure(load_config(str(ROOT / "conf/local.yaml"), mlflow_keys).mlflow)  # what the next job does first
+        run = client.get_run(runs[0].info.run_id)
+        assert run.info.status == "FAILED" and run.info.end_time == recorded[0]["end_time_ms"]
+        assert not journal.exists()
     finally:
         stop_mlflow_server(server)

@@ -25,8 +25,9 @@ from pipeline.model.nets import build_network
 from pipeline.tracking import plots
 from pipeline.tracking.pyfunc import log_model
 from pipeline.tracking.registry import promote, register_model
-from pipeline.tracking.runs import (Terminated, TrackingUnavailable, configure, log_config, log_epoch_metrics,
-                                    log_lineage, resolve_artifact_location, resolve_tracking_uri, tracked_run)
+from pipeline.tracking.runs import (Terminated, TrackingUnavailable, UnendedRuns, configure, log_config,
+                                    log_epoch_metrics, log_lineage, resolve_artifact_location, resolve_tracking_uri,
+                                    tracked_run)
 
 pytestmark = pytest.mark.integration
 
@@ -247,6 +248,29 @@ def test_tracked_run_statuses(sqlite_store):
                       "ok": "FINISHED"}
     assert "boom" in client.get_run(ids["failed"]).data.tags["error"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
+    """A run recorded in mlflow.unended_runs is ended with its recorded status and time by the next `configure` of
+    the same store; lines of other servers and unreadable lines are kept, not lost."""
+    cfg = _cfg(*sqlite_store, "unended")
+    cfg.mlflow.unended_runs = str(tmp_path / "unended.jsonl")
+    client = configure(cfg.mlflow)
+    run = client.create_run(client.get_experiment_by_name("unended").experiment_id)
+    uri = resolve_tracking_uri(cfg.mlflow.tracking_uri)
+    journal = UnendedRuns(cfg.mlflow.unended_runs)
+    journal.add(uri, run.info.run_id, "KILLED", 1_700_000_000_000, "ConnectionError: server down")
+    journal.add("http://127.0.0.1:1", "other-server-run", "FAILED", 1, "ConnectionError")
+    with open(journal.path, "a") as fh:
+        fh.write("{not json\n")
+
+    configure(cfg.mlflow)
+    ended = client.get_run(run.info.run_id)
+    assert ended.info.status == "KILLED" and ended.info.end_time == 1_700_000_000_000
+    assert "later job" in ended.data.tags["lakehouse.ended_by"]
+    left = open(journal.path).read().splitlines()
+    assert len(left) == 2 and "other-server-run" in left[0] and left[1] == "{not json"
+    assert journal.end_all(client, uri) == []  # nothing of this store is left to end
 
 
 @pytest.mark.timeout(60)
