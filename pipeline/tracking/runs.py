@@ -127,7 +127,12 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
 def _connected(client: MlflowClient, uri: str, experiment_id: str, cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
     mlflow.set_tracking_uri(uri)  # for the fluent API and model logging in this process
     if cfg_mlflow.unended_runs:
-        UnendedRuns(cfg_mlflow.unended_runs).end_all(client, uri)
+        journal = UnendedRuns(cfg_mlflow.unended_runs)
+        try:
+            journal.end_all(client, uri)
+        except OSError as exc:  # an unreadable journal must not stop the job that found the server
+            log.warning("could not read or rewrite %s (config key 'mlflow.unended_runs'): %s", journal.path,
+                        _short(exc))
     return client, experiment_id
 
 
