@@ -45,7 +45,7 @@ class DataConfig:
     channels: int = 1  # 1 = greyscale, 3 = RGB
     reader_workers: int = 2
     shuffle_buffer: int = 1024
-    memory_cache_mb: int = 1024  # a rank's shard up to this size is read once, then served from memory; 0 = never
+    memory_cache_mb: int = 1024  # per rank: train then val shard, if it fits, read once then served from memory; 0 = never
     seed: int = 42
 
 

@@ -246,14 +246,22 @@ class ShardLoader:
                 for i in (order.permutation(len(self._kept)) if self.endless else range(len(self._kept))):
                     yield self._kept[i]
                 continue
-            kept = []
+            kept, rows, planned = [], 0, self.plan.rows_per_rank[self.rank]
             with self._open(1) as reader:
                 for group in reader:
                     kept.append(group)
+                    rows += len(group.label_index)
+                    if rows == planned:  # whole before its last batch is taken: Lightning may stop right there
+                        self._keep(kept, rows)
                     yield group
-            self._kept = kept
-            log.info("rank %d: %s shard (%d rows, %.1f MB) kept in memory after its first pass (data.memory_cache_mb)",
-                     self.rank, self.plan.name, sum(len(g.label_index) for g in kept), self.shard_mb())
+            if rows != planned:
+                raise ShardCountError(f"rank {self.rank} read {rows} {self.plan.name} rows in a pass over its shard, "
+                                      f"the plan says {planned}; the converted files changed, convert again")
+
+    def _keep(self, row_groups: List, rows: int) -> None:
+        self._kept = row_groups
+        log.info("rank %d: %s shard (%d rows, %.1f MB) kept in memory after its first pass (data.memory_cache_mb)",
+                 self.rank, self.plan.name, rows, self.shard_mb())
 
     def __len__(self) -> int:
         if self.endless:
@@ -323,10 +331,12 @@ class LakehouseDataModule(pl.LightningDataModule):
         self.rank = rank
         self.world_size = world_size
         kw = dict(rank=rank, world_size=world_size, channels=data.channels, image_size=data.image_size,
-                  workers=c.reader_workers, seed=c.seed + rank, memory_cache_mb=c.memory_cache_mb)
+                  workers=c.reader_workers, seed=c.seed + rank)
         self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=c.shuffle_buffer,
-                                        **kw)
-        self.val_loader = ShardLoader(data.val, data.plan.val, endless=False, shuffle_buffer=0, **kw)
+                                        memory_cache_mb=c.memory_cache_mb, **kw)
+        left_mb = c.memory_cache_mb - (self.train_loader.shard_mb() if self.train_loader.keeps_in_memory else 0)
+        self.val_loader = ShardLoader(data.val, data.plan.val, endless=False, shuffle_buffer=0,
+                                      memory_cache_mb=left_mb, **kw)  # one budget per rank: train first, then val
 
     @property
     def class_names(self) -> List[str]:

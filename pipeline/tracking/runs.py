@@ -130,71 +130,111 @@ def _connected(client: MlflowClient, uri: str, experiment_id: str, cfg_mlflow: M
         journal = UnendedRuns(cfg_mlflow.unended_runs)
         try:
             journal.end_all(client, uri)
-        except OSError as exc:  # an unreadable journal must not stop the job that found the server
-            log.warning("could not read or rewrite %s (config key 'mlflow.unended_runs'): %s", journal.path,
-                        _short(exc))
+        except Exception as exc:  # a broken journal must not stop (or be mistaken for) the connection
+            log.warning("could not process %s (config key 'mlflow.unended_runs'): %s", journal.path, _short(exc))
     return client, experiment_id
+
+
+def _store_key(tracking_uri: str) -> str:
+    """The tracking URI with a local file store as an absolute path (sqlite URIs are already resolved)."""
+    scheme = tracking_uri.split(":", 1)[0] if ":" in tracking_uri else ""
+    if scheme in ("", "file") and not tracking_uri.startswith("databricks"):
+        path = tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri.split(":", 1)[-1]
+        return "file://" + os.path.abspath(os.path.expanduser(path))
+    return tracking_uri
 
 
 class UnendedRuns:
     """A local JSON-lines file of runs whose end could not be recorded because the tracking server was down.
 
-    Each line keeps the run id, the server, the status the job ended with and when. The next connection to that
-    server ends every such run still RUNNING with that status and end time, so the registry's runs tell the truth.
+    Each line keeps the run id, its experiment, the server, the status the job ended with and when. The next
+    connection to that server ends every such run still RUNNING with that status and end time, so the runs tell
+    the truth; a line is dropped once its run is no longer RUNNING or was deleted. Jobs on one machine share the
+    file under a lock.
     """
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(os.path.expanduser(path))
 
-    def add(self, tracking_uri: str, run_id: str, status: str, end_time_ms: int, error: str) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        import fcntl
+
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        entry = {"tracking_uri": tracking_uri, "run_id": run_id, "status": status, "end_time_ms": end_time_ms,
-                 "error": error}
-        with open(self.path, "a") as fh:
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def add(self, tracking_uri: str, experiment_id: str, run_id: str, status: str, end_time_ms: int,
+            error: str) -> None:
+        entry = {"tracking_uri": _store_key(tracking_uri), "experiment_id": experiment_id, "run_id": run_id,
+                 "status": status, "end_time_ms": end_time_ms, "error": error}
+        with self._locked(), open(self.path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
-        log.warning("MLflow run %s could not be marked %s; recorded in %s (config key 'mlflow.unended_runs'): the "
-                    "next job that reaches %s ends it", run_id, status, self.path, tracking_uri)
+        log.warning("MLflow run %s not marked %s yet (%s); recorded in %s (config key 'mlflow.unended_runs'): if it "
+                    "stays unreachable, the next job that reaches %s ends it", run_id, status, error, self.path,
+                    tracking_uri)
 
     def end_all(self, client: MlflowClient, tracking_uri: str) -> List[str]:
-        """End the recorded runs of `tracking_uri`; keep lines for other servers and the ones that still fail."""
-        if not os.path.exists(self.path):
-            return []
-        keep, ended = [], []
-        with open(self.path) as fh:
-            lines = [line for line in fh.read().splitlines() if line.strip()]
-        for number, line in enumerate(lines, 1):
-            try:
-                entry = json.loads(line)
-                run_id, status, end_ms = entry["run_id"], entry["status"], int(entry["end_time_ms"])
-                same_server = entry["tracking_uri"] == tracking_uri
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("%s line %d is not a recorded run (%s); left as it is", self.path, number, _short(exc))
-                keep.append(line)
-                continue
-            if not same_server:
-                keep.append(line)
-                continue
-            try:
-                if client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.RUNNING):
-                    client.set_terminated(run_id, status=status, end_time=end_ms)
-                    client.set_tag(run_id, "lakehouse.ended_by", "a later job (the server was down when it ended)")
-                    log.warning("MLflow run %s ended %s now: its job could not reach %s when it ended", run_id,
-                                status, tracking_uri)
-                ended.append(run_id)
-            except MlflowException as exc:
-                if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code):
-                    continue  # deleted from the store since: nothing left to end
-                keep.append(line)
-            except Exception:  # still unreachable: try again next time
-                keep.append(line)
-        if keep:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as fh:
-                fh.write("\n".join(keep) + "\n")
-            os.replace(tmp, self.path)
-        else:
-            os.remove(self.path)
+        """End the recorded runs of `tracking_uri` still RUNNING; returns their ids.
+
+        Lines of other servers, unreadable lines and runs the server cannot answer for now are kept.
+        """
+        key = _store_key(tracking_uri)
+        ended: List[str] = []
+        with self._locked():
+            if not os.path.exists(self.path):
+                return ended
+            with open(self.path) as fh:
+                lines = [line for line in fh.read().splitlines() if line.strip()]
+            keep: List[str] = []
+            unreachable = False
+            for number, line in enumerate(lines, 1):
+                try:
+                    entry = json.loads(line)
+                    run_id, status, end_ms = entry["run_id"], entry["status"], int(entry["end_time_ms"])
+                    mine = entry["tracking_uri"] == key
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.warning("%s line %d is not a recorded run (%s); left as it is", self.path, number, _short(exc))
+                    keep.append(line)
+                    continue
+                if not mine or unreachable:
+                    keep.append(line)
+                    continue
+                try:
+                    if client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.RUNNING):
+                        client.set_terminated(run_id, status=status, end_time=end_ms)
+                        client.set_tag(run_id, "lakehouse.ended_by", "a later job (the server was down when it ended)")
+                        log.warning("MLflow run %s ended %s now: its job could not reach %s when it ended", run_id,
+                                    status, tracking_uri)
+                        ended.append(run_id)
+                except MlflowException as exc:
+                    if not ("RESOURCE_DOES_NOT_EXIST" in str(exc.error_code)
+                            and self._experiment_exists(client, entry.get("experiment_id"))):
+                        keep.append(line)  # not this store's run after all, or a server error: keep it
+                except Exception:  # unreachable again: keep this line and leave the rest for next time
+                    unreachable = True
+                    keep.append(line)
+            self._rewrite(keep)
         return ended
+
+    @staticmethod
+    def _experiment_exists(client: MlflowClient, experiment_id: Optional[str]) -> bool:
+        try:
+            return experiment_id is not None and client.get_experiment(experiment_id) is not None
+        except Exception:
+            return False
+
+    def _rewrite(self, lines: List[str]) -> None:
+        import tempfile
+
+        if not lines:
+            os.remove(self.path)
+            return
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".unended-")
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        os.replace(tmp, self.path)
 
 
 def _short(exc: Optional[BaseException], limit: int = 400) -> str:
@@ -228,22 +268,29 @@ class TrackedRun:
     tracking_uri: str
 
 
-def _end_run(client: MlflowClient, run_id: str, status: str, cfg_mlflow: MlflowConfig) -> None:
-    # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take.
+def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str, cfg_mlflow: MlflowConfig) -> None:
+    # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take. The run is
+    # recorded in mlflow.unended_runs at the first failure, so a driver killed while retrying still leaves it there.
     end_ms = int(time.time() * 1000)
+    recorded = not cfg_mlflow.unended_runs
     for attempt in range(3):
         try:
             with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
                 client.set_terminated(run_id, status=status, end_time=end_ms)
             return
         except Exception as exc:  # never mask the exception that ended the run
+            if not recorded:
+                recorded = True
+                try:
+                    UnendedRuns(cfg_mlflow.unended_runs).add(resolve_tracking_uri(cfg_mlflow.tracking_uri),
+                                                              experiment_id, run_id, status, end_ms, _short(exc, 200))
+                except Exception as journal_exc:
+                    log.error("could not record MLflow run %s in %s (config key 'mlflow.unended_runs'): %s", run_id,
+                              cfg_mlflow.unended_runs, _short(journal_exc))
             if attempt < 2:
                 time.sleep(1.0)
                 continue
             log.error("could not mark MLflow run %s as %s: %s", run_id, status, _short(exc))
-            if cfg_mlflow.unended_runs:
-                UnendedRuns(cfg_mlflow.unended_runs).add(resolve_tracking_uri(cfg_mlflow.tracking_uri), run_id,
-                                                          status, end_ms, _short(exc))
 
 
 @contextlib.contextmanager
@@ -292,7 +339,7 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
         raise
     finally:
         terminating["flag"] = True
-        _end_run(client, run_id, status, cfg.mlflow)
+        _end_run(client, experiment_id, run_id, status, cfg.mlflow)
         if installed:
             signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
         log.info("MLflow run %s ended %s", run_id, status)

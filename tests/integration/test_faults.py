@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Tuple
 
 import psutil
 import pytest
@@ -226,19 +227,29 @@ def _val_fraction_for(table: Path, val_rows: int) -> float:
 
     paths = DeltaTable(str(table)).to_pyarrow_table(columns=["path"])["path"].to_pylist()
     buckets = sorted(split_bucket(p) for p in paths)
-    assert buckets[val_rows - 1] < buckets[val_rows], "two paths share a bucket at the cut; pick another count"
+    assert buckets[val_rows - 1] < buckets[val_rows], f"two paths share a bucket at the cut of {val_rows} rows"
     return (buckets[val_rows - 1] + 1) / SPLIT_BUCKETS
+
+
+def _small_val(table: Path, most: int) -> Tuple[int, float]:
+    """(n, fraction) for the first n in 3..most whose cut falls between two buckets (paths can share one)."""
+    for n in range(3, most + 1):
+        try:
+            return n, _val_fraction_for(table, n)
+        except AssertionError:
+            continue
+    raise AssertionError(f"no cut between 3 and {most} val rows falls between two buckets")
 
 
 def test_more_ranks_than_row_groups_and_empty_table(table, tmp_path):
     """Fault 8: a clear error with the numbers before any rank starts (no MLflow run is even opened)."""
-    val_fraction = _val_fraction_for(table, 3)  # 3 val rows: at most 3 row groups for 8 ranks
+    val_rows, val_fraction = _small_val(table, 7)  # at most 7 val rows: fewer non-empty row groups than 8 ranks
     t0 = time.monotonic()
     out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *_paths(tmp_path, table),
                              "train.np=-8", "data.partitions_per_worker=1", f"data.val_fraction={val_fraction}"),
                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert out.returncode == 1 and time.monotonic() - t0 < 300
-    assert "val split: 3 rows" in out.stderr and "8 ranks" in out.stderr and "train.np" in out.stderr
+    assert f"val split: {val_rows} rows" in out.stderr and "8 ranks" in out.stderr and "train.np" in out.stderr
     assert RANK_MARKER not in out.stderr and "launching" not in out.stderr
     assert _runs(tmp_path)[1] == []
 
@@ -331,7 +342,13 @@ def test_mlflow_down_mid_run_fails_bounded_and_registers_nothing(table, tmp_path
         assert len(runs) == 1 and runs[0].info.status == "RUNNING"  # the server was down when the job ended it
         recorded = [json.loads(line) for line in journal.read_text().splitlines()]
         assert [(e["run_id"], e["status"], e["tracking_uri"]) for e in recorded] == [(runs[0].info.run_id, "FAILED", uri)]
-        configure(load_config(str(ROOT / "conf/local.yaml"), mlflow_keys).mlflow)  # what the next job does first
+        import mlflow
+
+        previous_uri = mlflow.get_tracking_uri()
+        try:
+            configure(load_config(str(ROOT / "conf/local.yaml"), mlflow_keys).mlflow)  # what the next job does first
+        finally:
+            mlflow.set_tracking_uri(previous_uri)
         run = client.get_run(runs[0].info.run_id)
         assert run.info.status == "FAILED" and run.info.end_time == recorded[0]["end_time_ms"]
         assert not journal.exists()

@@ -1,4 +1,6 @@
 """Data plane on real parts: Spark local[2], Delta via delta-rs, Petastorm converters and the DataModule."""
+import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -233,7 +235,7 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path):
     (the converted files are deleted after the first pass to prove it), its row groups in a new order each pass."""
     from pipeline.config import DataConfig
     from pipeline.data.convert import class_names_of, convert_for_training
-    from pipeline.data.datamodule import make_datamodule
+    from pipeline.data.datamodule import ShardLoader, make_datamodule
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16", "data.partitions_per_worker=4")
     df, _ = _read(spark, cfg)
@@ -246,6 +248,13 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path):
         next(iter(val))  # a pass cut short, as by Lightning's sanity check: nothing is kept from it
         first_val = _row_keys(val)
         val.check_rows()
+        # Lightning takes exactly len(loader) batches and never asks for the end; with a pass that ends on a full
+        # batch the reader is still open at that point, and the shard must be kept all the same
+        whole = dataclasses.replace(data.plan.val, batch_size=data.plan.val.rows_per_rank[1])
+        one_batch = ShardLoader(data.val, whole, rank=1, world_size=2, channels=data.channels,
+                                image_size=data.image_size, endless=False, workers=1, shuffle_buffer=0, seed=7,
+                                memory_cache_mb=64)
+        assert len(one_batch) == 1 and _row_keys(itertools.islice(one_batch, len(one_batch))) == first_val
         plan = data.plan.train
         shard_rows, epoch_rows = plan.rows_per_rank[1], plan.rows_per_epoch_per_rank
         stream = []
@@ -255,6 +264,7 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path):
         for path in _parquet_files(data.train) + _parquet_files(data.val):
             os.remove(path)
         assert _row_keys(val) == first_val and len(first_val) == data.plan.val.rows_per_rank[1]
+        assert _row_keys(one_batch) == first_val
         for _ in range(3):
             stream += _row_keys(train)
             train.check_rows()

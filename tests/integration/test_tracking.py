@@ -256,11 +256,16 @@ def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
     cfg = _cfg(*sqlite_store, "unended")
     cfg.mlflow.unended_runs = str(tmp_path / "unended.jsonl")
     client = configure(cfg.mlflow)
-    run = client.create_run(client.get_experiment_by_name("unended").experiment_id)
+    exp_id = client.get_experiment_by_name("unended").experiment_id
+    run, done = client.create_run(exp_id), client.create_run(exp_id)
+    client.set_terminated(done.info.run_id, "FINISHED")
     uri = resolve_tracking_uri(cfg.mlflow.tracking_uri)
     journal = UnendedRuns(cfg.mlflow.unended_runs)
-    journal.add(uri, run.info.run_id, "KILLED", 1_700_000_000_000, "ConnectionError: server down")
-    journal.add("http://127.0.0.1:1", "other-server-run", "FAILED", 1, "ConnectionError")
+    journal.add(uri, exp_id, run.info.run_id, "KILLED", 1_700_000_000_000, "ConnectionError: server down")
+    journal.add(uri, exp_id, done.info.run_id, "FAILED", 1, "ended by a later retry of its job")
+    journal.add(uri, exp_id, "0" * 32, "FAILED", 1, "a run deleted from this store since")
+    journal.add(uri, "999999", "1" * 32, "FAILED", 1, "same URI, but not this store's experiment")
+    journal.add("http://127.0.0.1:1", "1", "other-server-run", "FAILED", 1, "ConnectionError")
     with open(journal.path, "a") as fh:
         fh.write("{not json\n")
 
@@ -268,8 +273,9 @@ def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
     ended = client.get_run(run.info.run_id)
     assert ended.info.status == "KILLED" and ended.info.end_time == 1_700_000_000_000
     assert "later job" in ended.data.tags["lakehouse.ended_by"]
+    assert client.get_run(done.info.run_id).info.status == "FINISHED"  # not RUNNING any more: left alone
     left = open(journal.path).read().splitlines()
-    assert len(left) == 2 and "other-server-run" in left[0] and left[1] == "{not json"
+    assert len(left) == 3 and "1" * 32 in left[0] and "other-server-run" in left[1] and left[2] == "{not json"
     assert journal.end_all(client, uri) == []  # nothing of this store is left to end
 
 
