@@ -124,3 +124,14 @@ def mlflow_server(tmp_path_factory):
 
 def cli(*args: str) -> List[str]:
     return [str(ROOT / ".venv/bin/lakehouse"), *args]
+
+
+def pytest_unconfigure(config):
+    """Petastorm deletes leftover converter caches in atexit handlers, after pytest has put back the warning filters
+    it found at start; those handlers run last-registered-first, so this one, registered last, re-installs the
+    project's filters before them (otherwise pyarrow.localfs's FutureWarning is printed after the summary)."""
+    import atexit
+
+    from pipeline.log import quiet_third_party_warnings
+
+    atexit.register(quiet_third_party_warnings)
