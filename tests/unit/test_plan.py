@@ -57,3 +57,19 @@ def test_more_ranks_than_row_groups_names_numbers():
 def test_empty_split():
     with pytest.raises(PlanError, match="empty"):
         plan_split("val", [], world_size=2, batch_size=8)
+
+
+@pytest.mark.parametrize("budget_mb, train_kept, val_kept", [(0, False, False), (1, True, False), (2, True, True)])
+def test_memory_budget_is_per_rank_train_first(budget_mb, train_kept, val_kept):
+    """data.memory_cache_mb holds the train shard first, then the val shard if what is left holds it."""
+    from pipeline.config import DataConfig
+    from pipeline.data.convert import ConvertedData
+    from pipeline.data.datamodule import make_datamodule
+    from pipeline.lakehouse.partition import ShardPlan
+
+    # 1,000 rows of 32x32x1 pixels + 8 bytes per rank and split: 0.98 MB each
+    plan = ShardPlan(train=plan_split("train", [1000, 1000], 2, 10), val=plan_split("val", [1000, 1000], 2, 10))
+    data = ConvertedData(train=None, val=None, plan=plan, class_names=["a", "b"], image_size=32, channels=1)
+    dm = make_datamodule(data, 1, 2, DataConfig(memory_cache_mb=budget_mb))
+    assert dm.train_loader.shard_mb() == pytest.approx(1000 * 1032 / 2 ** 20)
+    assert (dm.train_loader.keeps_in_memory, dm.val_loader.keeps_in_memory) == (train_kept, val_kept)
