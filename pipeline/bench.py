@@ -420,12 +420,11 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes, uncached: bool = F
     epoch_rows = data.plan.train.rows_per_epoch_per_rank
     blocks = max(2, -(-sizes.loader_min_rows // max(1, epoch_rows)))
 
-    kept = []
+    kept = _train_loader(cfg, data).train_loader.keeps_in_memory  # decided from the plan; nothing opened yet
 
     def run_loader() -> float:
         dm = _train_loader(cfg, data)
         loader = dm.train_loader
-        kept.append(loader.keeps_in_memory)
         try:
             for _ in loader:  # untimed: opens the endless reader
                 pass
@@ -448,16 +447,17 @@ def measure_loader(cfg: Config, prep: Prepared, sizes: Sizes, uncached: bool = F
         ours, ref = _interleaved(run_loader, run_reference, sizes.repeats)
         ratios = [o / r for o, r in zip(ours, ref)]
     groups = data.plan.train.row_group_rows
-    note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm's reader threads spend "
-            f"~0.9 ms per row group whatever its size (two file opens and a legacy ParquetDataset read, partly holding "
-            f"the GIL the consuming thread needs), so small row groups cost more per row")
-    if kept[0]:
+    if kept:
         note = (f"the shard ({data.plan.train.total_rows} rows) fits data.memory_cache_mb={cfg.data.memory_cache_mb}: "
                 f"read through Petastorm in the untimed epoch and the start of the timed ones, then from memory")
+    else:
+        note = (f"{len(groups)} row groups of ~{sum(groups) // max(1, len(groups))} rows; Petastorm's reader threads "
+                f"spend ~0.9 ms per row group whatever its size (two file opens and a legacy ParquetDataset read, "
+                f"partly holding the GIL the consuming thread needs), so small row groups cost more per row")
     return Result("loader_efficiency_uncached" if uncached else "loader_efficiency", prep.name, _median(ratios),
                   {"loader_rows_per_s": _median(ours), "pyarrow_rows_per_s": _median(ref),
                    "rows_per_repeat": {"loader": blocks * epoch_rows, "pyarrow": blocks * data.plan.train.total_rows},
-                   "kept_in_memory": kept[0], "reader_workers": cfg.data.reader_workers,
+                   "kept_in_memory": kept, "reader_workers": cfg.data.reader_workers,
                    "shuffle_buffer": cfg.data.shuffle_buffer, "torch_threads": max(1, cfg.train.threads_per_rank)},
                   len(ratios), ratios, note=note)
 
@@ -469,6 +469,12 @@ def _train_loader(cfg: Config, data, rank: int = 0, world: int = 1):
     from pipeline.data.datamodule import make_datamodule
 
     return make_datamodule(data, rank, world, cfg.data)
+
+
+def _endless(loader) -> Iterator[Tuple[Any, Any]]:
+    """The train ShardLoader's batches across epochs (each pass is one epoch; the next continues the same reader)."""
+    while True:
+        yield from loader
 
 
 def _model_and_optimizer(cfg: Config, channels: int, classes: int, device):
@@ -505,14 +511,10 @@ def measure_input_bound(cfg: Config, prep: Prepared, sizes: Sizes) -> Tuple[Resu
     steps = sizes.train_steps
     warm = max(5, steps // 5)
 
-    def batches(loader):
-        while True:  # each pass of the endless loader is one epoch; the next pass continues the same reader
-            yield from loader
-
     def run_real() -> float:
         dm = _train_loader(cfg, data)
         try:
-            it = batches(dm.train_loader)
+            it = _endless(dm.train_loader)
             for _ in range(warm):
                 x, y = next(it)
                 _step(model, opt, x.to(device), y.to(device))
@@ -682,16 +684,10 @@ def _hvd_worker(cfg: Config, data, warmup: int, steps: int, windows: int, in_mem
     if in_memory:
         batch = _memory_batches(data)
     else:
-        loader = dm.train_loader
-        it = iter(loader)
+        it = _endless(dm.train_loader)
 
         def batch():
-            nonlocal it
-            try:
-                return next(it)
-            except StopIteration:
-                it = iter(loader)
-                return next(it)
+            return next(it)
 
     try:
         out = _timed_windows(lambda x, y: _step(model, opt, x, y), batch, warmup, steps, windows,
