@@ -1,10 +1,17 @@
-"""`lakehouse doctor`: the installed stack, Java, Horovod's build, usable Delta engines and known-bad combinations."""
+"""`lakehouse doctor`: the install profile, the stack, CUDA devices, Horovod's build and the combinations known to fail.
+
+The checks are pure functions of descriptions (versions, a `GpuFacts`, a `HorovodBuild`, config values), so unit tests
+feed them made-up machines; `run_doctor` gathers the facts of this one. Importable without pyspark or petastorm.
+"""
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import shutil
 import subprocess
+import sys
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from pipeline.config import Config
@@ -12,6 +19,7 @@ from pipeline.config import Config
 PACKAGES = ["torch", "pytorch_lightning", "pyspark", "delta", "deltalake", "petastorm", "pyarrow", "numpy", "pandas",
             "mlflow", "horovod"]
 DIST_NAMES = {"delta": "delta-spark", "pytorch_lightning": "pytorch-lightning"}
+PROFILE_MARKER = "lakehouse-profile"  # written into the venv by scripts/setup.sh
 
 
 def _version(module: str) -> Optional[str]:
@@ -34,69 +42,197 @@ def _major_minor(v: Optional[str]) -> Tuple[int, int]:
 def java_version() -> Optional[str]:
     if not shutil.which("java"):
         return None
-    out = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr
+    out = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=60).stderr
     m = re.search(r'version "([^"]+)"', out)
     return m.group(1) if m else out.strip().splitlines()[0] if out.strip() else None
 
 
+@dataclass
+class GpuFacts:
+    """What torch sees: its version and CUDA build, the visible devices, and torch.distributed's NCCL."""
+
+    torch: Optional[str] = None
+    torch_cuda: Optional[str] = None  # torch.version.cuda; None for a CPU torch
+    device_names: List[str] = field(default_factory=list)
+    capabilities: List[Tuple[int, int]] = field(default_factory=list)
+    dist_nccl: bool = False  # torch.distributed.is_nccl_available()
+
+    @property
+    def device_count(self) -> int:
+        return len(self.device_names)
+
+
+@dataclass
+class HorovodBuild:
+    installed: bool
+    error: Optional[str] = None
+    pytorch: bool = False
+    gloo: bool = False
+    mpi: bool = False
+    nccl: bool = False
+
+
+def detect_profile(versions: Dict[str, Optional[str]]) -> Tuple[str, str]:
+    """(profile, why) from what is installed: classic = Petastorm on pyarrow 14; modern = no Petastorm, pyarrow >= 18."""
+    pet, arrow, np_ = versions.get("petastorm"), versions.get("pyarrow"), versions.get("numpy")
+    arrow_major, np_major = _major_minor(arrow)[0], _major_minor(np_)[0]
+    if pet and arrow and arrow_major < 15:
+        return "classic", f"petastorm {pet} with pyarrow {arrow}"
+    if not pet and arrow and arrow_major >= 18 and np_major >= 2:
+        return "modern", f"no petastorm, pyarrow {arrow}, numpy {np_}"
+    return "unknown", (f"petastorm {pet or 'absent'}, pyarrow {arrow or 'absent'}, numpy {np_ or 'absent'}: neither "
+                       "profile (`make setup PROFILE=classic` or `PROFILE=modern`)")
+
+
 def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> List[str]:
-    """Combinations measured not to work (see the README's Stack section); empty when all is well."""
+    """Package combinations measured not to work (see docs/STACK or the README); empty when all is well."""
     problems = []
     pet, arrow, np_, spark, delta = (versions.get(k) for k in ("petastorm", "pyarrow", "numpy", "pyspark", "delta"))
     if pet and _major_minor(pet) >= (0, 13):
         problems.append(f"petastorm {pet}: 0.13.x can return an empty epoch from make_batch_reader; use 0.12.1")
-    if arrow and _major_minor(arrow) >= (15, 0):
-        problems.append(f"pyarrow {arrow}: Petastorm 0.12 fails with pyarrow >= 15; use 14.0.2")
-    if np_ and _major_minor(np_) >= (2, 0):
-        problems.append(f"numpy {np_}: pyarrow 14 is built for numpy 1.x; use numpy < 2")
-    if spark and delta and _major_minor(spark)[0] != _major_minor(delta)[0]:
-        problems.append(f"delta-spark {delta} does not match Spark {spark} (delta-spark 4.0.x goes with Spark 4.0.x)")
-    elif spark and delta and _major_minor(spark) != _major_minor(delta):
+    if pet and arrow and _major_minor(arrow) >= (15, 0):
+        problems.append(f"pyarrow {arrow}: Petastorm 0.12 fails with pyarrow >= 15; use 14.0.2 (classic profile) or "
+                        "uninstall petastorm and read with data.reader=arrow (modern profile)")
+    if arrow and np_ and _major_minor(arrow)[0] < 15 and _major_minor(np_) >= (2, 0):
+        problems.append(f"numpy {np_}: pyarrow {arrow} is built for numpy 1.x; use numpy < 2")
+    if spark and delta and _major_minor(spark) != _major_minor(delta):
         problems.append(f"delta-spark {delta} does not match Spark {spark} (delta-spark 4.0.x goes with Spark 4.0.x)")
     if java is None:
         problems.append("java not found: Spark 4.0 needs Java 17")
     elif _major_minor(java)[0] < 17:
         problems.append(f"java {java}: Spark 4.0 needs Java 17 or newer")
-    for required in ("torch", "pyspark", "petastorm", "pyarrow", "mlflow", "pytorch_lightning"):
+    for required in ("torch", "pyspark", "pyarrow", "mlflow", "pytorch_lightning"):
         if not versions.get(required):
             problems.append(f"{required} is not installed")
     return problems
 
 
-def horovod_build() -> Dict[str, object]:
+def reader_problems(reader: str, petastorm_version: Optional[str]) -> List[str]:
+    if reader == "petastorm" and not petastorm_version:
+        return ["config data.reader=petastorm but petastorm is not installed (the modern profile has none): install "
+                "the classic profile (`make setup PROFILE=classic`), or set data.reader=arrow"]
+    return []
+
+
+def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str]:
+    problems = []
+    if not hvd.installed:
+        problems.append(f"horovod is not importable ({hvd.error}); run `make setup`")
+        if backend == "horovod":
+            problems.append("config train.backend=horovod but horovod is missing")
+        return problems
+    if not hvd.gloo:
+        problems.append("horovod was built without Gloo; CPU training needs it")
+    if gpu.torch_cuda and not hvd.nccl:
+        problems.append(f"CUDA torch {gpu.torch} beside a Horovod built without NCCL: GPU tensors would be all-reduced "
+                        "by gloo through host memory; rebuild with `bash scripts/build_horovod.sh` (it builds NCCL "
+                        "when torch has CUDA), or set LAKEHOUSE_HOROVOD_GLOO_ONLY=1 for it if that is meant")
+    if hvd.nccl and not gpu.torch_cuda:
+        problems.append(f"horovod was built with NCCL but torch {gpu.torch} has no CUDA: rebuild Horovod for this torch")
+    return problems
+
+
+def gpu_problems(gpu: GpuFacts, backend: str, np_: int, ddp_backend: str = "auto") -> List[str]:
+    """Ranks vs GPUs, and DDP's process-group backend vs CUDA. `ddp_backend`: auto | nccl | gloo."""
+    problems = []
+    local_ranks = -np_ if np_ < 0 else (1 if np_ == 1 or backend == "single" else 0)  # N > 1: Spark tasks, elsewhere
+    if gpu.device_count and local_ranks > gpu.device_count:
+        problems.append(f"config train.np={np_}: {local_ranks} local ranks but {gpu.device_count} visible GPU(s); "
+                        f"each rank pins its own GPU: use train.np=-{gpu.device_count} or fewer")
+    if backend == "ddp":
+        wants_nccl = ddp_backend == "nccl" or (ddp_backend == "auto" and gpu.device_count > 0)
+        if wants_nccl and not gpu.device_count:
+            problems.append(f"train.backend=ddp asked for NCCL but {_no_cuda(gpu)}: NCCL needs CUDA tensors; "
+                            "use gloo (the default without GPUs)")
+        elif wants_nccl and not gpu.dist_nccl:
+            problems.append(f"train.backend=ddp on {gpu.device_count} GPU(s) uses NCCL, but torch {gpu.torch}'s "
+                            "torch.distributed has no NCCL")
+    return problems
+
+
+def _no_cuda(gpu: GpuFacts) -> str:
+    if not gpu.torch_cuda:
+        return f"torch {gpu.torch} is a CPU build"
+    return f"torch {gpu.torch} (CUDA {gpu.torch_cuda}) sees no CUDA device"
+
+
+def gpu_facts() -> GpuFacts:
+    try:
+        import torch
+    except Exception:
+        return GpuFacts()
+    facts = GpuFacts(torch=torch.__version__, torch_cuda=torch.version.cuda)
+    if torch.version.cuda and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            facts.device_names.append(torch.cuda.get_device_name(i))
+            facts.capabilities.append(tuple(torch.cuda.get_device_capability(i)))
+    try:
+        import torch.distributed as dist
+
+        facts.dist_nccl = bool(dist.is_available() and dist.is_nccl_available())
+    except Exception:
+        pass
+    return facts
+
+
+def horovod_build() -> HorovodBuild:
     try:
         import horovod.torch as hvd
     except Exception as exc:
-        return {"installed": False, "error": str(exc)}
-    return {"installed": True, "pytorch": True, "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built()),
-            "nccl": bool(hvd.nccl_built())}
+        return HorovodBuild(installed=False, error=f"{type(exc).__name__}: {exc}")
+    return HorovodBuild(installed=True, pytorch=True, gloo=bool(hvd.gloo_built()), mpi=bool(hvd.mpi_built()),
+                        nccl=bool(hvd.nccl_built()))
+
+
+def _profile_marker() -> Optional[str]:
+    path = os.path.join(sys.prefix, PROFILE_MARKER)
+    try:
+        with open(path) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
 
 
 def run_doctor(cfg: Config) -> int:
-    """Print the report; exit status 1 when this install cannot run the pipeline."""
+    """Print the report; exit status 1 when this install cannot run the pipeline as configured."""
     from pipeline.lakehouse.delta import usable_engines
 
     versions = {p: _version(p) for p in PACKAGES}
     java = java_version()
     hvd = horovod_build()
+    gpu = gpu_facts()
     engines = usable_engines()
+    profile, why = detect_profile(versions)
+    marker = _profile_marker()
+    reader = getattr(cfg.data, "reader", "petastorm")
+    ddp_backend = getattr(cfg.train, "ddp_backend", "auto")
+
     problems = known_problems(versions, java)
-    if not hvd.get("installed"):
-        problems.append(f"horovod is not importable ({hvd.get('error')}); run `make setup`")
-    elif not hvd.get("gloo"):
-        problems.append("horovod was built without Gloo; CPU training needs it")
-    if cfg.train.backend == "horovod" and not hvd.get("installed"):
-        problems.append("config train.backend=horovod but horovod is missing")
+    problems += reader_problems(reader, versions.get("petastorm"))
+    problems += horovod_problems(hvd, gpu, cfg.train.backend)
+    problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
+    if marker and profile != "unknown" and marker != profile:
+        problems.append(f"set up as the {marker} profile ({sys.prefix}/{PROFILE_MARKER}) but what is installed is "
+                        f"{profile} ({why}); re-run `make setup PROFILE={marker}`")
     if cfg.delta.engine == "spark" and not any(k in cfg.spark.conf for k in ("spark.jars", "spark.jars.packages")):
         problems.append("config delta.engine=spark but spark.conf sets neither spark.jars nor spark.jars.packages "
                         "(the Delta jars); fine on Databricks, which ships them")
 
     print("lakehouse doctor")
+    print(f"  {'profile':<18} {profile} ({why}){f'; set up as {marker}' if marker else ''}")
+    print(f"  {'python':<18} {sys.version.split()[0]} ({sys.executable})")
     for p in PACKAGES:
         print(f"  {DIST_NAMES.get(p, p):<18} {versions[p] or 'MISSING'}")
     print(f"  {'java':<18} {java or 'MISSING'}")
-    if hvd.get("installed"):
-        print(f"  horovod build      pytorch={hvd['pytorch']} gloo={hvd['gloo']} nccl={hvd['nccl']} mpi={hvd['mpi']}")
+    print(f"  {'torch cuda':<18} {gpu.torch_cuda or 'none (CPU build)'}; torch.distributed nccl={gpu.dist_nccl}")
+    if gpu.device_count:
+        for i, (name, cap) in enumerate(zip(gpu.device_names, gpu.capabilities)):
+            print(f"  {'cuda device ' + str(i):<18} {name} (compute capability {cap[0]}.{cap[1]})")
+    else:
+        print(f"  {'cuda devices':<18} 0")
+    if hvd.installed:
+        print(f"  horovod build      pytorch={hvd.pytorch} gloo={hvd.gloo} nccl={hvd.nccl} mpi={hvd.mpi}")
+    print(f"  {'config':<18} train.backend={cfg.train.backend} train.np={cfg.train.np} data.reader={reader}")
     for name, state in engines.items():
         print(f"  delta engine {name:<6} {state}")
     if problems:

@@ -1,0 +1,82 @@
+"""`lakehouse doctor`'s checks on described machines: profile, known-bad package sets, Horovod vs CUDA, ranks vs GPUs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.doctor import (GpuFacts, HorovodBuild, detect_profile, gpu_problems, horovod_problems, known_problems,
+                             reader_problems)
+
+ROOT = Path(__file__).resolve().parents[2]
+CLASSIC = {"torch": "2.13.0+cpu", "pytorch_lightning": "2.6.6", "pyspark": "4.0.5", "delta": "4.0.1",
+           "deltalake": "1.6.6", "petastorm": "0.12.1", "pyarrow": "14.0.2", "numpy": "1.26.4", "pandas": "2.2.3",
+           "mlflow": "3.17.2", "horovod": "0.28.1"}
+MODERN = {**CLASSIC, "petastorm": None, "pyarrow": "25.0.1", "numpy": "2.4.6", "pandas": "2.3.3"}
+CPU = GpuFacts(torch="2.13.0+cpu")
+H100 = GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0", device_names=["NVIDIA H100 80GB HBM3"],
+                capabilities=[(9, 0)], dist_nccl=True)
+GLOO_HVD = HorovodBuild(installed=True, pytorch=True, gloo=True)
+NCCL_HVD = HorovodBuild(installed=True, pytorch=True, gloo=True, nccl=True)
+
+
+def test_profiles_are_told_from_what_is_installed():
+    assert detect_profile(CLASSIC)[0] == "classic"
+    assert detect_profile(MODERN) == ("modern", "no petastorm, pyarrow 25.0.1, numpy 2.4.6")
+    profile, why = detect_profile({**CLASSIC, "pyarrow": "25.0.1"})  # petastorm beside a pyarrow it cannot read
+    assert profile == "unknown" and "petastorm 0.12.1, pyarrow 25.0.1" in why
+
+
+def test_both_profiles_pass_the_package_checks_and_mixtures_do_not():
+    assert known_problems(CLASSIC, "17.0.13") == []
+    assert known_problems(MODERN, "17.0.13") == []
+    mixed = known_problems({**CLASSIC, "pyarrow": "16.1.0"}, "17.0.13")
+    assert any("Petastorm 0.12 fails with pyarrow >= 15" in p for p in mixed)
+    assert any("numpy 2.0.0: pyarrow 14.0.2 is built for numpy 1.x" in p
+               for p in known_problems({**CLASSIC, "numpy": "2.0.0"}, "17.0.13"))
+    assert any("delta-spark 4.1.0 does not match Spark 4.0.5" in p
+               for p in known_problems({**MODERN, "delta": "4.1.0"}, "17.0.13"))
+    assert "java not found: Spark 4.0 needs Java 17" in known_problems(MODERN, None)
+
+
+def test_petastorm_reader_without_petastorm_says_what_to_do():
+    (msg,) = reader_problems("petastorm", None)
+    assert "data.reader=petastorm" in msg and "make setup PROFILE=classic" in msg and "data.reader=arrow" in msg
+    assert reader_problems("arrow", None) == []
+    assert reader_problems("petastorm", "0.12.1") == []
+
+
+def test_cuda_torch_with_gloo_only_horovod_is_named():
+    (msg,) = horovod_problems(GLOO_HVD, H100, "horovod")
+    assert "CUDA torch 2.11.0+cu130 beside a Horovod built without NCCL" in msg and "build_horovod.sh" in msg
+    assert horovod_problems(NCCL_HVD, H100, "horovod") == []
+    assert horovod_problems(GLOO_HVD, CPU, "horovod") == []
+    assert any("built with NCCL but torch 2.13.0+cpu has no CUDA" in p for p in horovod_problems(NCCL_HVD, CPU, "ddp"))
+    missing = horovod_problems(HorovodBuild(installed=False, error="ModuleNotFoundError"), CPU, "horovod")
+    assert any("train.backend=horovod but horovod is missing" in p for p in missing)
+
+
+def test_more_local_ranks_than_gpus():
+    (msg,) = gpu_problems(H100, "horovod", -2)
+    assert "train.np=-2: 2 local ranks but 1 visible GPU(s)" in msg and "train.np=-1" in msg
+    assert gpu_problems(H100, "horovod", -1) == []
+    assert gpu_problems(H100, "horovod", 4) == []  # 4 Spark tasks: placed by the cluster, not this host
+    assert gpu_problems(CPU, "horovod", -4) == []  # CPU ranks: no GPU to share
+
+
+def test_ddp_asked_for_nccl_without_cuda():
+    (msg,) = gpu_problems(CPU, "ddp", -2, ddp_backend="nccl")
+    assert "train.backend=ddp asked for NCCL but torch 2.13.0+cpu is a CPU build" in msg
+    cuda_no_device = GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0")
+    assert "sees no CUDA device" in gpu_problems(cuda_no_device, "ddp", -2, ddp_backend="nccl")[0]
+    assert gpu_problems(CPU, "ddp", -2) == []  # auto: gloo on CPU
+    assert gpu_problems(H100, "ddp", -1) == []  # auto: NCCL on the GPU
+    no_dist_nccl = GpuFacts(**{**H100.__dict__, "dist_nccl": False})
+    assert "has no NCCL" in gpu_problems(no_dist_nccl, "ddp", -1)[0]
+
+
+def test_doctor_imports_without_pyspark_or_petastorm():
+    code = ("import sys; sys.modules['pyspark'] = None; sys.modules['petastorm'] = None\n"
+            "import pipeline.doctor, pipeline.buildinfo; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
