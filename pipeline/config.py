@@ -39,7 +39,11 @@ class IngestConfig:
 class DataConfig:
     batch_size: int = 64
     val_fraction: float = 0.2
-    cache_dir: str = "work/petastorm_cache"
+    cache_dir: str = "work/data_cache"  # converted Parquet, content-keyed, kept across jobs (`lakehouse cache`)
+    cache_max_gb: float = 20.0  # least recently used entries are evicted above this; 0 = no bound
+    reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
+    row_groups_per_rank: int = 32  # the converter sizes row groups so each rank gets about this many
+    max_row_group_mb: float = 32.0
     partitions_per_worker: int = 2
     image_size: int = 32
     channels: int = 1  # 1 = greyscale, 3 = RGB
@@ -80,7 +84,11 @@ class TrainConfig:
     checkpoint_dir: str = "work/checkpoints"
     ckpt_restore: Optional[str] = None  # PATH | last
     ckpt_allow_other_data: bool = False
-    threads_per_rank: int = 1
+    checkpoint_every_n_steps: Optional[int] = None  # also checkpoint (last.ckpt) every N steps, mid-epoch
+    # torch threads per rank; null: 1 when several ranks share a host, torch's default for a rank alone on its host
+    threads_per_rank: Optional[int] = None
+    # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
+    precision: str = "auto"
     start_timeout_s: int = 120
     # A rank that cannot finish a collective within this many seconds shuts the job down.
     stall_timeout_s: int = 120
@@ -106,6 +114,24 @@ class MlflowConfig:
 
 
 @dataclass
+class TuneConfig:
+    """`lakehouse tune`: the Optuna study around the same train (pipeline/tune)."""
+
+    study: Optional[str] = None  # null: <space file name>-<UTC time>; `lakehouse tune --resume NAME` reopens one
+    storage: Optional[str] = None  # Optuna RDB URL; null: sqlite optuna.db beside the MLflow SQLite store (else work/)
+    metric: str = "val_loss"  # per-epoch validation metric: reported each epoch (pruning), best epoch = trial value
+    direction: str = "minimize"  # minimize | maximize
+    sampler: str = "tpe"  # tpe | random
+    pruner: str = "median"  # median | none
+    n_trials: int = 10
+    timeout_s: Optional[float] = None  # no new trial starts after this many seconds
+    seed: Optional[int] = 42  # sampler seed
+    startup_trials: int = 5  # finished trials before the median pruner prunes (and TPE's random trials)
+    warmup_epochs: int = 0  # epochs of a trial before the median pruner may prune it
+    verdict_timeout_s: float = 30.0  # how long rank 0 waits at an epoch end for the driver's pruning decision
+
+
+@dataclass
 class Config:
     spark: SparkConfig = field(default_factory=SparkConfig)
     delta: DeltaConfig = field(default_factory=DeltaConfig)
@@ -114,6 +140,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,9 +167,14 @@ CHOICES = {
     "model.optimizer": ("sgd", "adam"),
     "train.backend": ("horovod", "ddp", "single"),
     "train.lr_scaling": ("linear", "sqrt", "none"),
+    "train.precision": ("auto", "32-true", "bf16-mixed", "16-mixed"),
     "train.early_stopping.mode": ("min", "max"),
     "mlflow.gate_mode": ("min", "max"),
     "data.channels": (1, 3),
+    "tune.direction": ("minimize", "maximize"),
+    "tune.sampler": ("tpe", "random"),
+    "tune.pruner": ("median", "none"),
+    "data.reader": ("petastorm", "arrow"),
 }
 
 
@@ -288,12 +320,23 @@ def validate(cfg: Config) -> None:
         ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
         ("data.reader_workers", cfg.data.reader_workers >= 1, "must be >= 1"),
         ("data.memory_cache_mb", cfg.data.memory_cache_mb >= 0, "must be >= 0 (0: read every epoch from Parquet)"),
+        ("data.cache_max_gb", cfg.data.cache_max_gb >= 0, "must be >= 0 (0: no bound)"),
+        ("data.row_groups_per_rank", cfg.data.row_groups_per_rank >= 1, "must be >= 1"),
+        ("data.max_row_group_mb", cfg.data.max_row_group_mb > 0, "must be > 0"),
         ("model.lr", cfg.model.lr > 0, "must be > 0"),
         ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
+        ("train.checkpoint_every_n_steps", (cfg.train.checkpoint_every_n_steps or 1) >= 1, "must be >= 1 or null"),
+        ("train.threads_per_rank", cfg.train.threads_per_rank is None or cfg.train.threads_per_rank >= 1,
+         "must be >= 1 or null (null: 1 per rank when ranks share a host, else torch's default)"),
         ("train.early_stopping.patience", cfg.train.early_stopping.patience >= 0, "must be >= 0"),
         ("delta.version", cfg.delta.version is None or cfg.delta.version >= 0, "must be >= 0 or null"),
         ("delta.table", bool(cfg.delta.table), "must not be empty"),
+        ("tune.n_trials", cfg.tune.n_trials >= 1, "must be >= 1"),
+        ("tune.startup_trials", cfg.tune.startup_trials >= 0, "must be >= 0"),
+        ("tune.warmup_epochs", cfg.tune.warmup_epochs >= 0, "must be >= 0"),
+        ("tune.timeout_s", cfg.tune.timeout_s is None or cfg.tune.timeout_s > 0, "must be > 0 or null"),
+        ("tune.verdict_timeout_s", cfg.tune.verdict_timeout_s > 0, "must be > 0"),
     ]
     for key, ok, why in checks:
         if not ok:
@@ -301,6 +344,28 @@ def validate(cfg: Config) -> None:
     if cfg.train.backend == "single" and cfg.train.np != 1:
         raise ConfigError(f"config key 'train.np': value {cfg.train.np} needs train.backend horovod or ddp; "
                           "train.backend=single runs one process (train.np=1)")
+
+
+def apply_overrides(cfg: Config, values: Dict[str, Any]) -> Config:
+    """A new, validated config: `cfg` with dotted keys set to already-parsed values ({'model.lr': 0.1}).
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or a value out of range, naming the key.
+    """
+    merged = cfg.to_dict()
+    for key, value in values.items():
+        node = parse_override(f"{key}=null")
+        cur = node
+        while True:
+            (k, v), = cur.items()
+            if not isinstance(v, dict) or not v:
+                cur[k] = value
+                break
+            cur = v
+        merged = _merge(merged, node)
+    out = _build(Config, merged, "")
+    validate(out)
+    return out
 
 
 def world_size_of(cfg: Config) -> int:

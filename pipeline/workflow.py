@@ -33,9 +33,12 @@ def prepare_data(spark, cfg: Config):
     """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts)."""
     from pipeline.data.convert import check_cache_visible, class_names_of, convert_for_training
 
+    from pipeline.data.readers import require_reader
+
     problem = check_cache_visible(cfg.data.cache_dir, cfg.spark.master)
     if problem:
         raise ConfigError(problem)
+    require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
     df, pinned = read_pinned(spark, cfg)
     log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
     class_names = class_names_of(df)
@@ -43,8 +46,73 @@ def prepare_data(spark, cfg: Config):
         from pipeline.lakehouse.partition import PlanError
 
         raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
-    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names)
+    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned)
     return data, pinned
+
+
+def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None):
+    """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
+
+    `epoch_gate` (optional) is a context manager with a `folder` attribute, entered while the ranks run: rank 0
+    hands it each epoch's metrics there and obeys its verdict (`lakehouse tune` prunes this way).
+    Returns rank 0's RankResult.
+
+    Raises:
+        Terminated: SIGTERM reached the ranks.
+        TrainingStopped: a non-finite loss stopped training.
+    """
+    import contextlib
+
+    from pipeline.distributed.launcher import launch
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.tracking.rank_zero import log_rank_hosts
+    from pipeline.tracking.runs import Terminated, log_config, log_lineage
+
+    rows_train, rows_val = data.rows
+    log_config(run.client, run.run_id, cfg)
+    log_lineage(run.client, run.run_id, pinned.table, pinned.version,
+                {"train": rows_train, "val": rows_val}, extra_tags=tags)
+    run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
+                        "shard_plan.json")
+    job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
+                   run_id=run.run_id, tracking_uri=run.tracking_uri,
+                   job_dir=os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run.run_id))
+    if epoch_gate is not None:
+        job.epoch_gate_dir = epoch_gate.folder
+        job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
+    t0 = time.time()
+    with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
+        results = launch(job)
+    log.info("training finished in %.1f s", time.time() - t0)
+    log_rank_hosts(run.client, run.run_id, results)
+    r0 = next(r for r in results if r.rank == 0)
+    if r0.stop_reason and r0.stop_reason.startswith("SIGTERM"):
+        raise Terminated(r0.stop_reason)
+    if r0.stop_reason and r0.stop_reason.startswith("non-finite"):
+        raise TrainingStopped(f"training stopped: {r0.stop_reason}; nothing registered")
+    return r0
+
+
+def register_and_promote(client, cfg: Config, model_uri: str, run_id: str, pinned, metrics: Dict[str, float],
+                         extra_tags: Optional[Dict[str, Any]] = None):
+    """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
+    lineage and gate metric; then, if `mlflow.promote`, the promotion gate decides the champion alias.
+
+    Returns (version, PromotionDecision or None).
+    """
+    from pipeline.tracking.registry import promote, register_model
+
+    metric = cfg.mlflow.gate_metric
+    value = metrics.get(metric)
+    tags = {"run_id": run_id, "delta_table": pinned.table, "delta_version": str(pinned.version),
+            metric: str(value), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
+    tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
+    version = register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)
+    decision = None
+    if cfg.mlflow.promote:
+        decision = promote(client, cfg.mlflow.registered_model, version, metric, cfg.mlflow.gate_mode)
+        log.info("promotion: %s", decision.reason)
+    return version, decision
 
 
 def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
@@ -52,67 +120,37 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
 
     Returns the summary that `lakehouse train` prints as its last line of JSON.
     """
-    from pipeline.distributed.launcher import launch
-    from pipeline.distributed.loop import TrainJob
-    from pipeline.tracking.rank_zero import log_rank_hosts
-    from pipeline.tracking.registry import promote, register_model
-    from pipeline.tracking.runs import Terminated, configure, log_config, log_lineage, tracked_run
+    from pipeline.tracking.runs import configure, tracked_run
 
     client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
     data, pinned = prepare_data(spark, cfg)
     rows_train, rows_val = data.rows
     world = world_size_of(cfg)
     summary: Dict[str, Any] = {}
-    try:
-        tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
-        with tracked_run(cfg, run_name=run_name, tags=tags) as run:
-            log_config(run.client, run.run_id, cfg)
-            log_lineage(run.client, run.run_id, pinned.table, pinned.version,
-                        {"train": rows_train, "val": rows_val}, extra_tags=tags)
-            run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
-                                "shard_plan.json")
-            job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
-                           run_id=run.run_id, tracking_uri=run.tracking_uri,
-                           job_dir=os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run.run_id))
-            t0 = time.time()
-            results = launch(job)
-            log.info("training finished in %.1f s", time.time() - t0)
-            log_rank_hosts(run.client, run.run_id, results)
-            r0 = next(r for r in results if r.rank == 0)
-            if r0.stop_reason and r0.stop_reason.startswith("SIGTERM"):
-                raise Terminated(r0.stop_reason)
-            if r0.stop_reason and r0.stop_reason.startswith("non-finite"):
-                raise TrainingStopped(f"training stopped: {r0.stop_reason}; nothing registered")
-            if not r0.model_uri:
-                raise RuntimeError("rank 0 returned no model; nothing registered")
-            metric = cfg.mlflow.gate_metric
-            value = r0.metrics.get(metric)
-            version = register_model(run.client, r0.model_uri, cfg.mlflow.registered_model, run.run_id, tags={
-                "run_id": run.run_id, "delta_table": pinned.table, "delta_version": str(pinned.version),
-                metric: str(value), "world_size": str(world), "backend": cfg.train.backend})
-            decision = None
-            if cfg.mlflow.promote:
-                decision = promote(run.client, cfg.mlflow.registered_model, version, metric, cfg.mlflow.gate_mode)
-                log.info("promotion: %s", decision.reason)
-            summary = {
-                "run_id": run.run_id,
-                "model_name": cfg.mlflow.registered_model,
-                "model_version": int(version),
-                "delta_table": pinned.table,
-                "delta_version": pinned.version,
-                "rows_train": rows_train,
-                "rows_val": rows_val,
-                "world_size": world,
-                "backend": cfg.train.backend,
-                "val_loss": r0.metrics.get("val_loss"),
-                "val_acc": r0.metrics.get("val_acc"),
-                "epochs": r0.epochs,
-                "stopped_early": r0.stopped_early,
-                "champion": bool(decision and decision.promoted),
-                "tracking_uri": run.tracking_uri,
-            }
-    finally:
-        data.delete()
+    # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
+    tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
+    with tracked_run(cfg, run_name=run_name, tags=tags) as run:
+        r0 = train_in_run(run, cfg, data, pinned, tags)
+        if not r0.model_uri:
+            raise RuntimeError("rank 0 returned no model; nothing registered")
+        version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics)
+        summary = {
+            "run_id": run.run_id,
+            "model_name": cfg.mlflow.registered_model,
+            "model_version": int(version),
+            "delta_table": pinned.table,
+            "delta_version": pinned.version,
+            "rows_train": rows_train,
+            "rows_val": rows_val,
+            "world_size": world,
+            "backend": cfg.train.backend,
+            "val_loss": r0.metrics.get("val_loss"),
+            "val_acc": r0.metrics.get("val_acc"),
+            "epochs": r0.epochs,
+            "stopped_early": r0.stopped_early,
+            "champion": bool(decision and decision.promoted),
+            "tracking_uri": run.tracking_uri,
+        }
     return summary
 
 

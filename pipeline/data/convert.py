@@ -1,47 +1,29 @@
-"""From a pinned Delta DataFrame to Petastorm converters: split, decode once, repartition, cache as Parquet, plan."""
+"""From a pinned Delta DataFrame to converted Parquet for the ranks: split, decode once, repartition, size row groups, cache, plan.
+
+The converter is Spark: executors decode each image once and write the split's Parquet files with pyarrow, in row
+groups sized by the plan (so whole row groups spread evenly over the ranks), into the content-keyed cache of
+`pipeline.data.cache`. Both readers (Petastorm's and the Arrow reader) read these files; nothing here needs Petastorm.
+"""
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+import time
+import uuid
+from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
-import pandas as pd
-
 from pipeline.config import Config
+from pipeline.data import cache
+from pipeline.data.shards import (COLUMNS, FORMAT_VERSION, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedData,
+                                  ConvertedSplit)
 from pipeline.lakehouse.partition import SPLIT_BUCKETS, ShardPlan, num_partitions, plan_split
-from pipeline.log import get_logger, quiet_third_party_warnings
+from pipeline.log import get_logger
 
-quiet_third_party_warnings()
 log = get_logger(__name__)
 
-
-class ConversionError(RuntimeError):
-    """Converted data cannot be read; the message names the file."""
-
-
-@dataclass
-class ConvertedData:
-    """What crosses from the driver into the training processes: picklable, no Spark inside."""
-
-    train: "object"  # petastorm SparkDatasetConverter
-    val: "object"
-    plan: ShardPlan
-    class_names: List[str]
-    image_size: int
-    channels: int
-
-    @property
-    def rows(self) -> Tuple[int, int]:
-        return self.plan.train.total_rows, self.plan.val.total_rows
-
-    def delete(self) -> None:
-        """Remove the cached Parquet of both converters."""
-        for conv in (self.train, self.val):
-            try:
-                conv.delete()
-            except Exception as exc:  # already gone, or a remote store that refuses
-                log.warning("could not delete converter cache %s: %s", getattr(conv, "cache_dir_url", "?"), exc)
+__all__ = ["ConversionError", "ConvertedData", "ConvertedSplit", "convert_for_training", "split_frame",
+           "prepare_split", "write_split", "plan_data", "class_names_of", "check_cache_visible"]
 
 
 def split_frame(df, val_fraction: float):
@@ -53,113 +35,224 @@ def split_frame(df, val_fraction: float):
     return df.filter(bucket >= threshold), df.filter(bucket < threshold)
 
 
-def _decode_udf(image_size: int, channels: int):
-    from pyspark.sql.functions import pandas_udf
-
-    from pipeline.data.transforms import decode_image
-
-    @pandas_udf("binary")
-    def decode(content: pd.Series) -> pd.Series:
-        return pd.Series([decode_image(bytes(b), image_size, channels).tobytes() for b in content])
-
-    return decode
-
-
 def prepare_split(df, cfg: Config, world_size: int):
-    """Decode each image once (Spark executors), keep pixels + label, repartition for the ranks."""
+    """The columns to convert (encoded image, label, a stable row id from the path), repartitioned for the ranks."""
     from pyspark.sql import functions as F
 
     parts = num_partitions(cfg.data.partitions_per_worker, world_size)
-    decode = _decode_udf(cfg.data.image_size, cfg.data.channels)
-    return (df.select(decode(F.col("content")).alias("pixels"), F.col("label_index").cast("int").alias("label_index"))
+    return (df.select(F.col("content"), F.col("label_index").cast("int").alias(LABEL),
+                      F.xxhash64(F.col("path")).alias(ROW_ID))
             .repartition(parts))
 
 
-def cache_dir_url(cache_dir: str) -> str:
-    parsed = urlparse(cache_dir)
-    if parsed.scheme in ("", "file"):
-        path = os.path.abspath(parsed.path if parsed.scheme else cache_dir)
-        os.makedirs(path, exist_ok=True)
-        return "file://" + path
-    return cache_dir
+def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: int, max_group_mb: float) -> int:
+    """Rows per row group: enough groups that every rank gets about `groups_per_rank` of them (whole groups then
+    spread evenly, whatever the partitions' sizes), and no group above `max_group_mb`."""
+    by_count = math.ceil(max(1, rows) / max(1, world_size * groups_per_rank))
+    by_bytes = max(1, int(max_group_mb * 2 ** 20 // max(1, row_bytes)))
+    return max(1, min(by_count, by_bytes))
 
 
-_CONVERTERS: dict = {}  # cache_dir_url -> converter made in this process (local caches)
+def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
+    """The executor side of `write_split`: decode, then write this partition's file in row groups of `group_rows`."""
+
+    def write(batches):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from pyspark import TaskContext
+
+        from pipeline.data.cache import filesystem
+        from pipeline.data.transforms import decode_image
+
+        ctx = TaskContext.get()
+        fs, folder = filesystem(split_url)
+        name = f"part-{ctx.partitionId():05d}.parquet"
+        tmp = f"{folder}/.{name}.{ctx.attemptNumber()}-{uuid.uuid4().hex[:6]}.tmp"
+        schema = pa.schema([(PIXELS, pa.binary()), (LABEL, pa.int32()), (ROW_ID, pa.int64())])
+        writer, pending, groups, written = None, [], [], 0
+
+        def flush(tables, final):
+            nonlocal writer, written
+            table = pa.concat_tables(tables) if tables else schema.empty_table()
+            full = len(table) if final else (len(table) // group_rows) * group_rows
+            if full:
+                if writer is None:
+                    writer = pq.ParquetWriter(fs.open_output_stream(tmp), schema, compression="none")
+                for start in range(0, full, group_rows):
+                    part = table.slice(start, min(group_rows, full - start))
+                    writer.write_table(part, row_group_size=group_rows)
+                    groups.append(len(part))
+                written += full
+            return [table.slice(full)] if full < len(table) else []
+
+        try:
+            for batch in batches:
+                contents = batch.column(0).to_pylist()
+                pixels = [decode_image(c, image_size, channels).tobytes() for c in contents]
+                pending.append(pa.table({PIXELS: pa.array(pixels, pa.binary()),
+                                         LABEL: batch.column(1).cast(pa.int32()),
+                                         ROW_ID: batch.column(2).cast(pa.int64())}, schema=schema))
+                if sum(len(t) for t in pending) >= group_rows:
+                    pending = flush(pending, final=False)
+            flush(pending, final=True)
+            if writer is None:
+                return  # an empty partition writes no file
+            writer.close()
+            fs.move(tmp, f"{folder}/{name}")
+        except BaseException:
+            try:
+                fs.delete_file(tmp)
+            except Exception:
+                pass
+            raise
+        size = fs.get_file_info(f"{folder}/{name}").size
+        yield pa.RecordBatch.from_pydict({"file": [name], "bytes": [size], "groups": [groups]},
+                                         schema=pa.schema([("file", pa.string()), ("bytes", pa.int64()),
+                                                           ("groups", pa.list_(pa.int64()))]))
+
+    return write
 
 
-def make_converter(spark, df, cache_dir: str):
-    """`make_spark_converter` with the cache under `data.cache_dir` (a cache hit for the same plan).
-
-    For a local cache the same Petastorm cache is used, but the file list and row count come from the
-    Parquet footers instead of a Spark read + count job, and a cache hit returns the converter made before
-    without any Spark job (petastorm 0.12.1 runs both on every call; `lakehouse bench` measured the hit
-    at 10-20 % of a first conversion). Other stores go through `make_spark_converter` unchanged.
-    """
-    import glob
-
-    import pyarrow.parquet as pq
-    from petastorm.spark import SparkDatasetConverter, make_spark_converter
-    from petastorm.spark import spark_dataset_converter as sdc
-
-    parent = cache_dir_url(cache_dir)
-    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, parent)
-    if urlparse(parent).scheme != "file":
-        return make_spark_converter(df)
-    # The arguments make_spark_converter(df) uses by default, so both paths share one cache entry.
-    url = sdc._cache_df_or_retrieve_cache_data_url(df, sdc._get_parent_cache_dir_url(), sdc.DEFAULT_ROW_GROUP_SIZE_BYTES,
-                                                   "uncompressed", "float32")
-    path = urlparse(url).path
-    conv = _CONVERTERS.get(url)
-    if conv is None or not os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "*.parquet")))
-        rows = sum(pq.read_metadata(f).num_rows for f in files)
-        conv = SparkDatasetConverter(url, ["file://" + f for f in files], rows)
-        _CONVERTERS[url] = conv
-    return conv
+def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int) -> List[Dict[str, Any]]:
+    """Convert `df` (columns content, label_index, row_id) into Parquet files under `split_url`, one per non-empty
+    partition; returns each file's name, size and row groups, sorted by name (the order every reader uses)."""
+    fs, folder = cache.filesystem(split_url)
+    fs.create_dir(folder, recursive=True)
+    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows),
+                        "file string, bytes long, groups array<long>").collect()
+    return sorted(({"name": r["file"], "bytes": int(r["bytes"]), "row_groups": [int(g) for g in r["groups"]]}
+                   for r in out), key=lambda f: f["name"])
 
 
-def row_group_rows(converter) -> List[int]:
-    """Rows in each row group, in the order Petastorm's reader numbers them (shard = index % count).
+def split_from_manifest(name: str, split_url: str, files: List[Dict[str, Any]]) -> ConvertedSplit:
+    row_groups = [(i, j, rows) for i, f in enumerate(files) for j, rows in enumerate(f["row_groups"])]
+    return ConvertedSplit(name=name, cache_dir_url=split_url, file_urls=[f"{split_url}/{f['name']}" for f in files],
+                          row_groups=row_groups)
 
-    Reads only Parquet footers, the same way `make_batch_reader` lists row groups.
+
+def verify_split(split: ConvertedSplit, files: List[Dict[str, Any]]) -> None:
+    """Every file of a cache hit is there, of the size written, with the row groups written.
 
     Raises:
-        ConversionError: a cached file is missing or unreadable (e.g. truncated), named.
+        ConversionError: naming the first file that is missing, truncated or unreadable.
     """
+    import pyarrow.parquet as pq
+
+    for url, expected in zip(split.file_urls, files):
+        fs, path = cache.filesystem(url)
+        try:
+            size = fs.get_file_info(path).size
+            if size is None:
+                raise FileNotFoundError("missing")
+            if size != expected["bytes"]:
+                raise OSError(f"{size} bytes, {expected['bytes']} were written")
+            with fs.open_input_file(path) as fh:
+                meta = pq.read_metadata(fh)
+            rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            if rows != expected["row_groups"]:
+                raise OSError(f"row groups {rows}, {expected['row_groups']} were written")
+        except Exception as exc:
+            raise ConversionError(f"converted Parquet file {url} is unreadable ({type(exc).__name__}: {exc}); run "
+                                  f"`lakehouse cache clear` (or delete {split.cache_dir_url.rsplit('/', 1)[0]}) to "
+                                  f"convert again") from None
+
+
+def _key_inputs(df, cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
+    import hashlib
+
+    files = sorted(df.inputFiles())
+    return {
+        "table": getattr(pinned, "table", None), "version": getattr(pinned, "version", None),
+        "input_files": hashlib.sha256("\n".join(files).encode()).hexdigest(), "input_file_count": len(files),
+        "val_fraction": cfg.data.val_fraction, "split_rule": f"crc32(path) % {SPLIT_BUCKETS}",
+        "image_size": cfg.data.image_size, "channels": cfg.data.channels, "world_size": world_size,
+        "partitions_per_worker": cfg.data.partitions_per_worker, "row_groups_per_rank": cfg.data.row_groups_per_rank,
+        "max_row_group_mb": cfg.data.max_row_group_mb,
+    }
+
+
+def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """Write both splits into a new folder of entry `url` and return its manifest (written last)."""
+    import pyarrow as pa
+
+    train_df, val_df = split_frame(df, cfg.data.val_fraction)
+    row_bytes = cfg.data.channels * cfg.data.image_size ** 2
+    run = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # concurrent writers never mix files
+    splits = {}
+    for name, frame in (("train", train_df), ("val", val_df)):
+        rows = frame.count()
+        group_rows = group_rows_for(rows, world_size, row_bytes, cfg.data.row_groups_per_rank,
+                                    cfg.data.max_row_group_mb)
+        files = write_split(prepare_split(frame, cfg, world_size), f"{url}/{run}/{name}", cfg.data.image_size,
+                            cfg.data.channels, group_rows)
+        splits[name] = {"folder": f"{run}/{name}", "rows": sum(sum(f["row_groups"]) for f in files),
+                        "group_rows": group_rows, "files": files}
+    now = time.time()
+    return {"format": FORMAT_VERSION, "columns": list(COLUMNS), "inputs": inputs, "created": now, "last_used": now,
+            "writer": {"pyarrow": pa.__version__}, "splits": splits}
+
+
+def _usable(manifest: Optional[Dict[str, Any]], url: str) -> bool:
+    if manifest is None:
+        return False
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("columns") != list(COLUMNS):
+        log.warning("cache entry %s was written in another format (format %s, columns %s); converting again",
+                    url, manifest.get("format"), manifest.get("columns"))
+        return False
+    return True
+
+
+def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch_size: int) -> ShardPlan:
+    """The shard plan over converted splits (fails when a rank would get no data)."""
+    return ShardPlan(train=plan_split("train", train.row_group_rows, world_size, batch_size),
+                     val=plan_split("val", val.row_group_rows, world_size, batch_size))
+
+
+def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: List[str],
+                         pinned: Any = None) -> ConvertedData:
+    """Split, decode and convert the pinned DataFrame (or reuse the cache entry with the same content key), then plan
+    the shards before any rank starts.
+
+    Raises:
+        PlanError: a rank would get no data (with rows, row groups, ranks).
+        ConversionError: a cached file is missing or unreadable, named.
+    """
+    inputs = _key_inputs(df, cfg, world_size, pinned)
+    key = cache.content_key(inputs)
+    url = cache.entry_url(cfg.data.cache_dir, key)
+    manifest = cache.read_manifest(url)
+    if _usable(manifest, url):
+        log.info("converted data cache hit: %s", url)
+        cache.touch(url, manifest)
+    else:
+        t0 = time.time()
+        manifest = _convert(df, cfg, world_size, url, inputs)
+        cache.write_manifest(url, manifest)
+        log.info("converted %d train + %d val rows into %s in %.1f s", manifest["splits"]["train"]["rows"],
+                 manifest["splits"]["val"]["rows"], url, time.time() - t0)
+        cache.enforce_bound(cfg.data.cache_dir, cfg.data.cache_max_gb, keep=key)
+    splits = {}
+    for name in ("train", "val"):
+        s = manifest["splits"][name]
+        splits[name] = split_from_manifest(name, f"{url}/{s['folder']}", s["files"])
+        verify_split(splits[name], s["files"])
+    plan = plan_data(splits["train"], splits["val"], world_size, cfg.data.batch_size)
+    log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
+    return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
+                         image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)
+
+
+def petastorm_row_group_rows(split: ConvertedSplit) -> List[int]:
+    """Rows per row group in the order Petastorm's reader numbers them (to check it agrees with `split.row_groups`)."""
     import pyarrow.parquet as pq
     from petastorm.etl import dataset_metadata
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
     from petastorm.reader import normalize_dataset_url_or_urls
 
-    urls = normalize_dataset_url_or_urls(converter.file_urls)
-    fs, paths = get_filesystem_and_path_or_paths(urls)
-    for url, path in zip(urls, paths):
-        try:
-            pq.read_metadata(fs.open(path))
-        except Exception as exc:
-            raise ConversionError(f"converted Parquet file {url} is unreadable ({type(exc).__name__}: {exc}); "
-                                  f"delete the cache folder {converter.cache_dir_url} to convert again") from None
+    fs, paths = get_filesystem_and_path_or_paths(normalize_dataset_url_or_urls(split.file_urls))
     dataset = pq.ParquetDataset(paths, filesystem=fs, validate_schema=False, metadata_nthreads=10)
     pieces = dataset_metadata.load_row_groups(dataset)
     return [piece.get_metadata().row_group(piece.row_group).num_rows for piece in pieces]
-
-
-def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: List[str]) -> ConvertedData:
-    """Split, prepare and convert the pinned DataFrame, then plan the shards before any rank starts.
-
-    Raises:
-        PlanError: a rank would get no data (with rows, row groups, ranks).
-    """
-    train_df, val_df = split_frame(df, cfg.data.val_fraction)
-    train_conv = make_converter(spark, prepare_split(train_df, cfg, world_size), cfg.data.cache_dir)
-    val_conv = make_converter(spark, prepare_split(val_df, cfg, world_size), cfg.data.cache_dir)
-    plan = ShardPlan(
-        train=plan_split("train", row_group_rows(train_conv), world_size, cfg.data.batch_size),
-        val=plan_split("val", row_group_rows(val_conv), world_size, cfg.data.batch_size),
-    )
-    log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
-    return ConvertedData(train=train_conv, val=val_conv, plan=plan, class_names=class_names,
-                         image_size=cfg.data.image_size, channels=cfg.data.channels)
 
 
 def class_names_of(df) -> List[str]:
@@ -171,7 +264,7 @@ def class_names_of(df) -> List[str]:
 
 
 def check_cache_visible(cache_dir: str, spark_master: str) -> Optional[str]:
-    """A reason the converter cache cannot serve a cluster's executors, or None.
+    """A reason the converted-data cache cannot serve a cluster's executors, or None.
 
     A local path works when every process runs on this machine (local[N], a standalone cluster on
     127.0.0.1); on a real cluster it must be storage every executor mounts (dbfs:/, s3://, hdfs://,

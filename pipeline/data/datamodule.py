@@ -1,8 +1,7 @@
-"""The LightningDataModule: per-rank Petastorm readers (shard = rank) that yield exactly the planned steps."""
+"""The LightningDataModule: per-rank readers (shard = rank, Petastorm or Arrow) that yield exactly the planned steps."""
 from __future__ import annotations
 
 import itertools
-from contextlib import ExitStack, contextmanager
 from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -10,34 +9,14 @@ import pytorch_lightning as pl
 import torch
 
 from pipeline.config import DataConfig
-from pipeline.data.convert import ConvertedData
+from pipeline.data.readers import ArrowShardReader, open_petastorm, pass_order, require_reader
+from pipeline.data.shards import ConvertedData, ConvertedSplit
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 from pipeline.lakehouse.partition import SplitPlan
 from pipeline.log import get_logger, quiet_third_party_warnings
 
 quiet_third_party_warnings()
 log = get_logger(__name__)
-
-
-# Petastorm keeps at most workers + petastorm.reader._VENTILATE_EXTRA_ROWGROUPS (2) row groups in flight and, when
-# that many are, looks again only every 10 ms: with row groups of a few hundred rows a reader cannot pass ~4 row
-# groups per 10 ms (`lakehouse bench`: 140k rows/s on the digits sample, 0.19 of a plain pyarrow loop). Small row
-# groups get a deeper queue, up to about this many bytes of pixels; large ones keep Petastorm's default.
-PREFETCH_BYTES = 32 * 2 ** 20
-MAX_EXTRA_ROW_GROUPS = 64
-
-
-@contextmanager
-def _ventilation_depth(extra: int) -> Iterator[None]:
-    """Let a Petastorm reader created in this block keep `extra` row groups in flight beyond its workers."""
-    import petastorm.reader as petastorm_reader
-
-    old = petastorm_reader._VENTILATE_EXTRA_ROWGROUPS
-    petastorm_reader._VENTILATE_EXTRA_ROWGROUPS = max(old, extra)
-    try:
-        yield
-    finally:
-        petastorm_reader._VENTILATE_EXTRA_ROWGROUPS = old
 
 
 class ShardCountError(RuntimeError):
@@ -93,53 +72,34 @@ class PixelsToTensor:
         return out.mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD).view(len(rows), *self.shape)
 
 
-class ArrowColumns:
-    """Petastorm results-queue reader that hands over each row group's columns as Arrow arrays.
-
-    Petastorm 0.12.1's batch reader turns every column into pandas first (a Python object per row for binary
-    columns); the loader only needs the Arrow buffers. Installed on a reader with `read_arrow_columns`.
-    """
-
-    batched_output = True
-
-    def read_next(self, workers_pool, schema, ngram):
-        from petastorm.workers_pool import EmptyResultError
-
-        try:
-            table = workers_pool.get_results()
-        except EmptyResultError:
-            raise StopIteration
-        return schema.make_namedtuple(**{name: table.column(name) for name in table.column_names})
-
-
-def read_arrow_columns(reader) -> None:
-    """Make a Petastorm batch reader yield Arrow columns (replaces its private results-queue reader)."""
-    from petastorm.arrow_reader_worker import ArrowReaderWorkerResultsQueueReader
-
-    current = getattr(reader, "_results_queue_reader", None)
-    if not isinstance(current, ArrowReaderWorkerResultsQueueReader):
-        import petastorm
-
-        raise RuntimeError(f"petastorm {petastorm.__version__}: a batch reader without the results-queue reader of "
-                           f"0.12.1 ({type(current).__name__}); pin petastorm==0.12.1 (see setup.py)")
-    reader._results_queue_reader = ArrowColumns()
+    def as_uint8(self, rows: np.ndarray, pin: bool) -> torch.Tensor:
+        """uint8 rows (N, C*H*W) -> a new uint8 (N, C, H, W) tensor, in pinned memory when `pin`: the model
+        normalises it on its device (a quarter of the bytes of float32 cross to the GPU, and the copy can overlap)."""
+        out = torch.from_numpy(np.ascontiguousarray(rows)).view(len(rows), *self.shape)
+        return out.pin_memory() if pin else out.clone()
 
 
 class BatchAssembler:
-    """Turns row groups (Arrow columns `pixels`, `label_index`) into (features, labels) batches of `batch_size`.
+    """Turns row groups (Arrow columns `pixels`, `label_index`, optionally `row_id`) into batches of `batch_size`.
 
     Row groups stay uint8 views of the Arrow buffers until they are gathered, in a shuffle buffer of about
     `shuffle_buffer` rows, with one permutation (a quarter of the bytes of float32), into memory that is reused
     from one buffer to the next: a fresh multi-MB array page-faults on every write (measured 4-10x slower).
-    Batches are normalised one at a time into new tensors. The last batch of a finite source may be short.
+    Batches are normalised one at a time into new tensors (or handed over as uint8 with `uint8_out`). The last batch
+    of a finite source may be short. With `with_ids` it yields (features, labels, row ids).
     """
 
-    def __init__(self, row_groups, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int) -> None:
+    def __init__(self, row_groups, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int,
+                 with_ids: bool = False, uint8_out: bool = False, pin: bool = False) -> None:
         self.row_groups = row_groups
         self.batch_size = batch_size
         self.transform = transform
         self.shuffle_buffer = shuffle_buffer
         self.generator = torch.Generator().manual_seed(seed)
+        self.with_ids = with_ids
+        self.uint8_out = uint8_out
+        self.pin = pin
+        self.skip = 0  # batches to drop without making tensors (a resumed stream fast-forwards through these)
         self._scratch = [np.empty((0, transform.row_bytes), np.uint8), np.empty((0, transform.row_bytes), np.uint8)]
 
     def _buffer(self, k: int, n: int) -> np.ndarray:
@@ -147,32 +107,49 @@ class BatchAssembler:
             self._scratch[k] = np.empty((n, self.transform.row_bytes), np.uint8)
         return self._scratch[k][:n]
 
-    def _emit(self, xs, ys, final: bool):
-        n = sum(len(y) for y in ys)
+    def _features(self, rows: np.ndarray) -> torch.Tensor:
+        return self.transform.as_uint8(rows, self.pin) if self.uint8_out else self.transform.normalize(rows)
+
+    def _emit(self, xs, ms, final: bool):
+        n = sum(len(m) for m in ms)
         x = np.concatenate(xs, out=self._buffer(0, n))
-        y = np.concatenate(ys).astype(np.int64)
+        meta = np.concatenate(ms)  # (n, 2) int64: label, row id
         if self.shuffle_buffer > 0:
             perm = torch.randperm(n, generator=self.generator).numpy()
             x = np.take(x, perm, axis=0, out=self._buffer(1, n), mode="clip")  # clip: no temporary for `out`
-            y = y[perm]
+            meta = meta[perm]
         full = n if final else (n // self.batch_size) * self.batch_size
         bs = self.batch_size
-        batches = [(self.transform.normalize(x[i:i + bs]), torch.from_numpy(y[i:i + bs])) for i in range(0, full, bs)]
-        return batches, [x[full:].copy()], [y[full:]]  # the rest leaves the scratch memory before it is reused
+        batches = []
+        for i in range(0, full, bs):
+            if self.skip:
+                self.skip -= 1
+                continue
+            y = torch.from_numpy(np.ascontiguousarray(meta[i:i + bs, 0]))
+            if self.pin:
+                y = y.pin_memory()
+            item = (self._features(x[i:i + bs]), y)
+            batches.append(item + (meta[i:i + bs, 1].copy(),) if self.with_ids else item)
+        return batches, [x[full:].copy()], [meta[full:]]  # the rest leaves the scratch memory before it is reused
 
     def __iter__(self):
-        xs, ys, n = [], [], 0
+        xs, ms, n = [], [], 0
         threshold = max(self.batch_size, self.shuffle_buffer)
         for chunk in self.row_groups:
             xs.append(self.transform.rows(chunk.pixels))
-            ys.append(chunk.label_index.to_numpy())
-            n += len(ys[-1])
+            labels = chunk.label_index.to_numpy()
+            meta = np.empty((len(labels), 2), np.int64)
+            meta[:, 0] = labels
+            ids = getattr(chunk, "row_id", None)
+            meta[:, 1] = ids.to_numpy() if ids is not None else -1
+            ms.append(meta)
+            n += len(labels)
             if n >= threshold:
-                batches, xs, ys = self._emit(xs, ys, final=False)
-                n = len(ys[0])
+                batches, xs, ms = self._emit(xs, ms, final=False)
+                n = len(ms[0])
                 yield from batches
         if n:
-            batches, _, _ = self._emit(xs, ys, final=True)
+            batches, _, _ = self._emit(xs, ms, final=True)
             yield from batches
 
 
@@ -180,128 +157,192 @@ class ShardLoader:
     """Iterable of (features, labels) batches for one rank.
 
     Train: one endless stream of the shard's row groups; each pass yields exactly `steps` full batches, the same
-    on every rank. Val: every validation row of the shard once per pass. A shard of at most `memory_cache_mb` is
-    read through Petastorm once and then served from memory (see `_row_groups`); a larger one through a Petastorm
-    reader every pass. The rows read in the last pass are kept in `rows_read`.
+    on every rank. Val: every validation row of the shard once per pass. `reader` picks how the converted Parquet is
+    read: `petastorm` (Petastorm's reader) or `arrow` (pyarrow directly, row groups in a (seed, pass)-seeded order).
+    A shard of at most `memory_cache_mb` is read once and then served from memory (see `_row_groups`). The rows read
+    in the last pass are kept in `rows_read` (and their row ids in `ids_read` with `track_ids`).
+
+    With the `arrow` reader the train stream is a pure function of the seed, so its position (batches taken) is
+    its state: `state_dict()` / `load_state_dict()` let a run resumed from a mid-epoch checkpoint continue exactly
+    where it stopped (Lightning saves and restores them with the checkpoint).
     """
 
-    def __init__(self, converter, plan: SplitPlan, rank: int, world_size: int, channels: int, image_size: int,
-                 endless: bool, workers: int, shuffle_buffer: int, seed: int, memory_cache_mb: int = 0) -> None:
-        self.converter = converter
+    def __init__(self, split: ConvertedSplit, plan: SplitPlan, rank: int, world_size: int, channels: int,
+                 image_size: int, endless: bool, workers: int, shuffle_buffer: int, seed: int,
+                 memory_cache_mb: int = 0, reader: str = "petastorm", track_ids: bool = False,
+                 normalize_on_device: bool = False) -> None:
+        require_reader(reader)
+        self.split = split
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
         self.endless = endless
+        self.reader = reader
         self.transform = PixelsToTensor(channels, image_size)
         self.workers = workers
         self.shuffle_buffer = shuffle_buffer if endless else 0
         self.seed = seed
         self.keeps_in_memory = self.shard_mb() <= memory_cache_mb
+        self.track_ids = track_ids
+        self.normalize_on_device = normalize_on_device
         self.rows_read = 0
+        self.ids_read: List[int] = []
         self.wait_s = 0.0  # time spent waiting for batches in the last pass
+        self.batches_taken = 0  # train: batches taken from the endless stream since it started
+        self._resume_at = 0
+        self._epoch_steps = plan.steps_per_epoch
         self._kept: Optional[List] = None  # the shard's row groups, once one whole pass has been read
         self._source: Optional[Iterator] = None
         self._it: Optional[Iterator] = None
 
+    @property
+    def converter(self) -> ConvertedSplit:  # the name earlier code used
+        return self.split
+
     def shard_mb(self) -> float:
-        """Memory this rank's shard takes held as Arrow columns (pixels and labels)."""
-        return self.plan.rows_per_rank[self.rank] * (self.transform.row_bytes + 8) / 2 ** 20
+        """Memory this rank's shard takes held as Arrow columns (pixels, labels, row ids)."""
+        return self.plan.rows_per_rank[self.rank] * (self.transform.row_bytes + 12) / 2 ** 20
 
-    def _extra_row_groups(self) -> int:
-        groups = self.plan.row_group_rows
-        mean_rows = max(1.0, sum(groups) / max(1, len(groups)))
-        row_bytes = int(np.prod(self.transform.shape))
-        return min(MAX_EXTRA_ROW_GROUPS, int(PREFETCH_BYTES / row_bytes / mean_rows) - self.workers)
-
-    @contextmanager
-    def _open(self, num_epochs: Optional[int]) -> Iterator:
-        """A Petastorm reader of this shard yielding each row group as Arrow columns; stopped on leaving."""
-        def arrow_reader(reader, batch_size, shuffling_queue_capacity):
-            read_arrow_columns(reader)
-            return reader
-
-        ctx = self.converter.make_torch_dataloader(
-            batch_size=self.plan.batch_size, num_epochs=num_epochs, workers_count=self.workers,
-            data_loader_fn=arrow_reader, cur_shard=self.rank, shard_count=self.world_size, seed=self.seed,
-            shuffle_row_groups=self.endless, reader_pool_type="thread")
-        with ExitStack() as stack:
-            with _ventilation_depth(self._extra_row_groups()):  # the reader is created on entering
-                reader = stack.enter_context(ctx)
-            yield reader
+    def _petastorm(self, passes: Optional[int]):
+        return open_petastorm(self.split, self.rank, self.world_size, self.plan.batch_size, passes, self.workers,
+                              self.seed, self.endless, self.transform.row_bytes)
 
     def _row_groups(self, passes: Optional[int]) -> Iterator:
         """The shard's row groups for `passes` passes over it (None: endless).
 
-        A shard that fits data.memory_cache_mb is read through Petastorm once, kept (the Arrow columns as read) and
-        served from memory after that whole first pass, in a new seeded order each train pass; a larger one is read
-        through Petastorm every pass. A pass cut short (Lightning's sanity check) keeps nothing.
+        A shard that fits data.memory_cache_mb is read once, kept (the Arrow columns as read) and served from memory
+        after that whole first pass; a larger one is read from Parquet every pass. A pass cut short (Lightning's
+        sanity check) keeps nothing. With the arrow reader pass p takes the row groups in `pass_order(p)` whether
+        they come from memory or from the files, so the stream does not depend on what is cached.
         """
+        if self.reader == "arrow":
+            yield from self._arrow_row_groups(passes)
+            return
         if not self.keeps_in_memory:
-            with self._open(passes) as reader:
+            with self._petastorm(passes) as reader:
                 yield from reader
             return
-        order = np.random.default_rng(self.seed)
-        for _ in (itertools.count() if passes is None else range(passes)):
+        for p in (itertools.count() if passes is None else range(passes)):
             if self._kept is not None:
-                for i in (order.permutation(len(self._kept)) if self.endless else range(len(self._kept))):
-                    yield self._kept[i]
+                yield from (self._kept[i] for i in pass_order(len(self._kept), self.seed, p, self.endless))
                 continue
             kept, rows, planned = [], 0, self.plan.rows_per_rank[self.rank]
-            with self._open(1) as reader:
+            with self._petastorm(1) as reader:
                 for group in reader:
                     kept.append(group)
                     rows += len(group.label_index)
                     if rows == planned:  # whole before its last batch is taken: Lightning may stop right there
                         self._keep(kept, rows)
                     yield group
-            if rows != planned:
-                raise ShardCountError(f"rank {self.rank} read {rows} {self.plan.name} rows in a pass over its shard, "
-                                      f"the plan says {planned}; the converted files changed, convert again")
+            self._check_pass(rows, planned)
+
+    def _arrow_row_groups(self, passes: Optional[int]) -> Iterator:
+        reader = ArrowShardReader(self.split, self.rank, self.world_size, self.workers)
+        planned = self.plan.rows_per_rank[self.rank]
+        for p in (itertools.count() if passes is None else range(passes)):
+            order = pass_order(len(reader), self.seed, p, self.endless)
+            if self._kept is not None:
+                yield from (self._kept[i] for i in order)
+                continue
+            kept: List = [None] * len(reader) if self.keeps_in_memory else []
+            rows = 0
+            for i, group in reader.iter_groups(order):
+                rows += len(group.label_index)
+                if self.keeps_in_memory:
+                    kept[i] = group
+                    if rows == planned:
+                        self._keep(kept, rows)
+                yield group
+            self._check_pass(rows, planned)
+
+    def _check_pass(self, rows: int, planned: int) -> None:
+        if rows != planned:
+            raise ShardCountError(f"rank {self.rank} read {rows} {self.plan.name} rows in a pass over its shard, "
+                                  f"the plan says {planned}; the converted files changed, convert again")
 
     def _keep(self, row_groups: List, rows: int) -> None:
         self._kept = row_groups
         log.info("rank %d: %s shard (%d rows, %.1f MB) kept in memory after its first pass (data.memory_cache_mb)",
                  self.rank, self.plan.name, rows, self.shard_mb())
 
+    def _assembler(self, source, shuffle_buffer: int) -> BatchAssembler:
+        return BatchAssembler(source, self.plan.batch_size, self.transform, shuffle_buffer, self.seed,
+                              with_ids=True, uint8_out=self.normalize_on_device,
+                              pin=self.normalize_on_device and torch.cuda.is_available())
+
     def __len__(self) -> int:
         if self.endless:
             return self.plan.steps_per_epoch
         return -(-self.plan.rows_per_rank[self.rank] // self.plan.batch_size)
 
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    def _take(self, it) -> Tuple[torch.Tensor, torch.Tensor]:
         import time
 
+        t0 = time.perf_counter()
+        x, y, ids = next(it)
+        self.wait_s += time.perf_counter() - t0
+        self.rows_read += len(y)
+        if self.track_ids:
+            self.ids_read.extend(ids.tolist())
+        return x, y
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         self.rows_read = 0
+        self.ids_read = []
         self.wait_s = 0.0
         if self.endless:
             if self._it is None:
                 self._source = self._row_groups(None)
-                self._it = iter(BatchAssembler(self._source, self.plan.batch_size, self.transform,
-                                               self.shuffle_buffer, self.seed))
-            for _ in range(self.plan.steps_per_epoch):
-                t0 = time.perf_counter()
-                x, y = next(self._it)
-                self.wait_s += time.perf_counter() - t0
-                self.rows_read += len(y)
-                yield x, y
+                assembler = self._assembler(self._source, self.shuffle_buffer)
+                assembler.skip = self.batches_taken = self._resume_at
+                self._resume_at = 0
+                self._it = iter(assembler)
+            # a resumed epoch has only the steps the interrupted one had not taken
+            self._epoch_steps = self.plan.steps_per_epoch - self.batches_taken % self.plan.steps_per_epoch
+            for _ in range(self._epoch_steps):
+                batch = self._take(self._it)
+                self.batches_taken += 1
+                yield batch
             return
         source = self._row_groups(1)
-        it = iter(BatchAssembler(source, self.plan.batch_size, self.transform, 0, self.seed))
+        it = iter(self._assembler(source, 0))
         try:
             while True:
-                t0 = time.perf_counter()
                 try:
-                    x, y = next(it)
+                    batch = self._take(it)
                 except StopIteration:
                     break
-                self.wait_s += time.perf_counter() - t0
-                self.rows_read += len(y)
-                yield x, y
+                yield batch
         finally:
-            source.close()  # stops a Petastorm reader left mid-pass
+            source.close()  # stops a reader left mid-pass
+
+    def resume_at(self, batches: int) -> None:
+        """Continue the train stream after `batches` batches were trained (a checkpoint's global step): with the
+        arrow reader the stream is a pure function of the seed, so the resumed run reads exactly the rows the
+        interrupted one had not read yet, in the same order. The petastorm reader's order is its own: it starts over.
+        """
+        if not self.endless or batches <= 0:
+            return
+        if self.reader != "arrow":
+            log.warning("rank %d: data.reader=petastorm cannot replay its row order; the epoch resumed at step %d "
+                        "reads a new shuffle of the shard (data.reader=arrow resumes exactly)", self.rank, batches)
+        self.close()
+        self._resume_at = self.batches_taken = int(batches)
+
+    def state_dict(self) -> dict:
+        """What the train stream depends on (saved by Lightning with each checkpoint, checked when restored)."""
+        return {"reader": self.reader, "seed": self.seed, "world_size": self.world_size,
+                "steps_per_epoch": self.plan.steps_per_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and self.endless and any(state.get(k) != v for k, v in self.state_dict().items()):
+            log.warning("rank %d: the checkpoint's data stream (%s) differs from this job's (%s); the resumed run "
+                        "reads other rows than the interrupted one would have", self.rank, state, self.state_dict())
 
     def expected_rows(self) -> int:
-        return self.plan.rows_per_epoch_per_rank if self.endless else self.plan.rows_per_rank[self.rank]
+        if self.endless:  # an epoch resumed mid-way reads only the steps it had left
+            return self._epoch_steps * self.plan.batch_size
+        return self.plan.rows_per_rank[self.rank]
 
     def check_rows(self) -> None:
         """Raise when the rows read in the last full pass differ from the plan."""
@@ -321,7 +362,8 @@ class LakehouseDataModule(pl.LightningDataModule):
     """Loaders for shard `rank` of `world_size` over converted Delta data."""
 
     def __init__(self, data: ConvertedData, rank: int = 0, world_size: int = 1,
-                 data_cfg: Optional[DataConfig] = None) -> None:
+                 data_cfg: Optional[DataConfig] = None, normalize_on_device: bool = False,
+                 track_ids: bool = False) -> None:
         super().__init__()
         if data.plan.train.world_size != world_size:
             raise ValueError(f"the shard plan was made for {data.plan.train.world_size} rank(s), "
@@ -331,7 +373,8 @@ class LakehouseDataModule(pl.LightningDataModule):
         self.rank = rank
         self.world_size = world_size
         kw = dict(rank=rank, world_size=world_size, channels=data.channels, image_size=data.image_size,
-                  workers=c.reader_workers, seed=c.seed + rank)
+                  workers=c.reader_workers, seed=c.seed + rank, reader=c.reader, track_ids=track_ids,
+                  normalize_on_device=normalize_on_device)
         self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=c.shuffle_buffer,
                                         memory_cache_mb=c.memory_cache_mb, **kw)
         left_mb = c.memory_cache_mb - (self.train_loader.shard_mb() if self.train_loader.keeps_in_memory else 0)
@@ -353,7 +396,11 @@ class LakehouseDataModule(pl.LightningDataModule):
         self.val_loader.close()
 
 
-def make_datamodule(data: ConvertedData, rank: int, world_size: int,
-                    data_cfg: Optional[DataConfig] = None) -> LakehouseDataModule:
-    """The data module of rank `rank`; loader settings from `data_cfg` (the data.* config keys)."""
-    return LakehouseDataModule(data, rank, world_size, data_cfg)
+def make_datamodule(data: ConvertedData, rank: int, world_size: int, data_cfg: Optional[DataConfig] = None,
+                    normalize_on_device: bool = False, track_ids: bool = False) -> LakehouseDataModule:
+    """The data module of rank `rank`; loader settings from `data_cfg` (the data.* config keys).
+
+    `normalize_on_device`: batches are uint8 (pinned where CUDA is present) and the model normalises them on its
+    device. `track_ids`: the loaders record the row ids they hand out (tests, accounting).
+    """
+    return LakehouseDataModule(data, rank, world_size, data_cfg, normalize_on_device, track_ids)

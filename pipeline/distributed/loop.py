@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config
-from pipeline.data.convert import ConvertedData
+from pipeline.data.shards import ConvertedData
 from pipeline.log import get_logger, quiet_third_party_warnings, setup_logging
 
 log = get_logger(__name__)
@@ -29,6 +29,9 @@ class TrainJob:
     run_id: Optional[str] = None
     tracking_uri: Optional[str] = None
     job_dir: str = "work/jobs/current"
+    # a folder where rank 0 hands each epoch's metrics to the driver and reads its verdict (callbacks.DriverVerdict)
+    epoch_gate_dir: Optional[str] = None
+    epoch_gate_timeout_s: float = 30.0
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -63,8 +66,11 @@ def resolve_checkpoint(cfg: Config) -> Optional[str]:
     return path
 
 
-def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bool) -> None:
-    """Refuse a checkpoint from another Delta table or version unless `train.ckpt_allow_other_data`."""
+def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bool) -> int:
+    """Refuse a checkpoint from another Delta table or version unless `train.ckpt_allow_other_data`.
+
+    Returns the checkpoint's global step (the batches trained: where the data stream resumes).
+    """
     import torch
 
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
@@ -75,6 +81,7 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
         if not allow_other:
             raise CheckpointLineageError(msg + "; set train.ckpt_allow_other_data=true to resume anyway")
         log.warning("%s; resuming anyway (train.ckpt_allow_other_data=true)", msg)
+    return int(ckpt.get("global_step", 0))
 
 
 def _digest(module) -> str:
@@ -88,32 +95,57 @@ def _digest(module) -> str:
     return h.hexdigest()
 
 
+def _make_datamodule(job: TrainJob, rank: int, world_size: int, normalize_on_device: bool):
+    """The rank's data module; uint8 batches (normalised on the GPU by the model) where the loader offers them."""
+    import inspect
+
+    from pipeline.data.datamodule import make_datamodule
+
+    if normalize_on_device and "normalize_on_device" in inspect.signature(make_datamodule).parameters:
+        return make_datamodule(job.data, rank, world_size, job.cfg.data, normalize_on_device=True)
+    return make_datamodule(job.data, rank, world_size, job.cfg.data)
+
+
 def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = None, devices: int = 1,
-          num_nodes: int = 1) -> RankResult:
+          num_nodes: int = 1, local_rank: int = 0, local_world_size: Optional[int] = None) -> RankResult:
     """Train on shard `rank` of `world_size`; the same function for one process and for every rank.
 
+    `local_rank` / `local_world_size`: this rank's index among, and the number of, the ranks on its host (None: all
+    `world_size` ranks may share it); they pick the GPU and the thread count. Whether the rank trains on a GPU, its
+    precision (`train.precision=auto`) and, for DDP, its backend are decided here, from this process's own CUDA.
     Rank 0 alone writes checkpoints and talks to MLflow (into the driver's run `job.run_id`).
     """
     import pytorch_lightning as pl
     import torch
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
-    from pipeline.data.datamodule import make_datamodule
-    from pipeline.distributed.callbacks import (AtomicCheckpointIO, EpochAccounting, LineageCheckpoint, StopSignals,
-                                                host_and_pid)
+    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, LineageCheckpoint,
+                                                StopSignals, host_and_pid)
+    from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
     from pipeline.model.module import ImageClassifier, scaled_lr
 
     quiet_third_party_warnings()
     cfg = job.cfg
-    torch.set_num_threads(max(1, cfg.train.threads_per_rank))
+    previous_threads = torch.get_num_threads()
+    threads = threads_for_rank(cfg.train.threads_per_rank, world_size if local_world_size is None else local_world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()  # this process's CUDA: what the launcher or Spark GPU scheduling left visible
+    capability = None
+    if cuda:
+        device_index = rank_device_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(device_index)
+        capability = cuda_capability(device_index)
+    precision = resolve_precision(cfg.train.precision, cuda, capability)
     pl.seed_everything(cfg.train.seed, workers=True, verbose=False)
     is_zero = rank == 0
     lr = scaled_lr(cfg.model.lr, world_size, cfg.train.lr_scaling)
     if is_zero:
-        log.info("training on %d rank(s), lr %.4g (%s scaling of %.4g)", world_size, lr, cfg.train.lr_scaling,
-                 cfg.model.lr)
+        log.info("training on %d rank(s), lr %.4g (%s scaling of %.4g), %s, precision %s, %s torch threads per rank",
+                 world_size, lr, cfg.train.lr_scaling, cfg.model.lr, f"GPU (capability {capability})" if cuda else "CPU",
+                 precision, threads if threads is not None else f"{torch.get_num_threads()} (torch's default)")
 
-    dm = make_datamodule(job.data, rank, world_size, cfg.data)
+    dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
     plan = job.data.plan
     model = ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
@@ -125,6 +157,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         from pipeline.tracking.rank_zero import RankZeroTracker
 
         tracker = RankZeroTracker(job.tracking_uri, job.run_id)
+        tracker.record_precision(precision)
 
     ckpt_dir = cfg.train.checkpoint_dir
     es = cfg.train.early_stopping
@@ -133,12 +166,19 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode,
                                  save_top_k=1, save_last=True, enable_version_counter=False)
     callbacks = [stop, accounting, checkpoint, LineageCheckpoint(job.lineage)]
+    if cfg.train.checkpoint_every_n_steps:  # mid-epoch checkpoints too (last.ckpt): resume continues inside the epoch
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", save_top_k=1, save_last=True,
+                                         every_n_train_steps=cfg.train.checkpoint_every_n_steps,
+                                         enable_version_counter=False))
+    gate = DriverVerdict(job.epoch_gate_dir, job.epoch_gate_timeout_s) if job.epoch_gate_dir else None
+    if gate is not None:
+        callbacks.append(gate)
     if es.enabled:
         callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, min_delta=es.min_delta,
                                        patience=es.patience, stopping_threshold=es.stopping_threshold,
                                        check_finite=True, verbose=False))
     trainer = pl.Trainer(
-        max_epochs=cfg.train.max_epochs, accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        max_epochs=cfg.train.max_epochs, accelerator="gpu" if cuda else "cpu", precision=precision,
         devices=devices, num_nodes=num_nodes,
         strategy=strategy if strategy is not None else "auto", plugins=[AtomicCheckpointIO()],
         callbacks=callbacks, logger=False, enable_progress_bar=is_zero and os.environ.get("LAKEHOUSE_PROGRESS", "1") == "1",
@@ -147,13 +187,16 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     ckpt_path = resolve_checkpoint(cfg)
     if ckpt_path:
-        check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
+        trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
+        dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped
         if is_zero:
             log.info("resuming from %s", ckpt_path)
     try:
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     finally:
         stop.restore()
+        if threads is not None:
+            torch.set_num_threads(previous_threads)  # a single-process run happens in the caller's process
 
     if stop.reason and stop.reason.startswith("SIGTERM"):
         # Launchers may kill the ranks right after they stop (horovod.run does, 5 s after SIGTERM), so the
@@ -167,10 +210,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         result.lr = float(group.get("initial_lr", group["lr"]))
     result.epochs = trainer.current_epoch
     result.history = accounting.history
-    result.stop_reason = stop.reason
+    result.stop_reason = stop.reason or (gate.reason if gate is not None else None)
     early = next((c for c in callbacks if isinstance(c, EarlyStopping)), None)
-    result.stopped_early = bool(early is not None and early.stopped_epoch > 0) or stop.reason is not None
-    if early is not None and early.stopped_epoch > 0 and stop.reason is None:
+    result.stopped_early = bool(early is not None and early.stopped_epoch > 0) or result.stop_reason is not None
+    if early is not None and early.stopped_epoch > 0 and result.stop_reason is None:
         result.stop_reason = f"early stopping on {es.monitor} at epoch {early.stopped_epoch}"
     best = checkpoint.best_model_path if checkpoint.best_model_path else None
     result.best_checkpoint = best
@@ -183,7 +226,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         finite = [h for h in accounting.history if h.get(key) == h.get(key)]
         best_epoch = pick(finite, key=lambda h: h[key]) if finite else accounting.history[-1]
         result.metrics = {k: v for k, v in best_epoch.items() if isinstance(v, float)}
-    if is_zero and tracker is not None and stop.reason is None:
+    if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
         if best and os.path.exists(best):
             state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
             model.load_state_dict(state)
@@ -226,7 +269,8 @@ def horovod_worker(job: TrainJob) -> RankResult:
     hvd.init()
     rank = hvd.rank()
     try:
-        return train(job, rank, hvd.size(), HorovodStrategy())
+        return train(job, rank, hvd.size(), HorovodStrategy(), local_rank=hvd.local_rank(),
+                     local_world_size=hvd.local_size())
     except BaseException as exc:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         _write_failure(job, rank, exc)
@@ -234,16 +278,21 @@ def horovod_worker(job: TrainJob) -> RankResult:
 
 
 def ddp_worker(job: TrainJob) -> RankResult:
-    """The DDP entry (torch.distributed over gloo), launched by Spark's TorchDistributor."""
+    """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by TorchDistributor."""
     setup_logging()
+    import torch
     from pytorch_lightning.strategies import DDPStrategy
+
+    from pipeline.distributed.devices import ddp_backend
 
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
-        return train(job, rank, size, DDPStrategy(process_group_backend="gloo"), devices=local,
-                     num_nodes=max(1, size // local))
+        backend = ddp_backend(torch.cuda.is_available())  # decided in the rank, not on the driver
+        return train(job, rank, size, DDPStrategy(process_group_backend=backend), devices=local,
+                     num_nodes=max(1, size // local), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                     local_world_size=local)
     except BaseException as exc:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         _write_failure(job, rank, exc)

@@ -1,0 +1,162 @@
+"""The converted-data cache: content keys, entry manifests, listing, a size bound (least recently used first) and clearing.
+
+An entry is ``<data.cache_dir>/<key>/`` holding ``train/`` and ``val/`` Parquet files and ``manifest.json``, written
+last: an entry without a manifest is incomplete and is rebuilt. The key is a hash of everything that decides the
+files' content, so a later job (or a tuning trial, or another process) on the same pinned table reuses them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+from urllib.parse import urlparse
+
+from pipeline.data.shards import FORMAT_VERSION, ConversionError
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def filesystem(url: str) -> Tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) for a cache URL or local path."""
+    import pyarrow.fs as pafs
+
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else url)
+    try:
+        return pafs.FileSystem.from_uri(url)
+    except Exception as exc:
+        raise ConversionError(f"config key 'data.cache_dir': cannot open {url} ({type(exc).__name__}: {exc}); use a "
+                              f"local path, a shared mount (e.g. file:///dbfs/...) or s3://, hdfs://, gs://") from None
+
+
+def root_url(cache_dir: str) -> str:
+    """`data.cache_dir` as a URL (local paths become absolute file:// URLs); the folder is created."""
+    fs, path = filesystem(cache_dir)
+    fs.create_dir(path, recursive=True)
+    scheme = urlparse(cache_dir).scheme
+    return "file://" + path if scheme in ("", "file") else cache_dir.rstrip("/")
+
+
+def content_key(parts: Dict[str, Any]) -> str:
+    """A short stable hash of the inputs that decide an entry's content."""
+    blob = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def entry_url(cache_dir: str, key: str) -> str:
+    return f"{root_url(cache_dir)}/{key}"
+
+
+def read_manifest(url: str) -> Optional[Dict[str, Any]]:
+    """The entry's manifest, or None when the entry is absent, incomplete or unreadable (then it is rebuilt)."""
+    fs, path = filesystem(url)
+    try:
+        with fs.open_input_stream(f"{path}/{MANIFEST}") as fh:
+            return json.loads(fh.read().decode())
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        log.warning("cache entry %s has an unreadable %s (%s); it will be rebuilt", url, MANIFEST, exc)
+        return None
+
+
+def write_manifest(url: str, manifest: Dict[str, Any]) -> None:
+    """Write the manifest through a temporary file and a rename, so a reader never sees half of it."""
+    fs, path = filesystem(url)
+    tmp = f"{path}/.{MANIFEST}.{os.getpid()}.tmp"
+    with fs.open_output_stream(tmp) as fh:
+        fh.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+    fs.move(tmp, f"{path}/{MANIFEST}")
+
+
+def touch(url: str, manifest: Dict[str, Any]) -> None:
+    """Record a use of the entry (the size bound evicts the least recently used first)."""
+    manifest["last_used"] = time.time()
+    try:
+        write_manifest(url, manifest)
+    except OSError as exc:  # a read-only cache still serves
+        log.warning("could not record the use of cache entry %s: %s", url, exc)
+
+
+def remove_entry(url: str) -> None:
+    if not url:
+        return
+    fs, path = filesystem(url)
+    try:
+        fs.delete_dir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete cache entry %s: %s", url, exc)
+
+
+def entry_bytes(manifest: Dict[str, Any]) -> int:
+    return sum(f["bytes"] for s in manifest.get("splits", {}).values() for f in s.get("files", []))
+
+
+def list_entries(cache_dir: str) -> List[Dict[str, Any]]:
+    """Every entry under `data.cache_dir`, most recently used first, with its size and what it was made from."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(cache_dir)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    base = root_url(cache_dir)
+    out = []
+    for info in infos:
+        if info.type != pafs.FileType.Directory:
+            continue
+        url = f"{base}/{info.base_name}"
+        manifest = read_manifest(url)
+        if manifest is None:
+            out.append({"key": info.base_name, "url": url, "complete": False, "bytes": None, "last_used": None})
+            continue
+        inputs = manifest.get("inputs", {})
+        out.append({"key": info.base_name, "url": url, "complete": True, "bytes": entry_bytes(manifest),
+                    "last_used": manifest.get("last_used"), "created": manifest.get("created"),
+                    "table": inputs.get("table"), "version": inputs.get("version"),
+                    "world_size": inputs.get("world_size"), "image_size": inputs.get("image_size"),
+                    "rows": {k: s.get("rows") for k, s in manifest.get("splits", {}).items()}})
+    out.sort(key=lambda e: e.get("last_used") or 0, reverse=True)
+    return out
+
+
+def clear(cache_dir: str, keys: Optional[Iterable[str]] = None) -> List[str]:
+    """Delete the given entries (all when None); returns the keys deleted."""
+    wanted = set(keys) if keys is not None else None
+    done = []
+    for entry in list_entries(cache_dir):
+        if wanted is None or entry["key"] in wanted:
+            remove_entry(entry["url"])
+            done.append(entry["key"])
+    if wanted is not None and wanted - set(done):
+        raise ConversionError(f"no cache entry {sorted(wanted - set(done))[0]!r} under data.cache_dir={cache_dir}")
+    return done
+
+
+def enforce_bound(cache_dir: str, max_gb: float, keep: str) -> List[str]:
+    """Evict least recently used complete entries until the cache holds at most `max_gb` (never `keep`)."""
+    if max_gb <= 0:
+        return []
+    entries = [e for e in list_entries(cache_dir) if e["complete"]]
+    total = sum(e["bytes"] for e in entries)
+    evicted = []
+    for entry in reversed(entries):  # least recently used first
+        if total <= max_gb * 2 ** 30:
+            break
+        if entry["key"] == keep:
+            continue
+        remove_entry(entry["url"])
+        total -= entry["bytes"]
+        evicted.append(entry["key"])
+        log.info("evicted cache entry %s (%.1f MB, data.cache_max_gb=%g)", entry["key"], entry["bytes"] / 2 ** 20,
+                 max_gb)
+    return evicted
