@@ -18,6 +18,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from pipeline.distributed.devices import rank_device_index
 from pipeline.log import get_logger
 
 try:  # Horovod is built from source into the venv (scripts/build_horovod.sh); keep this module importable without it.
@@ -135,6 +136,16 @@ class HorovodStrategy(ParallelStrategy):
     (after backward, before gradient clipping and ``on_before_optimizer_step``), and the step itself runs inside
     ``optimizer.skip_synchronize()``.
 
+    The averaging needs no per-step decision: every rank runs the same number of steps, so ``synchronize()`` is called
+    directly. ``skip_steps_without_gradients=True`` restores a blocking all-reduce per step that lets a step in which
+    no rank ran backward (manual optimisation) leave the weights untouched, as DDP does; without it such a step is a
+    zero-gradient step on every rank.
+
+    Mixed precision: Lightning's precision plugin runs around this. With ``16-mixed`` its ``MixedPrecision`` plugin
+    runs the closure (scaled backward, then the averaging above), then ``scaler.unscale_`` on the averaged gradients,
+    then ``scaler.step``, all inside ``skip_synchronize()``: the scaler sees identical gradients on every rank, so
+    every rank skips the same inf/NaN steps and keeps the same scale.
+
     The learning rate is not scaled by the number of ranks: averaged gradients of per-rank mean losses equal the
     gradient of the mean loss over the global batch.
     """
@@ -148,6 +159,7 @@ class HorovodStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         compression: Any = None,
+        skip_steps_without_gradients: bool = False,
     ) -> None:
         _require_horovod()
         super().__init__(
@@ -160,6 +172,7 @@ class HorovodStrategy(ParallelStrategy):
         self._compression = compression if compression is not None else hvd.Compression.none
         self._original_optimizers: dict[int, Optimizer] = {}  # id(wrapped) -> optimizer from configure_optimizers
         self._num_nodes_flag = 1
+        self._skip_steps_without_gradients = bool(skip_steps_without_gradients)
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -220,7 +233,8 @@ class HorovodStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         if self._uses_cuda():
-            return torch.device("cuda", hvd.local_rank())
+            # local rank k takes GPU k; a process that sees exactly one GPU (Spark GPU scheduling) takes device 0
+            return torch.device("cuda", rank_device_index(hvd.local_rank(), torch.cuda.device_count()))
         return torch.device("cpu")
 
     def set_world_ranks(self) -> None:
@@ -232,7 +246,7 @@ class HorovodStrategy(ParallelStrategy):
         _ensure_initialized()
         self.set_world_ranks()
         if self._uses_cuda():
-            torch.cuda.set_device(hvd.local_rank())
+            torch.cuda.set_device(self.root_device)
         self.parallel_devices = [self.root_device]
         log.info(
             "Horovod rank %d/%d (local rank %d, node %d/%d) on %s; controller %s, NCCL %s",
@@ -335,6 +349,14 @@ class HorovodStrategy(ParallelStrategy):
         return output
 
     def _synchronize(self, optimizer: Optimizer) -> None:
+        if not self._skip_steps_without_gradients:
+            # Every rank runs the same number of steps (the equal-steps plan), so the gradients are averaged with no
+            # decision first: no blocking collective and no host read per step beyond the averaging itself. A rank
+            # that ran no backward pass contributes zeros through the same named allreduces (Horovod fills its
+            # missing gradients), so it neither hangs nor diverges; in a step where no rank had gradients every rank
+            # steps on zero gradients (identical everywhere; weight decay and momentum still apply).
+            optimizer.synchronize()
+            return
         local_has_grads = bool(getattr(optimizer, "_handles", None))  # filled by Horovod's hooks during backward
         if not self.reduce_boolean_decision(local_has_grads, all=False):
             # No rank ran a backward pass since the last step: nothing to average, and torch optimizers skip

@@ -22,6 +22,12 @@ class RankZeroTracker:
         self.run_id = run_id
         self.client = MlflowClient(tracking_uri) if tracking_uri else MlflowClient()
 
+    def record_precision(self, precision: str) -> None:
+        """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
+        if not is_rank_zero():
+            return
+        self.client.set_tag(self.run_id, "precision", precision)
+
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
         if not is_rank_zero():
             return
@@ -47,7 +53,7 @@ class RankZeroTracker:
                 self.client.log_artifact(self.run_id, os.path.join(tmp, "learning_curves.png"), "plots")
             cm = getattr(model, "last_confusion", None)
             if cm is not None:
-                confusion_matrix_png(cm.numpy(), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
+                confusion_matrix_png(cm.cpu().numpy(), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
                 self.client.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
         meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
         model.eval()

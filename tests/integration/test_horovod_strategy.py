@@ -138,6 +138,86 @@ def _train_on_own_slices():
     return out
 
 
+def _counting_decisions(strategy):
+    """Count the strategy's blocking decision all-reduces (the per-step one is gone unless asked for)."""
+    calls = []
+    real = strategy.reduce_boolean_decision
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    strategy.reduce_boolean_decision = counted
+    return calls
+
+
+def _decision_free_sync():
+    """The same fit with the per-step decision all-reduce (the old path) and without it (the default)."""
+    hvd = _worker_init()
+    from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+    rank, size = hvd.rank(), hvd.size()
+    x, y = _data(64, seed=8)
+    out = {}
+    for name, skip in (("decision", True), ("direct", False)):
+        model = _module_class()(seed=0, lr=0.05, momentum=0.9)
+        strategy = HorovodStrategy(skip_steps_without_gradients=skip)
+        calls = _counting_decisions(strategy)
+        trainer = _trainer(strategy, max_epochs=2)
+        trainer.fit(model, _loader(x[rank::size], y[rank::size], 4))
+        out[name] = {"final": _flat(model), "steps": trainer.global_step, "decisions": len(calls)}
+    return out
+
+
+def _precision_fit(precision):
+    """A 2-epoch fit under mixed precision: `bf16-mixed` as users set it (Lightning's flag), or `16-mixed` with a
+    CPU GradScaler (as a plugin: Lightning's flag turns CPU float16 into bf16), recording the order of the gradient
+    averaging, the scaler's unscale and its step."""
+    hvd = _worker_init()
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+    rank, size = hvd.rank(), hvd.size()
+    x, y = _data(64, seed=7)
+    model = _module_class()(seed=0, lr=0.05, momentum=0.9)
+    dtypes = []
+    model.layer.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    initial = _flat(model)
+    strategy = HorovodStrategy()
+    decisions = _counting_decisions(strategy)
+    events = []
+    real_sync = strategy._synchronize
+
+    def synchronize(optimizer):
+        real_sync(optimizer)
+        events.append("averaged")
+
+    strategy._synchronize = synchronize
+    if precision == "16-mixed":
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+        real_unscale, real_step = plugin.scaler.unscale_, plugin.scaler.step
+
+        def unscale(optimizer):
+            events.append("unscale")
+            return real_unscale(optimizer)
+
+        def step(optimizer, *args, **kwargs):
+            # inside skip_synchronize(): Horovod's step must not average (again)
+            events.append(("step", optimizer._should_synchronize))
+            return real_step(optimizer, *args, **kwargs)
+
+        plugin.scaler.unscale_, plugin.scaler.step = unscale, step
+        trainer = _trainer(strategy, max_epochs=2, plugins=[plugin])
+    else:
+        trainer = _trainer(strategy, max_epochs=2, precision=precision)
+    trainer.fit(model, _loader(x[rank::size], y[rank::size], 8))
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return {"initial": initial, "final": _flat(model), "steps": trainer.global_step, "dtypes": sorted(set(map(str, dtypes))),
+            "events": events, "decisions": len(decisions), "plugin": type(trainer.precision_plugin).__name__,
+            "scale": float(scaler.get_scale()) if scaler is not None else None}
+
+
 def _one_step(batch_size):
     hvd = _worker_init()
     from pipeline.distributed.horovod_strategy import HorovodStrategy
@@ -247,7 +327,7 @@ def _resume(tmpdir):
     }
 
 
-def _steps_without_gradients():
+def _steps_without_gradients(skip_steps_without_gradients):
     """Manual optimisation: both ranks backward, then only rank 0, then neither; every rank steps each time."""
     hvd = _worker_init()
     import pytorch_lightning as pl
@@ -278,7 +358,8 @@ def _steps_without_gradients():
 
     x, y = _data(24, seed=6)
     model = Manual()
-    _trainer(HorovodStrategy(), max_epochs=1).fit(model, _loader(x[rank::size], y[rank::size], 4))
+    strategy = HorovodStrategy(skip_steps_without_gradients=skip_steps_without_gradients)
+    _trainer(strategy, max_epochs=1).fit(model, _loader(x[rank::size], y[rank::size], 4))
     return model.after
 
 
@@ -354,9 +435,49 @@ def test_checkpoint_written_by_rank_zero_only_and_resume_broadcasts_optimizer_st
 
 
 def test_steps_without_gradients_on_some_or_all_ranks_neither_hang_nor_diverge():
-    r0, r1 = _run(_steps_without_gradients)
+    r0, r1 = _run(_steps_without_gradients, True)  # with the per-step decision: DDP's semantics
     assert len(r0) == len(r1) == 3
     for a, b in zip(r0, r1):
         assert torch.equal(a, b)
     assert not torch.equal(r0[1], r0[0])  # rank 0's gradient (averaged with rank 1's zeros) was applied on both
     assert torch.equal(r0[2], r0[1])  # no gradient anywhere: the step changed nothing
+
+
+def test_steps_without_gradients_without_a_decision_collective_stay_identical():
+    r0, r1 = _run(_steps_without_gradients, False)  # the default: no collective beyond the gradients' own
+    assert len(r0) == len(r1) == 3
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+    assert not torch.equal(r0[1], r0[0])  # rank 1 contributed zeros through the same named allreduces: no hang
+    # no gradient anywhere: a zero-gradient SGD step on both ranks, i.e. weight decay alone (lr 0.1, decay 0.5)
+    torch.testing.assert_close(r0[2], r0[1] * (1 - 0.1 * 0.5), rtol=1e-6, atol=1e-7)
+
+
+def test_gradients_averaged_with_no_decision_all_reduce_per_step_and_ranks_agree_bit_for_bit():
+    r0, r1 = _run(_decision_free_sync)
+    for name in ("decision", "direct"):
+        assert r0[name]["steps"] == r1[name]["steps"] == 16
+        assert torch.equal(r0[name]["final"], r1[name]["final"]), name
+    # the per-step decision is gone: one fewer blocking all-reduce per step (what is left is Lightning's own, per epoch)
+    assert r0["decision"]["decisions"] - r0["direct"]["decisions"] == 16
+    assert r0["direct"]["decisions"] <= 2
+    # with gradients on every rank the decision changed nothing: the same weights either way
+    assert torch.equal(r0["direct"]["final"], r0["decision"]["final"])
+
+
+def test_bf16_mixed_trains_on_cpu_ranks_and_they_agree_bit_for_bit():
+    r0, r1 = _run(_precision_fit, "bf16-mixed")
+    assert r0["plugin"] == "MixedPrecision" and r0["dtypes"] == ["torch.bfloat16"]  # autocast really ran in bf16
+    assert r0["steps"] == r1["steps"] == 8
+    assert torch.equal(r0["final"], r1["final"])
+    assert not torch.allclose(r0["final"], r0["initial"])
+    assert r0["decisions"] <= 2 and r0["events"] == ["averaged"] * 8
+
+
+def test_16_mixed_scaler_unscales_and_steps_after_the_averaging_inside_skip_synchronize():
+    r0, r1 = _run(_precision_fit, "16-mixed")
+    assert r0["dtypes"] == ["torch.float16"]
+    for r in (r0, r1):
+        assert r["events"] == ["averaged", "unscale", ("step", False)] * 8, r["events"]
+    assert torch.equal(r0["final"], r1["final"]) and r0["scale"] == r1["scale"]
+    assert not torch.allclose(r0["final"], r0["initial"])
