@@ -51,11 +51,15 @@ class LineageCheckpoint(pl.Callback):
 
 
 class StopSignals(pl.Callback):
-    """After every step, the ranks agree (one small all-reduce) whether to stop: a non-finite loss on any
-    rank, or SIGTERM received by any rank. On SIGTERM rank 0 writes a last checkpoint first.
+    """Every `check_every` steps, at each epoch's last step and at each epoch's end, the ranks agree (one small
+    all-reduce) whether to stop: a non-finite loss on any rank in those steps, or SIGTERM received by any rank.
+    On SIGTERM rank 0 writes a last checkpoint first.
+
+    Between decisions each step only records, on the device, whether its loss was finite: no host-device sync and
+    no collective per step. The stop names the first step whose loss was non-finite.
     """
 
-    def __init__(self, last_ckpt_path: Optional[str]) -> None:
+    def __init__(self, last_ckpt_path: Optional[str], check_every: int = 16) -> None:
         self.last_ckpt_path = last_ckpt_path
         self.reason: Optional[str] = None
         self._term = False
@@ -82,17 +86,41 @@ class StopSignals(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        bad = 0.0 if loss is None or bool(torch.isfinite(loss.detach()).all()) else 1.0
-        flags = torch.tensor([bad, 1.0 if self._term else 0.0])
-        flags = trainer.strategy.reduce(flags, reduce_op="sum")
-        if flags[0] > 0:
-            # global_step already counts this step's optimizer update: the loss was computed at step - 1
-            self.reason = (f"non-finite training loss at step {trainer.global_step - 1} "
-                           f"(epoch {trainer.current_epoch})")
+        device = trainer.strategy.root_device  # NCCL reduces device tensors only
+        if self._flags is None or self._flags.device != device:
+            self._flags = torch.zeros(self.check_every + 1, dtype=torch.int32, device=device)
+            self._steps = []
+        if loss is not None:
+            self._flags[len(self._steps)].copy_(~torch.isfinite(loss.detach()).all())  # on the device
+        # global_step already counts this step's optimizer update: the loss was computed at step - 1
+        self._steps.append(trainer.global_step - 1)
+        batches = trainer.num_training_batches
+        last_of_epoch = isinstance(batches, int) and batch_idx + 1 >= batches
+        if len(self._steps) >= self.check_every or last_of_epoch:
+            self._decide(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._steps:  # a loader without a length: the epoch's last steps were not decided yet
+            self._decide(trainer)
+
+    def _decide(self, trainer) -> None:
+        """The one collective and host read of a window of steps; the same call on every rank (equal steps)."""
+        assert self._flags is not None
+        steps, self._steps = self._steps, []
+        self._flags[-1] = 1 if self._term else 0
+        flags = trainer.strategy.reduce(self._flags.clone(), reduce_op="sum").cpu().tolist()
+        self._flags.zero_()
+        bad = [step for step, flag in zip(steps, flags) if flag > 0]
+        if bad:
+            self.reason = f"non-finite training loss at step {bad[0]} (epoch {trainer.current_epoch})"
             log.error("stopping: %s", self.reason)
+        self.check_every = max(1, int(check_every))
             trainer.should_stop = True
-        elif flags[1] > 0:
+        elif flags[-1] > 0:
             self.reason = f"SIGTERM at step {trainer.global_step} (epoch {trainer.current_epoch})"
+        # slot i: 1 where this rank's loss of the window's i-th step was non-finite; the last slot: SIGTERM
+        self._flags: Optional[torch.Tensor] = None
+        self._steps: List[int] = []  # the global step of each slot's loss
             log.warning("stopping: %s; writing a last checkpoint", self.reason)
             if self.last_ckpt_path:
                 trainer.save_checkpoint(self.last_ckpt_path)
@@ -118,9 +146,9 @@ class EpochAccounting(pl.Callback):
         elapsed = time.perf_counter() - self._t0
         train_loader, val_loader = dm.train_loader, dm.val_loader
         local = torch.tensor([float(train_loader.rows_read), float(val_loader.rows_read), train_loader.wait_s],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=trainer.strategy.root_device)  # NCCL: device tensors only
         gathered = trainer.strategy.all_gather(local)
-        gathered = gathered.reshape(-1, 3) if gathered.dim() > 1 else gathered.reshape(1, 3)
+        gathered = (gathered.reshape(-1, 3) if gathered.dim() > 1 else gathered.reshape(1, 3)).cpu()
         train_rows = [int(v) for v in gathered[:, 0].tolist()]
         val_rows = [int(v) for v in gathered[:, 1].tolist()]
         wait = gathered[:, 2].tolist()

@@ -21,10 +21,14 @@ class DistributedTrainingError(RuntimeError):
 
 def _rank_env(job: TrainJob) -> dict:
     cfg = job.cfg.train
-    threads = str(max(1, cfg.threads_per_rank))
+    env = {}
+    # train.threads_per_rank, else 1 when several ranks share this machine (train.np < -1); otherwise each rank
+    # picks its own in train() (threads_for_rank), since only it knows how many ranks share its host
+    threads = cfg.threads_per_rank if cfg.threads_per_rank is not None else (1 if cfg.np < -1 else None)
+    if threads is not None:
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     return {
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
+        **env,
         # A rank that stops taking part in collectives (dead peer, divergent code path) makes Horovod
         # shut the job down after this many seconds instead of hanging.
         "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(5, min(60, cfg.stall_timeout_s // 2))),
@@ -109,6 +113,23 @@ def _failures(job: TrainJob) -> str:
     return "; ".join(parts)
 
 
+def spark_schedules_gpus(local_mode: bool) -> bool:
+    """Whether TorchDistributor may ask Spark for GPUs: the driver has a `gpu` resource (local mode), or tasks get
+    one (`spark.task.resource.gpu.amount` >= 1). Its `use_gpu=True` fails without them, and `use_gpu=False` hides the
+    executors' GPUs (CUDA_VISIBLE_DEVICES="") on a cluster. The driver's own CUDA decides nothing."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is None:
+        return False
+    if local_mode:
+        return "gpu" in spark.sparkContext.resources
+    try:
+        return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) >= 1
+    except ValueError:
+        return False
+
+
 def launch(job: TrainJob) -> List[RankResult]:
     """Run the super train loop on `train.np` ranks with `train.backend`; results ordered by rank.
 
@@ -163,9 +184,8 @@ def _launch(job: TrainJob) -> List[RankResult]:
 
         log.info("launching %d DDP processes (%s) with TorchDistributor", abs(np_),
                  "on this machine" if np_ < 0 else "on the Spark cluster")
-        import torch
-
-        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=torch.cuda.is_available())
+        # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
+        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=spark_schedules_gpus(np_ < 0))
         result = dist.run(ddp_worker, job)
         return [result]
     raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp or single")

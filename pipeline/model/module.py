@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Dict, List, Optional
 
 import pytorch_lightning as pl
@@ -23,6 +24,12 @@ def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
     if rule == "none":
         return base_lr
     raise ValueError(f"config key 'train.lr_scaling': {rule!r} is not linear, sqrt or none")
+
+
+# Lightning's notes on what this module does on purpose: the batch hook is the model's (the data module has none),
+# and the summary's size estimate under mixed precision is only an estimate.
+warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer`")
+warnings.filterwarnings("ignore", message="Precision .* is not supported by the model summary")
 
 
 def normalize_pixels(x: torch.Tensor) -> torch.Tensor:

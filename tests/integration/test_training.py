@@ -61,6 +61,7 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     assert tags["delta_version"] == "0" and tags["delta_table"] == str(digits_table)
     assert tags["rows_train"] == str(summary["rows_train"]) and tags["world_size"] == "2"
     assert tags["backend"] == "horovod"
+    assert tags["precision"] == "32-true" and run.data.params["train.precision"] == "auto"  # auto, resolved on CPU
     for metric in ("train_loss", "val_loss", "val_acc", "samples_per_sec", "data_wait_fraction",
                    "rows_read_rank_0", "rows_read_rank_1"):
         assert len(client.get_metric_history(run.info.run_id, metric)) == 3, metric
@@ -105,6 +106,24 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     assert (pred["label"].values == rows["label"].values).mean() > 0.25
     with pytest.raises(Exception, match="content|not a decodable image"):
         model.predict(pd.DataFrame({"content": [b"not an image"]}))
+
+
+def test_single_process_bf16_mixed_trains_on_cpu_and_records_its_precision(spark, digits_table, tmp_path):
+    import torch as _torch
+
+    from pipeline import workflow
+
+    threads_before = _torch.get_num_threads()
+    cfg = _cfg(tmp_path, digits_table, "train.backend=single", "train.np=1", "train.precision=bf16-mixed",
+               "train.max_epochs=2", "model.lr=0.02", "train.threads_per_rank=1")
+    summary = workflow.train(spark, cfg)
+    assert summary["world_size"] == 1 and summary["epochs"] == 2
+    assert summary["val_acc"] > 0.2  # learned under bf16 autocast (chance is 0.1)
+    client = MlflowClient(summary["tracking_uri"])
+    run = _only_run(client, cfg)
+    assert run.info.status == "FINISHED" and run.data.tags["precision"] == "bf16-mixed"
+    assert _versions(client, cfg.mlflow.registered_model)  # the model (float32 weights) was logged and registered
+    assert _torch.get_num_threads() == threads_before  # the run in this process handed its thread count back
 
 
 def test_resume_continues_epochs_and_checks_lineage(spark, digits_table, tmp_path):
