@@ -61,9 +61,13 @@ class StopSignals(pl.Callback):
 
     def __init__(self, last_ckpt_path: Optional[str], check_every: int = 16) -> None:
         self.last_ckpt_path = last_ckpt_path
+        self.check_every = max(1, int(check_every))
         self.reason: Optional[str] = None
         self._term = False
         self._old_handler: Any = None
+        # slot i: 1 where this rank's loss of the window's i-th step was non-finite; the last slot: SIGTERM
+        self._flags: Optional[torch.Tensor] = None
+        self._steps: List[int] = []  # the global step of each slot's loss
 
     def _on_term(self, signum, frame) -> None:
         self._term = True
@@ -114,13 +118,9 @@ class StopSignals(pl.Callback):
         if bad:
             self.reason = f"non-finite training loss at step {bad[0]} (epoch {trainer.current_epoch})"
             log.error("stopping: %s", self.reason)
-        self.check_every = max(1, int(check_every))
             trainer.should_stop = True
         elif flags[-1] > 0:
             self.reason = f"SIGTERM at step {trainer.global_step} (epoch {trainer.current_epoch})"
-        # slot i: 1 where this rank's loss of the window's i-th step was non-finite; the last slot: SIGTERM
-        self._flags: Optional[torch.Tensor] = None
-        self._steps: List[int] = []  # the global step of each slot's loss
             log.warning("stopping: %s; writing a last checkpoint", self.reason)
             if self.last_ckpt_path:
                 trainer.save_checkpoint(self.last_ckpt_path)
