@@ -41,6 +41,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default=None, help="model version (default: the latest)")
     _add_conf(p)
 
+    p = sub.add_parser("predict", help="score a pinned Delta table with a registered model; one Delta commit")
+    p.add_argument("--model", required=True, help="models:/<name>@<alias> or models:/<name>/<version>")
+    p.add_argument("--table", required=True, help="input Delta table (path, content columns)")
+    p.add_argument("--version", type=int, default=None, help="input table version (default: the latest)")
+    p.add_argument("--out", required=True, help="output Delta table of predictions")
+    p.add_argument("--mode", choices=["append", "overwrite"], default="append")
+    _add_conf(p)
+
+    p = sub.add_parser("export", help="export a registered model version to ONNX or TorchScript with its contract")
+    p.add_argument("--model", required=True, help="models:/<name>@<alias> or models:/<name>/<version>")
+    p.add_argument("--format", choices=["onnx", "torchscript"], required=True)
+    p.add_argument("--out", default=None, help="folder for the files (default: only logged to the run)")
+    _add_conf(p)
+
+    p = sub.add_parser("tune", help="Optuna sweep over a search space; each trial a train in an MLflow child run")
+    p.add_argument("--space", default=None, help="search space YAML (conf/search/<name>.yaml)")
+    p.add_argument("--trials", type=int, default=None, help="trials in the study (default: tune.n_trials)")
+    p.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
+    p.add_argument("--resume", default=None, metavar="STUDY", help="continue this study: only the missing trials")
+    _add_conf(p)
+
+    p = sub.add_parser("cache", help="the converted-data cache (data.cache_dir): list entries or clear them")
+    actions = p.add_subparsers(dest="action", required=True)
+    _add_conf(actions.add_parser("ls", help="entries, most recently used first, with size and source table"))
+    p = actions.add_parser("clear", help="delete entries (all, or those named by --key)")
+    p.add_argument("--key", action="append", default=None, help="clear only this entry (repeatable)")
+    _add_conf(p)
+
     p = sub.add_parser("doctor", help="check the installed stack")
     _add_conf(p)
 
@@ -73,6 +101,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(json.dumps(promote_version(cfg, args.version)))
             return 0
+        if args.command == "export":
+            from pipeline.serving.export import export_model
+
+            print(json.dumps(export_model(cfg, args.model, args.format, args.out)))
+            return 0
+        if args.command == "cache":
+            from pipeline.data.cache import clear, list_entries
+
+            if args.action == "ls":
+                print(json.dumps({"cache_dir": cfg.data.cache_dir, "entries": list_entries(cfg.data.cache_dir)}))
+            else:
+                print(json.dumps({"cache_dir": cfg.data.cache_dir, "cleared": clear(cfg.data.cache_dir, args.key)}))
+            return 0
         if args.command == "bench":
             from pipeline.bench import run_bench
 
@@ -87,6 +128,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result = ingest(spark, cfg, args.source, args.mode)
                 log.info("Delta table %s is now at version %d", result["delta_table"], result["delta_version"])
                 print(json.dumps(result))
+                return 0
+            if args.command == "predict":
+                from pipeline.serving.predict import predict_table
+
+                print(json.dumps(predict_table(spark, cfg, args.model, args.table, args.out, args.version, args.mode)))
+                return 0
+            if args.command == "tune":
+                from pipeline.tune.sweep import run_tune
+
+                print(json.dumps(run_tune(spark, cfg, args.space, args.trials, args.timeout, args.resume)), flush=True)
                 return 0
             if args.command == "train":
                 from pipeline.workflow import train

@@ -22,17 +22,33 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process training or a cluster; minutes")
 
 
+def require_reader(reader: str) -> None:
+    """Skip (with the reason) a test of a reader this install profile lacks: the modern profile has no Petastorm."""
+    import importlib.util
+
+    if reader == "petastorm" and importlib.util.find_spec("petastorm") is None:
+        pytest.skip("data.reader=petastorm: Petastorm is not installed in this profile (modern)")
+
+
+def available_readers() -> List[str]:
+    import importlib.util
+
+    return ["petastorm", "arrow"] if importlib.util.find_spec("petastorm") else ["arrow"]
+
+
 def make_config(tmp: Path, *overrides: str, profile: str = "conf/local.yaml"):
-    """The local profile with every path under `tmp`, plus overrides."""
+    """The local profile with every path under `tmp`, plus overrides (data.reader=arrow where Petastorm is absent)."""
     from pipeline.config import load_config
 
     base = [
         f"delta.table={tmp}/delta/digits",
-        f"data.cache_dir={tmp}/petastorm_cache",
+        f"data.cache_dir={tmp}/data_cache",
         f"train.checkpoint_dir={tmp}/checkpoints",
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
         f"mlflow.artifact_location={tmp}/mlartifacts",
     ]
+    if available_readers() == ["arrow"]:
+        base.append("data.reader=arrow")
     return load_config(str(ROOT / profile), base + list(overrides))
 
 

@@ -50,6 +50,39 @@ class LineageCheckpoint(pl.Callback):
         checkpoint["lakehouse"] = dict(self.lineage)
 
 
+class RngCheckpoint(pl.Callback):
+    """The random-number states (torch, CUDA, numpy, Python) go into each checkpoint and come back on resume, so
+    dropout after a mid-epoch resume draws what the uninterrupted run would have drawn (Lightning saves none)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        import random
+
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()  # plain values: checkpoints load weights_only
+        state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                 "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+
+        if "torch" in state_dict:
+            torch.set_rng_state(state_dict["torch"])
+        if "numpy" in state_dict:
+            name, keys, pos, has_gauss, cached = state_dict["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        if "python" in state_dict:
+            random.setstate(state_dict["python"])
+        cuda = state_dict.get("cuda")
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class StopSignals(pl.Callback):
     """Every `check_every` steps, at each epoch's last step and at each epoch's end, the ranks agree (one small
     all-reduce) whether to stop: a non-finite loss on any rank in those steps, or SIGTERM received by any rank.
@@ -179,6 +212,55 @@ class EpochAccounting(pl.Callback):
                      epoch["samples_per_sec"], train_rows)
             if self.report is not None:
                 self.report({k: v for k, v in epoch.items() if k != "epoch"}, int(epoch["epoch"]))
+
+
+class DriverVerdict(pl.Callback):
+    """At each epoch end rank 0 hands the epoch's metrics to the driver (`epoch-N.json` in `folder`) and waits, at
+    most `timeout_s`, for its verdict (`verdict-N`: `continue`, or `stop: <why>`); one all-reduce shares a stop, so
+    every rank ends at the same epoch boundary (a pruned trial of `lakehouse tune`). No verdict in time: training
+    goes on, and rank 0 stops asking for the rest of the run (the driver cannot see the folder).
+    """
+
+    def __init__(self, folder: str, timeout_s: float) -> None:
+        self.folder = folder
+        self.timeout_s = float(timeout_s)
+        self.reason: Optional[str] = None
+        self._driver_answers = True
+
+    def _ask(self, epoch: int, metrics: Dict[str, float]) -> Optional[str]:
+        import json
+
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = os.path.join(self.folder, f".epoch-{epoch}.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump({"epoch": epoch, "metrics": metrics}, fh)
+        os.replace(tmp, os.path.join(self.folder, f"epoch-{epoch}.json"))
+        path = os.path.join(self.folder, f"verdict-{epoch}")
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as fh:
+                    return fh.read().strip()
+            time.sleep(0.01)
+        log.warning("no verdict from the driver for epoch %d within %.0f s (%s); training goes on without asking",
+                    epoch, self.timeout_s, self.folder)
+        self._driver_answers = False
+        return None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        epoch = trainer.current_epoch
+        verdict = None
+        if trainer.is_global_zero and self._driver_answers:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
+            verdict = self._ask(epoch, metrics)
+        stop = 1.0 if verdict and verdict.startswith("stop") else 0.0
+        flags = trainer.strategy.reduce(torch.tensor([stop]), reduce_op="sum")
+        if flags[0] > 0:
+            why = verdict.split(":", 1)[1].strip() if verdict and ":" in verdict else "asked by the driver"
+            self.reason = f"stopped by the driver after epoch {epoch}: {why}"
+            if trainer.is_global_zero:
+                log.warning("stopping: %s", self.reason)
+            trainer.should_stop = True
 
 
 def host_and_pid() -> Dict[str, Any]:

@@ -120,7 +120,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, LineageCheckpoint,
-                                                StopSignals, host_and_pid)
+                                                RngCheckpoint, StopSignals, host_and_pid)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
     from pipeline.model.module import ImageClassifier, scaled_lr
 
@@ -165,7 +165,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     accounting = EpochAccounting(report=tracker.log_epoch if tracker else None)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode,
                                  save_top_k=1, save_last=True, enable_version_counter=False)
-    callbacks = [stop, accounting, checkpoint, LineageCheckpoint(job.lineage)]
+    callbacks = [stop, accounting, checkpoint, LineageCheckpoint(job.lineage), RngCheckpoint()]
     if cfg.train.checkpoint_every_n_steps:  # mid-epoch checkpoints too (last.ckpt): resume continues inside the epoch
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", save_top_k=1, save_last=True,
                                          every_n_train_steps=cfg.train.checkpoint_every_n_steps,

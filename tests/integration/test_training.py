@@ -180,36 +180,39 @@ def test_nan_loss_stops_and_registers_nothing(spark, digits_table, tmp_path):
 
 
 def test_uneven_partitions_equal_steps_no_hang(spark, digits_table, tmp_path):
+    """Partitions of very different sizes (~10% / ~90%): the converter's row groups are sized by the plan, so whole
+    row groups still spread evenly over the ranks; both ranks train the same steps and agree on the weights."""
     from pyspark.sql import functions as F
 
-    from pipeline.data.convert import ConvertedData, class_names_of, make_converter, prepare_split, split_frame
+    from pipeline.data.convert import (ConvertedData, class_names_of, group_rows_for, plan_data, prepare_split,
+                                       split_frame, split_from_manifest, write_split)
+    from pipeline.data.cache import entry_url
     from pipeline.distributed.launcher import launch
     from pipeline.distributed.loop import TrainJob
     from pipeline.lakehouse.delta import get_engine
-    from pipeline.lakehouse.partition import ShardPlan, plan_split
-    from pipeline.data.convert import row_group_rows
 
     cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1", "data.batch_size=16")
     df, pinned = get_engine("delta-rs").read(spark, str(digits_table))
     train_df, val_df = split_frame(df, 0.2)
-    # two partitions of very different sizes: ~10% and ~90% of the rows
     prepared = prepare_split(train_df, cfg, 1)
     uneven = (prepared.filter(F.col("label_index") == 0).coalesce(1)
               .union(prepared.filter(F.col("label_index") != 0).coalesce(1)))
-    train_conv = make_converter(spark, uneven, cfg.data.cache_dir)
-    val_conv = make_converter(spark, prepare_split(val_df, cfg, 2), cfg.data.cache_dir)
-    plan = ShardPlan(train=plan_split("train", row_group_rows(train_conv), 2, 16),
-                     val=plan_split("val", row_group_rows(val_conv), 2, 16))
-    assert plan.train.balance() > 3  # really uneven
-    data = ConvertedData(train_conv, val_conv, plan, class_names_of(df), 32, 1)
+    root = entry_url(cfg.data.cache_dir, "uneven")
+    splits = {}
+    for name, frame in (("train", uneven), ("val", prepare_split(val_df, cfg, 2))):
+        group_rows = group_rows_for(frame.count(), 2, 32 * 32, cfg.data.row_groups_per_rank, 32)
+        files = write_split(frame, f"{root}/{name}", 32, 1, group_rows)
+        splits[name] = split_from_manifest(name, f"{root}/{name}", files)
+    sizes = [sum(f["row_groups"]) for f in write_split(uneven, f"{root}/sizes", 32, 1, 10 ** 6)]
+    assert max(sizes) / min(sizes) > 5  # the partitions really are uneven
+    plan = plan_data(splits["train"], splits["val"], 2, 16)
+    assert plan.train.balance() <= 1.05  # and the plan still is not
+    data = ConvertedData(splits["train"], splits["val"], plan, class_names_of(df), 32, 1)
     job = TrainJob(cfg=cfg, data=data, delta_table=str(digits_table), delta_version=pinned.version,
                    job_dir=str(tmp_path / "job"))
-    try:
-        t0 = time.monotonic()
-        results = launch(job)
-        assert time.monotonic() - t0 < 300
-    finally:
-        data.delete()
+    t0 = time.monotonic()
+    results = launch(job)
+    assert time.monotonic() - t0 < 300
     assert len(results) == 2
     rows = [r.history[-1][f"rows_read_rank_{r.rank}"] for r in results]
     assert rows[0] == rows[1] == plan.train.steps_per_epoch * 16

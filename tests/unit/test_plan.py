@@ -67,9 +67,9 @@ def test_memory_budget_is_per_rank_train_first(budget_mb, train_kept, val_kept):
     from pipeline.data.datamodule import make_datamodule
     from pipeline.lakehouse.partition import ShardPlan
 
-    # 1,000 rows of 32x32x1 pixels + 8 bytes per rank and split: 0.98 MB each
+    # 1,000 rows of 32x32x1 pixels + 12 bytes (label, row id) per rank and split: 0.99 MB each
     plan = ShardPlan(train=plan_split("train", [1000, 1000], 2, 10), val=plan_split("val", [1000, 1000], 2, 10))
     data = ConvertedData(train=None, val=None, plan=plan, class_names=["a", "b"], image_size=32, channels=1)
     dm = make_datamodule(data, 1, 2, DataConfig(memory_cache_mb=budget_mb))
-    assert dm.train_loader.shard_mb() == pytest.approx(1000 * 1032 / 2 ** 20)
+    assert dm.train_loader.shard_mb() == pytest.approx(1000 * 1036 / 2 ** 20)
     assert (dm.train_loader.keeps_in_memory, dm.val_loader.keeps_in_memory) == (train_kept, val_kept)
