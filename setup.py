@@ -1,21 +1,22 @@
 """Package `pipeline` and the `lakehouse` console script, on the stack measured to work together (see README)."""
+import os
+
 from setuptools import find_packages, setup
 
-# Pinned to the set in the README's "Stack" table; a resolver left alone picks pyarrow >= 15 and
-# petastorm 0.13, and nothing imports. Horovod is built separately (scripts/build_horovod.sh): its
-# 0.28.1 sdist needs a C++17 patch to build against torch 2.13.
+# The core, common to both install profiles. Pinned: a resolver left alone picks pyarrow >= 15 and petastorm 0.13,
+# and nothing imports. Horovod is built separately (scripts/build_horovod.sh): its 0.28.1 sdist needs patches to
+# build against torch >= 2.1. Install with a profile: `pip install -e .[dev,classic]` or `.[dev,modern]`.
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
+    # scripts/setup.sh sets LAKEHOUSE_TORCH_REQUIREMENT=torch where the interpreter already has a CUDA torch
+    os.environ.get("LAKEHOUSE_TORCH_REQUIREMENT", "torch==2.13.0"),
     "pytorch-lightning==2.6.6",
     "torchmetrics==1.9.0",
     "pyspark==4.0.5",
     "delta-spark==4.0.1",
     "deltalake==1.6.6",
-    "petastorm==0.12.1",
-    "pyarrow==14.0.2",
-    "numpy==1.26.4",
-    "pandas==2.2.3",
     "mlflow==3.17.2",
+    "onnx==1.23.2",  # lakehouse export; installs beside numpy 1.26.4 (ml_dtypes 0.5.4)
+    "onnxruntime==1.32.0",  # ONNX parity check (export) and tests
     "scikit-learn==1.9.1",
     "pillow==13.0.0",
     "pyyaml==6.0.3",
@@ -24,16 +25,26 @@ INSTALL_REQUIRES = [
     "psutil==7.2.2",
 ]
 
+# The two install profiles (`make setup PROFILE=classic|modern`); exactly one goes with the core.
+PROFILES = {
+    # Petastorm 0.12.1 fails on pyarrow >= 15; pyarrow 14 is built for numpy 1.x; pandas 3 needs numpy 2.
+    "classic": ["petastorm==0.12.1", "pyarrow==14.0.2", "numpy==1.26.4", "pandas==2.2.3"],
+    # No Petastorm (data.reader=arrow). Installed together and checked with Spark 4.0.5 (pandas_udf, mapInArrow,
+    # toPandas over Arrow) and delta-rs; pandas 3 is left out: Spark 4.0 is tested against pandas 2.
+    "modern": ["pyarrow==25.0.1", "numpy==2.4.6", "pandas==2.3.3"],
+}
+
 setup(
     name="lakehouse-pipeline",
     version="0.1.0",
-    description="Delta Lake -> Spark -> Petastorm -> PyTorch Lightning on Horovod -> MLflow registry",
+    description="Delta Lake -> Spark -> Petastorm/Arrow -> PyTorch Lightning on Horovod -> MLflow registry",
     packages=find_packages(include=["pipeline", "pipeline.*"]),
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.11,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "nbclient==0.11.0", "nbformat==5.11.1",
                 "ipykernel==7.4.0", "cmake==4.4.4"],
+        **PROFILES,
     },
     entry_points={"console_scripts": ["lakehouse=pipeline.cli:main"]},
 )

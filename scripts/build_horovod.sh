@@ -1,32 +1,94 @@
 #!/usr/bin/env bash
-# Build (once) and install Horovod 0.28.1 against the installed torch, with the C++17 fix.
-# The wheel is cached outside the repo, keyed by horovod, torch and Python versions.
+# Build (once) and install Horovod 0.28.1 against the installed torch: NCCL when torch has CUDA, gloo for CPU.
+# The decisions (C++ standard, GCC/CMake workarounds, NCCL, cache key) come from `python -m pipeline.buildinfo`.
+#   PY=.venv/bin/python                 the interpreter to build for (default .venv/bin/python)
+#   LAKEHOUSE_BUNDLE=DIR                offline: horovod-0.28.1.tar.gz and wheels (cffi, pycparser, ...) from DIR
+#   LAKEHOUSE_WHEEL_CACHE=DIR           where built wheels are kept (default ~/.cache/lakehouse-wheels)
+#   LAKEHOUSE_HOROVOD_GLOO_ONLY=1       a CUDA torch, built without NCCL anyway (GPU tensors go through host memory)
+#   NCCL_HOME=DIR                       NCCL (include/nccl.h, lib/libnccl.so*) if not the torch wheel's nvidia-nccl-*
 set -euo pipefail
-PY=${PY:-.venv/bin/python}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 HVD_VERSION=0.28.1
-if $PY -c "import horovod.torch" 2>/dev/null; then
-  echo "horovod $($PY -c 'import horovod; print(horovod.__version__)') already installed"; exit 0
+PY=${PY:-.venv/bin/python}
+case "$PY" in
+  /*) ;;
+  */*) PY="$PWD/$PY" ;;
+  *) PY=$(command -v "$PY") ;;
+esac
+# the venv's own tools (cmake from the dev extra) before the system's; never resolve the venv's python link
+export PATH="$(dirname "$PY"):$PATH"
+BUNDLE=${LAKEHOUSE_BUNDLE:-}
+[ -z "$BUNDLE" ] || BUNDLE=$(cd "$BUNDLE" && pwd)
+pip_get() {
+  if [ -n "$BUNDLE" ]; then
+    "$PY" -m pip install -q --no-index --find-links "$BUNDLE" "$@"
+  else
+    "$PY" -m pip install -q "$@"
+  fi 2>&1 | { grep -v "^WARNING: Location" || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+BUILD=$(mktemp -d)
+trap 'rm -rf "$BUILD"' EXIT
+# The plan for this machine, as LAKEHOUSE_HVD_* and HOROVOD_* exports; it stops here with the reason when a CUDA
+# torch has no NCCL to build against (unless LAKEHOUSE_HOROVOD_GLOO_ONLY=1) or cmake is missing.
+EXPORTS=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pipeline.buildinfo plan --shell "$BUILD/nccl-home")
+eval "$EXPORTS"
+WANT_NCCL=0
+[ "$LAKEHOUSE_HVD_GPU_OPERATIONS" = NCCL ] && WANT_NCCL=1
+
+if "$PY" -c "
+import sys, horovod.torch as hvd
+sys.exit(0 if hvd.gloo_built() and bool(hvd.nccl_built()) == bool($WANT_NCCL) else 1)" 2>/dev/null; then
+  echo "horovod $("$PY" -c 'import horovod; print(horovod.__version__)') already installed as wanted ($LAKEHOUSE_HVD_CACHE_KEY)"
+  exit 0
 fi
-TORCH=$($PY -c 'import torch; print(torch.__version__.replace("+", "_"))')
-PYV=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-CACHE=${LAKEHOUSE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lakehouse-wheels}/horovod-${HVD_VERSION}-torch${TORCH}-${PYV}
-mkdir -p "$CACHE"
+
+CACHE_ROOT=${LAKEHOUSE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lakehouse-wheels}
+CACHE="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY"
 if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
-  echo "building horovod ${HVD_VERSION} for torch ${TORCH} (${PYV}); takes about 4 minutes on 2 cores"
-  BUILD=$(mktemp -d)
-  trap 'rm -rf "$BUILD"' EXIT
-  $PY -m pip download -q --no-deps --no-binary :all: "horovod==${HVD_VERSION}" -d "$BUILD"
-  tar -xzf "$BUILD"/horovod-${HVD_VERSION}.tar.gz -C "$BUILD"
+  echo "building horovod ${HVD_VERSION} ($LAKEHOUSE_HVD_CACHE_KEY) with ${MAKEFLAGS}; about 4 minutes on 2 cores, 2 on 16"
+  # Horovod's setup imports cffi before anything else.
+  "$PY" -c "import cffi, pycparser" 2>/dev/null || pip_get "cffi" "pycparser"
+  if [ -n "$BUNDLE" ]; then
+    [ -f "$BUNDLE/horovod-${HVD_VERSION}.tar.gz" ] || {
+      echo "LAKEHOUSE_BUNDLE=$BUNDLE has no horovod-${HVD_VERSION}.tar.gz (scripts/fetch_gpu_bundle.sh makes one)" >&2; exit 1; }
+    cp "$BUNDLE/horovod-${HVD_VERSION}.tar.gz" "$BUILD/"
+  else
+    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==${HVD_VERSION}" -d "$BUILD" 2>&1 \
+      | { grep -v "^WARNING: Location" || true; }
+  fi
+  tar -xzf "$BUILD/horovod-${HVD_VERSION}.tar.gz" -C "$BUILD"
   SRC="$BUILD/horovod-${HVD_VERSION}"
-  # torch >= 2.1 needs C++17; horovod 0.28.1 asks for C++14 (fixed upstream in PR #3998, never released).
-  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || { echo "C++17 patch did not apply" >&2; exit 1; }
-  (cd "$SRC" && PATH="$(dirname "$(readlink -f "$PY")"):$(dirname "$PY"):$PATH" \
-    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS=-j2 \
-    "$OLDPWD/$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$CACHE")
+  # Horovod 0.28.1 asks for C++14; torch >= 2.1 needs C++17 (upstream PR #3998, never released) and torch >= 2.14's
+  # headers C++20, for the torch extension only (Horovod's core and gloo stay at 17).
+  sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD ${LAKEHOUSE_HVD_CXX_STANDARD_ROOT})/" "$SRC/CMakeLists.txt"
+  sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD ${LAKEHOUSE_HVD_CXX_STANDARD})/" "$SRC/horovod/torch/CMakeLists.txt"
+  grep -q "CMAKE_CXX_STANDARD ${LAKEHOUSE_HVD_CXX_STANDARD}" "$SRC/horovod/torch/CMakeLists.txt" || {
+    echo "the C++${LAKEHOUSE_HVD_CXX_STANDARD} patch did not apply to horovod/torch/CMakeLists.txt" >&2; exit 1; }
+  # NCCL from the nvidia-nccl-* package: a folder with include/ and lib/libnccl.so -> libnccl.so.2
+  for pair in $LAKEHOUSE_HVD_NCCL_LINKS; do
+    mkdir -p "$(dirname "${pair%%=*}")"
+    ln -sfn "${pair#*=}" "${pair%%=*}"
+  done
+  mkdir -p "$CACHE_ROOT"
+  OUTDIR=$(mktemp -d "$CACHE_ROOT/.building-XXXXXX")
+  LOG="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY.build.log"
+  if ! (cd "$SRC" && "$PY" -m pip wheel -v --no-deps --no-build-isolation . -w "$OUTDIR") > "$LOG" 2>&1; then
+    tail -40 "$LOG" >&2
+    echo "horovod build failed; full log: $LOG" >&2
+    rm -rf "$OUTDIR"
+    exit 1
+  fi
+  mkdir -p "$CACHE"
+  mv "$OUTDIR"/horovod-*.whl "$CACHE/"
+  rm -rf "$OUTDIR"
 fi
-$PY -m pip install -q --no-deps "$CACHE"/horovod-*.whl
+"$PY" -m pip install -q --no-deps --force-reinstall "$CACHE"/horovod-*.whl 2>&1 | { grep -v "^WARNING: Location" || true; }
 # horovod's own runtime deps (not its [spark] extra, which pins pyarrow < 11)
-$PY -m pip install -q cloudpickle psutil pyyaml packaging
-$PY -c "import horovod.torch as hvd; assert hvd.gloo_built(), 'horovod built without gloo'; print('horovod', __import__('horovod').__version__, 'gloo', hvd.gloo_built())"
+"$PY" -c "import cloudpickle, psutil, yaml, packaging" 2>/dev/null || pip_get cloudpickle psutil pyyaml packaging
+"$PY" -c "
+import horovod, horovod.torch as hvd
+assert hvd.gloo_built(), 'horovod built without gloo'
+assert bool(hvd.nccl_built()) == bool($WANT_NCCL), 'horovod nccl_built() is %r, wanted NCCL=%d' % (hvd.nccl_built(), $WANT_NCCL)
+print('horovod', horovod.__version__, 'gloo', hvd.gloo_built(), 'nccl', bool(hvd.nccl_built()))"

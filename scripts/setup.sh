@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# Idempotent set-up: check Java 17, create .venv, install the pinned stack, build/install Horovod.
+# Idempotent set-up of one install profile: check Java 17, pick Python 3.11/3.12, create the venv, install the
+# pinned stack (reusing a CUDA torch already there), build/install Horovod.
+#   PROFILE=classic (default; venv .venv)   petastorm 0.12.1, pyarrow 14, numpy 1
+#   PROFILE=modern  (venv .venv-modern)     no petastorm (data.reader=arrow), pyarrow 25, numpy 2
+#   PYTHON=/path/to/python   the interpreter to build the venv from (default: python3.11, else python3.12)
+#   VENV=DIR                 another venv folder
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PROFILE=${PROFILE:-classic}
+case "$PROFILE" in
+  classic) VENV=${VENV:-.venv} ;;
+  modern) VENV=${VENV:-.venv-modern} ;;
+  *) echo "PROFILE=$PROFILE: the install profiles are classic and modern" >&2; exit 1 ;;
+esac
+quiet() { grep -v "^WARNING: Location" || true; }
+
 if ! command -v java >/dev/null 2>&1; then
   echo "Java 17 is required by Spark 4.0 and was not found on PATH (Debian: apt-get install openjdk-17-jre-headless)" >&2
   exit 1
@@ -11,14 +24,45 @@ if [ "${JAVA_MAJOR:-0}" -lt 17 ]; then
   echo "Java ${JAVA_MAJOR} found; Spark 4.0 needs Java 17 or newer" >&2
   exit 1
 fi
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "^WARNING: Location" || true
-# torch first, alone, so pip takes the CPU wheel (a CUDA build is several GB); then the rest, pinned.
-.venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, pyarrow, petastorm, deltalake, pyspark, mlflow, pytorch_lightning" 
-PY=.venv/bin/python bash scripts/build_horovod.sh
-echo "set-up complete: $(.venv/bin/python -c 'import horovod, torch; print("torch", torch.__version__, "horovod", horovod.__version__)')"
+
+# A candidate counts only if it runs (pyenv's shims exist for versions that are not active) and is 3.11 or 3.12.
+supported() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else 1)' >/dev/null 2>&1; }
+if [ -n "${PYTHON:-}" ]; then
+  supported "$PYTHON" || { echo "PYTHON=$PYTHON is not a working Python 3.11 or 3.12" >&2; exit 1; }
+else
+  for cand in python3.11 python3.12 python3; do
+    if supported "$cand"; then PYTHON=$cand; break; fi
+  done
+  if [ -z "${PYTHON:-}" ]; then
+    echo "no Python 3.11 or 3.12 found (tried python3.11, python3.12, python3); install one or set PYTHON=/path/to/python" >&2
+    exit 1
+  fi
+fi
+
+# A CUDA torch in the chosen interpreter (GPU images, Databricks ML) is reused: the venv sees the interpreter's
+# packages and the CPU wheel is not installed over it. Otherwise torch 2.13.0 (the CPU wheel here) as pinned.
+BASE_TORCH=$(timeout 300 "$PYTHON" -c 'import torch; print(torch.__version__, torch.version.cuda or "")' 2>/dev/null || true)
+BASE_TORCH_CUDA=$(echo "$BASE_TORCH" | awk '{print $2}')
+VENV_ARGS=()
+if [ -n "$BASE_TORCH_CUDA" ]; then
+  VENV_ARGS=(--system-site-packages)
+  export LAKEHOUSE_TORCH_REQUIREMENT=torch  # setup.py: accept the torch that is there
+  echo "setup ($PROFILE): reusing $PYTHON's CUDA torch $(echo "$BASE_TORCH" | awk '{print $1}') (CUDA $BASE_TORCH_CUDA) through --system-site-packages"
+fi
+if [ -x "$VENV/bin/python" ] && [ -n "$BASE_TORCH_CUDA" ] && ! grep -q "include-system-site-packages = true" "$VENV/pyvenv.cfg"; then
+  echo "$VENV exists without the system site packages, so it cannot see the CUDA torch; remove it and re-run" >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "${VENV_ARGS[@]}" "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | quiet
+if [ -z "$BASE_TORCH_CUDA" ]; then
+  # torch first, alone, so pip takes the CPU wheel (a CUDA build is several GB); then the rest, pinned.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | quiet
+fi
+"$VENV/bin/python" -m pip install -q -e ".[dev,$PROFILE]" 2>&1 | quiet
+IMPORTS="import torch, pyarrow, numpy, pandas, deltalake, pyspark, mlflow, pytorch_lightning"
+[ "$PROFILE" = classic ] && IMPORTS="$IMPORTS, petastorm"
+"$VENV/bin/python" -c "$IMPORTS"
+PY="$VENV/bin/python" bash scripts/build_horovod.sh
+echo "$PROFILE" > "$VENV/lakehouse-profile"  # what was asked for; `lakehouse doctor` also reads what is installed
+echo "set-up complete ($PROFILE profile in $VENV): $("$VENV/bin/python" -c 'import horovod, torch, pyarrow, numpy; print("python", __import__("platform").python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "pyarrow", pyarrow.__version__, "numpy", numpy.__version__, "horovod", horovod.__version__)')"
