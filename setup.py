@@ -23,6 +23,7 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
     "cloudpickle==3.1.2",
     "psutil==7.2.2",
+    "optuna==5.0.0",  # lakehouse tune (pipeline/tune); only the driver imports it
 ]
 
 # The two install profiles (`make setup PROFILE=classic|modern`); exactly one goes with the core.

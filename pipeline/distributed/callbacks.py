@@ -254,8 +254,9 @@ class DriverVerdict(pl.Callback):
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
             verdict = self._ask(epoch, metrics)
         stop = 1.0 if verdict and verdict.startswith("stop") else 0.0
-        flags = trainer.strategy.reduce(torch.tensor([stop]), reduce_op="sum")
-        if flags[0] > 0:
+        device = trainer.strategy.root_device  # NCCL reduces device tensors only
+        flags = trainer.strategy.reduce(torch.tensor([stop], device=device), reduce_op="sum")
+        if float(flags[0]) > 0:
             why = verdict.split(":", 1)[1].strip() if verdict and ":" in verdict else "asked by the driver"
             self.reason = f"stopped by the driver after epoch {epoch}: {why}"
             if trainer.is_global_zero:

@@ -1,0 +1,12 @@
+"""spark-submit / Databricks entry for `lakehouse tune`: an Optuna sweep, each trial a train in an MLflow child run.
+
+Usage: spark-submit jobs/tune.py --conf conf/cluster.yaml --space conf/search/demo.yaml [--trials N] [--resume STUDY]
+The arguments are those of `lakehouse tune`; the last stdout line is its JSON result.
+"""
+import sys
+
+from pipeline.cli import main
+
+# The guard matters: horovod.run / horovod.spark.run pickle functions and start fresh interpreters.
+if __name__ == "__main__":
+    sys.exit(main(["tune", *sys.argv[1:]]))

@@ -1,0 +1,199 @@
+"""The `lakehouse tune` job: open or resume the study and its MLflow parent run, convert the data once, run the
+missing trials one after the other, then register only the best trial's model and let the promotion gate decide."""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+from pipeline.config import Config, ConfigError
+from pipeline.log import get_logger
+from pipeline.tune.report import log_best, log_study_artifacts, parent_run, progress_line
+from pipeline.tune.space import load_space, space_from_text
+from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_N_TRIALS,
+                                 ATTR_REGISTERED, ATTR_RUN_ID, ATTR_SPACE, INTERRUPTED, best_trial, counted,
+                                 create_study, default_name, describe_pruner, fail_interrupted, load_study,
+                                 make_storage, quiet_optuna, storage_url)
+from pipeline.tune.trial import SharedData, TrialOutcome, record_error, run_trial
+
+log = get_logger(__name__)
+
+
+def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resume: Optional[str]):
+    """(study, storage url, space, asked trials, trials found RUNNING from a dead sweep)."""
+    url = storage_url(cfg)
+    storage = make_storage(url)
+    if resume:
+        study = load_study(cfg, resume, storage, url)
+        stored = study.user_attrs.get(ATTR_SPACE) or ""
+        if space_path:
+            space = load_space(space_path, cfg)
+            if stored and space.text != stored:
+                raise ConfigError(f"--resume {resume}: search space {space_path} differs from the one the study "
+                                  f"started with; resume without --space to use the study's own")
+        elif stored:
+            space = space_from_text(stored, cfg, f"(study {resume})")
+        else:
+            raise ConfigError(f"--resume {resume}: the study has no stored search space; pass --space")
+        total = int(n_trials or study.user_attrs.get(ATTR_N_TRIALS) or cfg.tune.n_trials)
+        if n_trials:
+            study.set_user_attr(ATTR_N_TRIALS, total)
+        interrupted = fail_interrupted(study, storage)
+        log.info("resuming study %r: %d of %d trial(s) done, %d marked failed (the sweep had stopped)", resume,
+                 counted(study), total, len(interrupted))
+        return study, url, space, total, interrupted
+    if not space_path:
+        raise ConfigError("lakehouse tune needs --space conf/search/<name>.yaml (or --resume STUDY)")
+    space = load_space(space_path, cfg)
+    name = cfg.tune.study or default_name(space_path)
+    total = int(n_trials or cfg.tune.n_trials)
+    if total < 1:
+        raise ConfigError(f"--trials must be >= 1, got {total}")
+    study = create_study(cfg, name, storage, url, total, space.text, space.enqueue)
+    return study, url, space, total, []
+
+
+def _close_interrupted_runs(client, trials) -> None:
+    for t in trials:
+        run_id = t.user_attrs.get(ATTR_RUN_ID)
+        if not run_id:
+            continue
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_tag(run_id, "error", INTERRUPTED)
+                client.set_terminated(run_id, status="FAILED")
+        except Exception as exc:
+            log.warning("could not mark the run %s of interrupted trial %d failed: %s", run_id, t.number, exc)
+
+
+def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
+    """Register the best trial's model once (a resumed sweep does not register it again), then the gate."""
+    from pipeline.workflow import register_and_promote
+
+    done = study.user_attrs.get(ATTR_REGISTERED) or {}
+    if done.get("trial") == best.number:
+        log.info("trial %d's model is already registered as version %s", best.number, done.get("version"))
+        return done
+    run_id = best.user_attrs.get(ATTR_RUN_ID)
+    model_uri = best.user_attrs.get(ATTR_MODEL_URI)
+    if not run_id or not model_uri:
+        raise RuntimeError(f"best trial {best.number} of study {study.study_name!r} has no logged model; "
+                           f"nothing registered")
+    tags = client.get_run(run_id).data.tags
+
+    class Pinned:
+        table = tags.get("delta_table", cfg.delta.table)
+        version = int(tags.get("delta_version", -1))
+
+    version, decision = register_and_promote(
+        client, cfg, model_uri, run_id, Pinned, best.user_attrs.get(ATTR_METRICS) or {},
+        extra_tags={"optuna.study": study.study_name, "optuna.trial": best.number,
+                    f"tune_{cfg.tune.metric}": best.value})
+    done = {"trial": best.number, "version": str(version), "champion": bool(decision and decision.promoted),
+            "gate": decision.reason if decision else "mlflow.promote is false"}
+    study.set_user_attr(ATTR_REGISTERED, done)
+    return done
+
+
+def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Optional[int] = None,
+             timeout_s: Optional[float] = None, resume: Optional[str] = None) -> Dict[str, Any]:
+    """Run (or resume) a sweep; returns the summary that `lakehouse tune` prints as its last line of JSON.
+
+    Raises:
+        ConfigError: a bad space, study or resume (named).
+        KeyboardInterrupt, Terminated: the sweep was stopped; the running trial is marked failed, the study kept
+            (continue with `--resume`).
+    """
+    from optuna.trial import TrialState
+
+    from pipeline.tracking.runs import Terminated, configure
+    from pipeline.workflow import prepare_data
+
+    quiet_optuna()
+    configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
+    study, url, space, total, interrupted = _open(cfg, space_path, n_trials, resume)
+    name = study.study_name
+    timeout = timeout_s if timeout_s is not None else cfg.tune.timeout_s
+    metric = cfg.tune.metric
+    shared = SharedData(lambda c: prepare_data(spark, c), study.user_attrs.get(ATTR_DELTA_VERSION))
+    # beside the config's own params (tune.* as configured): what this study resolved them to, and the space
+    params = {"study.name": name, "study.storage": url, "study.pruner": describe_pruner(cfg),
+              "study.n_trials": total, **{f"space.{k}": v for k, v in space.describe().items()}}
+    t0 = time.monotonic()
+    with parent_run(cfg, study, name, params) as parent:
+        _close_interrupted_runs(parent.client, interrupted)
+        if not space.needs_conversion():
+            shared.for_config(cfg)  # convert (or hit the cache) once, before the first trial
+        while True:
+            done = counted(study)
+            if done >= total:
+                break
+            if timeout and time.monotonic() - t0 >= timeout:
+                log.warning("tune timeout of %.0f s reached after %d of %d trial(s); no new trial starts "
+                            "(continue with --resume %s)", timeout, done, total, name)
+                break
+            trial = study.ask()
+            started = time.monotonic()
+            try:
+                overrides = space.suggest(trial)
+                log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,
+                         ", ".join(f"{k}={v}" for k, v in overrides.items()))
+                outcome = run_trial(trial, cfg, overrides, shared, parent.run_id, name)
+            except (KeyboardInterrupt, Terminated) as exc:
+                record_error(trial, exc)
+                study.tell(trial, state=TrialState.FAIL)
+                log.error("sweep stopped during trial %d (%s); continue it with `lakehouse tune --resume %s`",
+                          trial.number, type(exc).__name__, name)
+                raise
+            except Exception as exc:
+                reason = record_error(trial, exc)
+                study.tell(trial, state=TrialState.FAIL)
+                outcome = TrialOutcome(trial.number, "FAIL", None, trial.user_attrs.get(ATTR_RUN_ID), reason=reason)
+            else:
+                if outcome.state == "PRUNED":
+                    study.tell(trial, state=TrialState.PRUNED)
+                else:
+                    study.tell(trial, outcome.value)
+            if shared.delta_version is not None and study.user_attrs.get(ATTR_DELTA_VERSION) is None:
+                study.set_user_attr(ATTR_DELTA_VERSION, shared.delta_version)
+            outcome.elapsed_s = time.monotonic() - started
+            best = best_trial(study)
+            log.info("%s", progress_line(trial.number, counted(study), total, outcome, best, metric,
+                                         time.monotonic() - t0))
+            log_best(parent.client, parent.run_id, best, metric, trial.number)
+
+        best = best_trial(study)
+        registered: Dict[str, Any] = {}
+        if best is not None:
+            registered = _register_best(cfg, parent.client, study, best)
+        else:
+            log.warning("study %r has no completed trial; nothing registered", name)
+        trials = study.get_trials(deepcopy=False)
+        states = [t.state for t in trials]
+        summary = {
+            "study": name,
+            "storage": url,
+            "trials": counted(study),
+            "asked": total,
+            "complete": states.count(TrialState.COMPLETE),
+            "pruned": states.count(TrialState.PRUNED),
+            "failed": states.count(TrialState.FAIL),
+            "best_trial": best.number if best is not None else None,
+            "best_value": best.value if best is not None else None,
+            "best_params": best.params if best is not None else None,
+            "metric": metric,
+            "direction": cfg.tune.direction,
+            "parent_run_id": parent.run_id,
+            "best_run_id": best.user_attrs.get(ATTR_RUN_ID) if best is not None else None,
+            "model_name": cfg.mlflow.registered_model,
+            "model_version": int(registered["version"]) if registered.get("version") else None,
+            "champion": bool(registered.get("champion")),
+            "conversions": shared.conversions,
+            "failures": {str(t.number): t.user_attrs.get(ATTR_ERROR) for t in trials
+                         if t.state == TrialState.FAIL},
+            "elapsed_s": round(time.monotonic() - t0, 1),
+            "tracking_uri": parent.tracking_uri,
+        }
+        log_study_artifacts(parent.client, parent.run_id, study, space.text, summary)
+        if best is not None:
+            parent.client.log_metric(parent.run_id, "best_value", float(best.value))
+    return summary

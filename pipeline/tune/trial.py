@@ -1,0 +1,211 @@
+"""One trial: the trial's config, the shared converted data (re-planned for its batch size), a real pipeline training
+in an MLflow child run, and the driver side of pruning (the per-epoch metric reported to Optuna, the verdict
+handed back to rank 0)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from pipeline.config import Config, apply_overrides
+from pipeline.log import get_logger
+from pipeline.tune.space import conversion_settings
+from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
+
+log = get_logger(__name__)
+
+
+class TrialFailed(RuntimeError):
+    """A trial ended without a value (its reason is in the message and in the child run's `error` tag)."""
+
+
+def replan(plan, batch_size: int):
+    """The shard plan for another batch size over the same converted row groups (the files stay valid)."""
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+
+    return ShardPlan(train=plan_split("train", plan.train.row_group_rows, plan.train.world_size, batch_size),
+                     val=plan_split("val", plan.val.row_group_rows, plan.val.world_size, batch_size))
+
+
+class SharedData:
+    """The sweep's converted data: converted once per distinct conversion setting (once, unless the space searches
+    image size, channels, val fraction or partitions), every trial on the same pinned Delta version, re-planned
+    per batch size."""
+
+    def __init__(self, prepare: Callable[[Config], Tuple[Any, Any]], delta_version: Optional[int] = None) -> None:
+        self._prepare = prepare
+        self._converted: Dict[tuple, Tuple[Any, Any]] = {}
+        self.delta_version = delta_version
+        self.conversions = 0
+
+    def for_config(self, cfg: Config):
+        """(data, pinned) for a trial's config: the shared conversion, its plan for `data.batch_size`."""
+        if self.delta_version is not None and cfg.delta.version != self.delta_version:
+            cfg = apply_overrides(cfg, {"delta.version": self.delta_version})
+        key = conversion_settings(cfg)
+        if key not in self._converted:
+            data, pinned = self._prepare(cfg)
+            self.conversions += 1
+            self.delta_version = pinned.version
+            self._converted[key] = (data, pinned)
+            log.info("converted data for the sweep (conversion %d): %s version %d", self.conversions, pinned.table,
+                     pinned.version)
+        data, pinned = self._converted[key]
+        if data.plan.train.batch_size != cfg.data.batch_size:
+            data = replace(data, plan=replan(data.plan, cfg.data.batch_size))
+        return data, pinned
+
+
+class PruningGate:
+    """The driver side of `callbacks.DriverVerdict`: while the ranks run, each epoch's metrics that rank 0 writes to
+    `folder` are reported to the Optuna trial, and the pruner's verdict is written back (`stop: ...` or
+    `continue`). Optuna stays in the driver; the ranks only read a file.
+    """
+
+    def __init__(self, trial, folder: str, metric: str, pruner_name: str, poll_s: float = 0.02) -> None:
+        self.trial = trial
+        self.folder = folder
+        self.metric = metric
+        self.pruner_name = pruner_name
+        self.poll_s = poll_s
+        self.pruned_epoch: Optional[int] = None
+        self.reason: Optional[str] = None
+        self.reported: Dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "PruningGate":
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.makedirs(self.folder, exist_ok=True)
+        self._thread = threading.Thread(target=self._watch, name=f"pruning-gate-{self.trial.number}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._drain()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if not self._drain():
+                self._stop.wait(self.poll_s)
+
+    def _drain(self) -> bool:
+        """Answer every epoch file not answered yet; True if one was."""
+        answered = False
+        while True:
+            epoch = len(self.reported) if self.pruned_epoch is None else None
+            if epoch is None:
+                return answered
+            path = os.path.join(self.folder, f"epoch-{epoch}.json")
+            if not os.path.exists(path):
+                return answered
+            self._answer(epoch, path)
+            answered = True
+
+    def _answer(self, epoch: int, path: str) -> None:
+        verdict = "continue"
+        value = float("nan")
+        try:
+            with open(path) as fh:
+                metrics = json.load(fh).get("metrics", {})
+            value = float(metrics.get(self.metric, float("nan")))
+            if math.isfinite(value):
+                self.trial.report(value, epoch)
+                if self.trial.should_prune():
+                    self.pruned_epoch = epoch
+                    self.reason = (f"pruned by the {self.pruner_name} pruner after epoch {epoch} "
+                                   f"({self.metric} {value:.4g})")
+                    verdict = f"stop: {self.reason}"
+        except Exception as exc:  # a verdict must always be written: rank 0 is waiting for it
+            log.warning("trial %d epoch %d: could not report to Optuna (%s: %s); the trial goes on",
+                        self.trial.number, epoch, type(exc).__name__, exc)
+        finally:
+            self.reported[epoch] = value
+            tmp = os.path.join(self.folder, f".verdict-{epoch}.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(verdict)
+            os.replace(tmp, os.path.join(self.folder, f"verdict-{epoch}"))
+
+
+@dataclass
+class TrialOutcome:
+    number: int
+    state: str  # COMPLETE | PRUNED | FAIL
+    value: Optional[float]
+    run_id: Optional[str]
+    reason: Optional[str] = None
+    epochs: int = 0
+    elapsed_s: float = 0.0
+
+
+def best_of(history, metric: str, direction: str) -> Optional[float]:
+    """The best finite per-epoch value of `metric` in a rank's history (the trial's value)."""
+    values = [float(h[metric]) for h in history if metric in h and math.isfinite(float(h[metric]))]
+    if not values:
+        return None
+    return min(values) if direction == "minimize" else max(values)
+
+
+def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData, parent_run_id: str,
+              study_name: str) -> TrialOutcome:
+    """Train once with the trial's overrides, in a child run of `parent_run_id`; the trial is not told here.
+
+    Returns the outcome: COMPLETE with its value, or PRUNED (the child run FINISHED with tag pruned=true).
+
+    Raises:
+        TrialFailed / any exception: it failed (child run FAILED with tag `error`).
+        KeyboardInterrupt, Terminated: the sweep is being stopped (child run KILLED).
+    """
+    from pipeline.config import world_size_of
+    from pipeline.tracking.runs import tracked_run
+    from pipeline.workflow import train_in_run
+
+    base_ckpt = os.path.abspath(cfg.train.checkpoint_dir)
+    trial_dir = os.path.join(base_ckpt, "tune", study_name, f"trial-{trial.number}")
+    tcfg = apply_overrides(cfg, {**overrides, "train.checkpoint_dir": trial_dir})
+    data, pinned = shared.for_config(tcfg)
+    tags = {"world_size": world_size_of(tcfg), "backend": tcfg.train.backend, "np": tcfg.train.np,
+            "mlflow.parentRunId": parent_run_id, "optuna.study": study_name, "optuna.trial": trial.number,
+            "optuna.params": json.dumps(overrides, sort_keys=True, default=str)}
+    metric = cfg.tune.metric
+    with tracked_run(tcfg, run_name=f"{study_name}-trial-{trial.number}", tags=tags) as run:
+        trial.set_user_attr(ATTR_RUN_ID, run.run_id)
+        gate = None
+        if cfg.tune.pruner != "none":
+            gate = PruningGate(trial, os.path.join(base_ckpt, "tune", study_name, "epochs", f"trial-{trial.number}"),
+                               metric, cfg.tune.pruner)
+        r0 = train_in_run(run, tcfg, data, pinned, tags, epoch_gate=gate)
+        trial.set_user_attr(ATTR_METRICS, {k: v for k, v in r0.metrics.items() if math.isfinite(v)})
+        if gate is not None and gate.pruned_epoch is not None:
+            run.client.set_tag(run.run_id, "pruned", "true")
+            run.client.set_tag(run.run_id, "pruned_at_epoch", str(gate.pruned_epoch))
+            return TrialOutcome(trial.number, "PRUNED", gate.reported.get(gate.pruned_epoch), run.run_id,
+                                reason=gate.reason, epochs=r0.epochs)
+        value = best_of(r0.history, metric, cfg.tune.direction)
+        if value is None:
+            seen = sorted({k for h in r0.history for k in h})
+            raise TrialFailed(f"config key 'tune.metric': {metric!r} has no finite value in any epoch "
+                              f"(metrics: {', '.join(seen) or 'none'})")
+        if not r0.model_uri:
+            raise TrialFailed("rank 0 returned no model")
+        trial.set_user_attr(ATTR_MODEL_URI, r0.model_uri)
+        run.client.set_tag(run.run_id, "pruned", "false")
+        run.client.log_metric(run.run_id, f"tune_{metric}", value)
+        return TrialOutcome(trial.number, "COMPLETE", value, run.run_id, epochs=r0.epochs)
+
+
+def record_error(trial, exc: BaseException) -> str:
+    """The failure reason, kept on the Optuna trial (the child run has it as tag `error`)."""
+    reason = f"{type(exc).__name__}: {exc}"
+    try:
+        trial.set_user_attr(ATTR_ERROR, reason[:2000])
+    except Exception as attr_exc:
+        log.warning("could not record the error of trial %d: %s", trial.number, attr_exc)
+    return reason

@@ -1,0 +1,114 @@
+"""The search space file: parsing to Optuna distributions, and errors that name the file and the key (no Spark)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.tune.space import conversion_settings, is_conversion_key, load_space, space_from_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _space(text: str):
+    return space_from_text(text, Config(), "s.yaml")
+
+
+def test_shipped_demo_space_parses_and_suggests():
+    import optuna
+
+    cfg = load_config(str(ROOT / "conf/local.yaml"))
+    space = load_space(str(ROOT / "conf/search/demo.yaml"), cfg)
+    assert {"model.lr", "data.batch_size", "model.arch", "model.optimizer"} <= set(space.params)
+    lr = space.params["model.lr"].distribution()
+    assert isinstance(lr, optuna.distributions.FloatDistribution) and lr.log
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for params in space.enqueue:
+        study.enqueue_trial(params)
+    first = space.suggest(study.ask())
+    assert first["model.lr"] == 0.01 and first["train.max_epochs"] == 4  # the enqueued baseline, fixed values
+    for _ in range(5):
+        values = space.suggest(study.ask())
+        assert 1e-3 <= values["model.lr"] <= 0.2 and values["data.batch_size"] in (16, 32, 64)
+        assert values["model.arch"] in ("cnn", "resnet")
+
+
+def test_int_float_categorical_distributions():
+    import optuna
+
+    space = _space("""
+params:
+  train.warmup_epochs: {type: int, low: 0, high: 4, step: 2}
+  model.momentum: {type: float, low: 0.5, high: 0.99}
+  train.nan_at_step: {type: categorical, choices: [null, 3]}
+""")
+    warm = space.params["train.warmup_epochs"].distribution()
+    assert isinstance(warm, optuna.distributions.IntDistribution) and warm.step == 2 and warm.high == 4
+    assert space.params["train.nan_at_step"].distribution().choices == (None, 3)
+    assert not space.params["model.momentum"].log
+
+
+@pytest.mark.parametrize("text, match", [
+    ("params:\n  model.lrr: {type: float, low: 0.1, high: 1}\n", r"s\.yaml: params\.model\.lrr: unknown config key"),
+    ("params:\n  model.lr: {type: float, low: 0, high: 1, log: true}\n", r"params\.model\.lr: 'low' \(0\) must be > 0"),
+    ("params:\n  model.lr: {type: float, low: 1, high: 0.1}\n", r"params\.model\.lr: 'low' \(1\) must be below"),
+    ("params:\n  model.lr: {type: uniform, low: 0.1, high: 1}\n", r"params\.model\.lr: 'type' must be one of"),
+    ("params:\n  model.lr: {type: float, low: 0.1, hi: 1}\n", r"params\.model\.lr: unknown field\(s\) hi"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1, log: true, step: 0.1}\n", "cannot be combined"),
+    ("params:\n  data.batch_size: {type: float, low: 8, high: 64}\n", r"params\.data\.batch_size: .*is not an int"),
+    ("params:\n  data.batch_size: {type: int, low: 8.5, high: 64}\n", r"'low' must be an int"),
+    ("params:\n  model.arch: {type: categorical, choices: [cnn, vgg]}\n",
+     r"params\.model\.arch: config key 'model\.arch': value 'vgg' is not one of"),
+    ("params:\n  model.arch: {type: categorical, choices: []}\n", r"'choices' must be a non-empty list"),
+    ("params:\n  model.arch: {type: categorical, choices: [cnn, cnn]}\n", "duplicates"),
+    ("params:\n  data.batch_size: {type: int, low: 0, high: 8}\n", r"data\.batch_size.*must be >= 1"),
+    ("params:\n  train.np: {type: categorical, choices: [-1, -2]}\n", r"'train\.np' cannot be set per trial: the world"),
+    ("params:\n  mlflow.experiment: {type: categorical, choices: [a, b]}\n", "cannot be set per trial"),
+    ("params:\n  data.cache_dir: {type: categorical, choices: [a, b]}\n", "cannot be set per trial"),
+    ("params:\n  lr: {type: float, low: 0.1, high: 1}\n", "not a dotted config key"),
+    ("params: {}\n", "'params' must be a non-empty mapping"),
+    ("parms:\n  model.lr: {type: float, low: 0.1, high: 1}\n", "unknown top-level key"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1}\nfixed:\n  model.lr: 0.5\n", "also searched"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1}\nfixed:\n  train.max_epochs: 0\n",
+     r"fixed: config key 'train\.max_epochs'"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1}\nenqueue:\n  - {model.lr: 5}\n",
+     r"enqueue\[0\]: model\.lr=5 is outside"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1}\nenqueue:\n  - {model.arch: cnn}\n",
+     r"enqueue\[0\]: key 'model\.arch' is not searched"),
+    ("params: [1, 2\n", "is not valid YAML"),
+])
+def test_bad_space_names_file_and_key(text, match):
+    with pytest.raises(ConfigError, match=match):
+        _space(text)
+
+
+def test_missing_space_file(tmp_path):
+    with pytest.raises(ConfigError, match="search space .*nope.yaml does not exist"):
+        load_space(str(tmp_path / "nope.yaml"), Config())
+
+
+def test_conversion_keys_reconvert_read_time_keys_share():
+    assert not is_conversion_key("data.batch_size") and not is_conversion_key("model.lr")
+    assert is_conversion_key("data.image_size") and is_conversion_key("data.val_fraction")
+    assert not is_conversion_key("data.cache_dir")  # refused, not converted
+    base = Config()
+    other_batch = Config()
+    other_batch.data.batch_size = 7
+    other_size = Config()
+    other_size.data.image_size = 16
+    assert conversion_settings(base) == conversion_settings(other_batch)
+    assert conversion_settings(base) != conversion_settings(other_size)
+    space = _space("params:\n  data.image_size: {type: categorical, choices: [16, 32]}\n")
+    assert space.needs_conversion() == ["data.image_size"]
+
+
+def test_replan_keeps_row_groups_changes_steps():
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+    from pipeline.tune.trial import replan
+
+    plan = ShardPlan(train=plan_split("train", [100, 90, 80, 70], 2, 16), val=plan_split("val", [20, 25], 2, 16))
+    again = replan(plan, 32)
+    assert again.train.row_group_rows == plan.train.row_group_rows and again.train.rows_per_rank == [180, 160]
+    assert (plan.train.steps_per_epoch, again.train.steps_per_epoch) == (10, 5)
+    assert again.val.batch_size == 32 and again.val.steps_per_epoch == 1
