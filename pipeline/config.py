@@ -85,6 +85,7 @@ class TrainConfig:
     ckpt_restore: Optional[str] = None  # PATH | last
     ckpt_allow_other_data: bool = False
     checkpoint_every_n_steps: Optional[int] = None  # also checkpoint (last.ckpt) every N steps, mid-epoch
+    max_restarts: int = 0  # a rank that dies: relaunch every rank from the last checkpoint, up to N times
     # torch threads per rank; null: 1 when several ranks share a host, torch's default for a rank alone on its host
     threads_per_rank: Optional[int] = None
     # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
@@ -327,6 +328,7 @@ def validate(cfg: Config) -> None:
         ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
         ("train.checkpoint_every_n_steps", (cfg.train.checkpoint_every_n_steps or 1) >= 1, "must be >= 1 or null"),
+        ("train.max_restarts", cfg.train.max_restarts >= 0, "must be >= 0"),
         ("train.threads_per_rank", cfg.train.threads_per_rank is None or cfg.train.threads_per_rank >= 1,
          "must be >= 1 or null (null: 1 per rank when ranks share a host, else torch's default)"),
         ("train.early_stopping.patience", cfg.train.early_stopping.patience >= 0, "must be >= 0"),

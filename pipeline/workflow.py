@@ -50,6 +50,15 @@ def prepare_data(spark, cfg: Config):
     return data, pinned
 
 
+def _record_restart(run, n: int, cause: str) -> None:
+    """A restart (train.max_restarts) in the run: the `restarts` metric and a tag with its cause."""
+    try:
+        run.client.log_metric(run.run_id, "restarts", n, step=n)
+        run.client.set_tag(run.run_id, f"restart_{n}_cause", cause[:4000])
+    except Exception as exc:  # the restart matters more than its record
+        log.warning("could not record restart %d in MLflow: %s", n, exc)
+
+
 def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None):
     """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
 
@@ -63,7 +72,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     """
     import contextlib
 
-    from pipeline.distributed.launcher import launch
+    from pipeline.distributed.launcher import launch_with_restarts
     from pipeline.distributed.loop import TrainJob
     from pipeline.tracking.rank_zero import log_rank_hosts
     from pipeline.tracking.runs import Terminated, log_config, log_lineage
@@ -82,7 +91,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
     t0 = time.time()
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
-        results = launch(job)
+        results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause))
     log.info("training finished in %.1f s", time.time() - t0)
     log_rank_hosts(run.client, run.run_id, results)
     r0 = next(r for r in results if r.rank == 0)

@@ -7,7 +7,7 @@ import shutil
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 from pipeline.distributed.loop import RankResult, TrainJob, ddp_worker, horovod_worker, train
 from pipeline.log import get_logger
@@ -156,6 +156,61 @@ def launch(job: TrainJob) -> List[RankResult]:
             if detail:
                 raise DistributedTrainingError(f"training failed on {detail}") from exc
             raise
+
+
+class _NotRestartable(Exception):
+    pass
+
+
+def _restartable(exc: BaseException) -> bool:
+    """A failure a relaunch from the last checkpoint can get past: a rank died or a collective timed out. Errors in
+    the job's own inputs (configuration, data, plan, checkpoint lineage), SIGTERM and a non-finite loss are not."""
+    from pipeline.config import ConfigError
+    from pipeline.data.shards import ConversionError
+    from pipeline.distributed.loop import CheckpointLineageError
+    from pipeline.lakehouse.partition import PlanError
+    from pipeline.tracking.runs import Terminated
+
+    return not isinstance(exc, (Terminated, ConfigError, ConversionError, PlanError, CheckpointLineageError,
+                                KeyboardInterrupt))
+
+
+def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
+    """`launch`, and when a rank dies or a collective times out, stop every rank and relaunch all of them from the
+    last checkpoint this job wrote (same run, pinned version and plan), up to `train.max_restarts` times.
+
+    `on_restart(n, cause)` is told of each restart (the driver records it in MLflow).
+
+    Raises:
+        DistributedTrainingError: the failure that spent the last restart (with how many were made).
+    """
+    import dataclasses
+    import time
+
+    limit = max(0, job.cfg.train.max_restarts)
+    last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
+    started = time.time()
+    attempt = 0
+    while True:
+        try:
+            return launch(job)
+        except Exception as exc:
+            if attempt >= limit or not _restartable(exc):
+                if attempt:
+                    raise DistributedTrainingError(f"{exc} (after {attempt} restart(s) of train.max_restarts="
+                                                   f"{limit})") from exc
+                raise
+            attempt += 1
+            cause = f"{type(exc).__name__}: {exc}"
+            # only a checkpoint this job wrote; an older last.ckpt in the folder belongs to another job
+            fresh = os.path.exists(last) and os.path.getmtime(last) >= started
+            restore = last if fresh else job.cfg.train.ckpt_restore
+            log.warning("restart %d of %d (train.max_restarts) from %s after: %s", attempt, limit,
+                        restore or "the start", cause)
+            if on_restart is not None:
+                on_restart(attempt, cause)
+            cfg = dataclasses.replace(job.cfg, train=dataclasses.replace(job.cfg.train, ckpt_restore=restore))
+            job = dataclasses.replace(job, cfg=cfg, attempt=attempt)
 
 
 def _launch(job: TrainJob) -> List[RankResult]:

@@ -32,6 +32,7 @@ class TrainJob:
     # a folder where rank 0 hands each epoch's metrics to the driver and reads its verdict (callbacks.DriverVerdict)
     epoch_gate_dir: Optional[str] = None
     epoch_gate_timeout_s: float = 30.0
+    attempt: int = 0  # 0 = the first launch; n = the n-th restart (train.max_restarts)
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -150,7 +151,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     model = ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
         steps_per_epoch=plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs,
-        nan_at_step=cfg.train.nan_at_step, fail_at_step=cfg.train.fail_at_step, fail_rank=cfg.train.fail_rank)
+        nan_at_step=cfg.train.nan_at_step, fail_rank=cfg.train.fail_rank,
+        fail_at_step=cfg.train.fail_at_step if job.attempt == 0 else None)  # injected faults hit the first attempt
 
     tracker = None
     if is_zero and job.run_id:
