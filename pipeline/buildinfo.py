@@ -170,6 +170,11 @@ def plan(host: BuildHost, shim_dir: str = "nccl-home") -> BuildPlan:
                     f"({_describe_missing(host)}). Install the nvidia-nccl-cu{_version_tuple(host.torch_cuda)[0]} "
                     f"package torch depends on, or set NCCL_HOME to a folder with include/nccl.h and lib/libnccl.so; "
                     f"or set {GLOO_ONLY_VAR}=1 to build without NCCL (slow: GPU tensors go through host memory)")
+            if not host.nvcc:
+                raise BuildPlanError(
+                    f"torch {host.torch} has CUDA {host.torch_cuda} but no nvcc was found (PATH, $CUDA_HOME/bin): "
+                    f"Horovod's NCCL build compiles CUDA kernels. Install the CUDA toolkit or set CUDA_HOME; or set "
+                    f"{GLOO_ONLY_VAR}=1 to build without NCCL (e.g. a CUDA torch on a machine without GPUs)")
             gpu_ops, nccl_source = "NCCL", cand.source
             env.update({"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_NCCL_LINK": "SHARED",
                         "HOROVOD_NCCL_HOME": nccl_home})
@@ -177,9 +182,6 @@ def plan(host: BuildHost, shim_dir: str = "nccl-home") -> BuildPlan:
             if ccs:
                 env["HOROVOD_BUILD_CUDA_CC_LIST"] = ccs
             notes.append(f"CUDA {host.torch_cuda}: NCCL from {cand.source}, compute capabilities {ccs or 'default'}")
-            if not host.nvcc:
-                notes.append("no nvcc found (set CUDA_HOME or put nvcc on PATH): Horovod's CUDA build needs "
-                             "the CUDA toolkit's compiler")
     return BuildPlan(env=env, cxx_standard=std, cxx_standard_root=min(std, 17), cache_key=cache_key(host, gpu_ops),
                      gpu_operations=gpu_ops, nccl_source=nccl_source, nccl_links=links, notes=notes)
 

@@ -123,7 +123,7 @@ def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str
         return problems
     if not hvd.gloo:
         problems.append("horovod was built without Gloo; CPU training needs it")
-    if gpu.torch_cuda and not hvd.nccl:
+    if gpu.torch_cuda and gpu.device_count and not hvd.nccl:
         problems.append(f"CUDA torch {gpu.torch} beside a Horovod built without NCCL: GPU tensors would be all-reduced "
                         "by gloo through host memory; rebuild with `bash scripts/build_horovod.sh` (it builds NCCL "
                         "when torch has CUDA), or set LAKEHOUSE_HOROVOD_GLOO_ONLY=1 for it if that is meant")

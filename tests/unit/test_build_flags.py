@@ -83,6 +83,12 @@ def test_cuda_torch_without_nccl_stops_naming_what_is_missing():
         plan(gpu_host(nccl=[headerless]))
 
 
+def test_cuda_torch_without_nvcc_stops_with_the_reason():
+    with pytest.raises(BuildPlanError, match=r"no nvcc was found.*CUDA_HOME.*LAKEHOUSE_HOROVOD_GLOO_ONLY=1"):
+        plan(gpu_host(nvcc=None))
+    assert plan(gpu_host(nvcc=None, gloo_only=True)).gpu_operations is None
+
+
 def test_gloo_only_override_builds_without_nccl_and_keys_the_cache_apart():
     p = plan(gpu_host(nccl=[], gloo_only=True))
     assert p.gpu_operations is None and "HOROVOD_GPU_OPERATIONS" not in p.env

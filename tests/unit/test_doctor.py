@@ -51,6 +51,8 @@ def test_cuda_torch_with_gloo_only_horovod_is_named():
     assert "CUDA torch 2.11.0+cu130 beside a Horovod built without NCCL" in msg and "build_horovod.sh" in msg
     assert horovod_problems(NCCL_HVD, H100, "horovod") == []
     assert horovod_problems(GLOO_HVD, CPU, "horovod") == []
+    # a CUDA torch on a machine without GPUs (PyPI's torch on Python 3.12): no CUDA tensors to all-reduce
+    assert horovod_problems(GLOO_HVD, GpuFacts(torch="2.13.0+cu128", torch_cuda="12.8"), "horovod") == []
     assert any("built with NCCL but torch 2.13.0+cpu has no CUDA" in p for p in horovod_problems(NCCL_HVD, CPU, "ddp"))
     missing = horovod_problems(HorovodBuild(installed=False, error="ModuleNotFoundError"), CPU, "horovod")
     assert any("train.backend=horovod but horovod is missing" in p for p in missing)
