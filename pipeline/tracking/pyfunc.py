@@ -1,8 +1,11 @@
 """The servable model: an MLflow pyfunc that maps encoded image bytes to class labels, and how it is logged."""
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
+import re
 import shutil
 import tempfile
 from importlib import metadata as importlib_metadata
@@ -11,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlflow
 import mlflow.pyfunc
+from mlflow.exceptions import MlflowException
 import numpy as np
 import pandas as pd
 import torch
@@ -21,6 +25,10 @@ log = get_logger(__name__)
 
 CONTENT_COLUMN = "content"
 OUTPUT_COLUMNS = ("label", "label_index", "probability", "probabilities")
+ERROR_COLUMN = "error"
+# params["on_error"]: "raise" (default: a bad row fails the call, naming the row) or "null" (a bad row
+# gets null label/probabilities and its reason in an extra `error` column: batch scoring).
+ON_ERROR_MODES = ("raise", "null")
 META_KEYS = ("arch", "width", "channels", "image_size", "class_names")
 PREDICT_BATCH_SIZE = 256
 
@@ -33,6 +41,52 @@ SERVED_MODULES = (
     "pipeline/model/nets.py",
     "pipeline/tracking/pyfunc.py",
 )
+
+
+class InvalidModelInput(MlflowException, ValueError):
+    """A request the model cannot score (bad row, missing column, bad param); the message names it.
+
+    An MlflowException with INVALID_PARAMETER_VALUE, so `mlflow models serve` answers HTTP 400 with the
+    message (no stack trace); also a ValueError for Python callers.
+    """
+
+    def __init__(self, message: str) -> None:
+        from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+class InvalidImageField(ValueError):
+    """A `content` value is neither image bytes nor a base64 string of them."""
+
+
+_BASE64_TEXT = re.compile(rb"[A-Za-z0-9+/=\s]+")
+
+
+def image_bytes(content: Any) -> bytes:
+    """The encoded image in one `content` value: raw bytes, or base64 text (str, or bytes of base64 characters).
+
+    Base64 text arrives as bytes when a server request uses `instances`/`inputs`: MLflow base64-decodes a
+    binary column only in the `dataframe_split`/`dataframe_records` forms. Encoded images (PNG, JPEG, GIF,
+    BMP, WebP) start with bytes outside the base64 alphabet, so the two cannot be confused.
+    """
+    if isinstance(content, (bytearray, memoryview)):
+        content = bytes(content)
+    if isinstance(content, str):
+        given_str, content = True, content.encode("ascii", errors="replace")
+        if not _BASE64_TEXT.fullmatch(content):
+            raise InvalidImageField("a string that is not base64 (characters outside A-Z a-z 0-9 + / =)")
+    elif isinstance(content, bytes):
+        given_str = False
+        if not content or _BASE64_TEXT.fullmatch(content) is None:
+            return content  # raw image bytes (or junk, which the decoder names)
+    else:
+        raise InvalidImageField(f"expected encoded image bytes or a base64 string, got {type(content).__name__}")
+    try:
+        return base64.b64decode(re.sub(rb"\s+", b"", content), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        what = "a string" if given_str else "not a decodable image, and"
+        raise InvalidImageField(f"{what} not valid base64 ({exc})") from None
 
 
 def check_meta(meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -68,51 +122,66 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         self.network = net
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
-        """Return one row per input row: label, label_index, probability, probabilities."""
+        """Return one row per input row: label, label_index, probability, probabilities (+ error when on_error=null)."""
         from pipeline.data.transforms import ImageDecodeError, decode_batch
 
+        on_error = (params or {}).get("on_error") or "raise"
+        if on_error not in ON_ERROR_MODES:
+            raise InvalidModelInput(f"param 'on_error': {on_error!r} is not one of {', '.join(ON_ERROR_MODES)}")
         if not isinstance(model_input, pd.DataFrame):
-            raise ValueError(f"model input must be a pandas DataFrame with a '{CONTENT_COLUMN}' column, "
-                             f"got {type(model_input).__name__}")
+            raise InvalidModelInput(f"model input must be a pandas DataFrame with a '{CONTENT_COLUMN}' column, "
+                                    f"got {type(model_input).__name__}")
         if CONTENT_COLUMN not in model_input.columns:
-            raise ValueError(f"model input has no '{CONTENT_COLUMN}' column (encoded image bytes); "
-                             f"got columns {list(map(str, model_input.columns))}")
+            raise InvalidModelInput(f"model input has no '{CONTENT_COLUMN}' column (encoded image bytes); "
+                                    f"got columns {list(map(str, model_input.columns))}")
         contents = list(model_input[CONTENT_COLUMN])
         index = list(model_input.index)
         size, channels = self.meta["image_size"], self.meta["channels"]
-        probs_parts: List[np.ndarray] = []
+        n_classes = len(self.class_names)
+        probs = np.full((len(contents), n_classes), np.nan)
+        errors: List[Optional[str]] = [None] * len(contents)
         with torch.no_grad():
             for start in range(0, len(contents), PREDICT_BATCH_SIZE):
                 chunk = contents[start:start + PREDICT_BATCH_SIZE]
                 pixels = np.empty((len(chunk), channels, size, size), dtype=np.float32)
+                good: List[int] = []
                 for i, content in enumerate(chunk):
-                    row = index[start + i]
-                    if isinstance(content, (bytearray, memoryview)):
-                        content = bytes(content)
-                    if not isinstance(content, bytes):
-                        raise ValueError(f"model input row {row!r}, column '{CONTENT_COLUMN}': expected encoded "
-                                         f"image bytes, got {type(content).__name__}")
                     try:
-                        pixels[i] = decode_batch([content], size, channels)[0]
-                    except ImageDecodeError as exc:
-                        raise ValueError(f"model input row {row!r}, column '{CONTENT_COLUMN}': {exc}") from None
-                logits = self.network(torch.from_numpy(pixels))
-                probs_parts.append(torch.softmax(logits, dim=1).cpu().numpy().astype(np.float64))
-        n_classes = len(self.class_names)
-        probs = np.concatenate(probs_parts) if probs_parts else np.empty((0, n_classes))
-        idx = probs.argmax(axis=1) if len(probs) else np.empty((0,), dtype=np.int64)
-        return pd.DataFrame({
-            "label": [self.class_names[int(i)] for i in idx],
-            "label_index": idx.astype(np.int64),
-            "probability": probs[np.arange(len(idx)), idx] if len(idx) else np.empty((0,)),
-            "probabilities": [row.tolist() for row in probs],
+                        pixels[len(good)] = decode_batch([image_bytes(content)], size, channels)[0]
+                        reason = None
+                    except (ImageDecodeError, InvalidImageField) as exc:
+                        reason = str(exc)
+                    if reason is None:
+                        good.append(start + i)
+                    elif on_error == "raise":
+                        raise InvalidModelInput(f"model input row {index[start + i]!r}, column "
+                                                f"'{CONTENT_COLUMN}': {reason}")
+                    else:
+                        errors[start + i] = reason  # the output row is the input row: no index needed
+                if good:
+                    logits = self.network(torch.from_numpy(pixels[:len(good)]))
+                    probs[good] = torch.softmax(logits, dim=1).cpu().numpy().astype(np.float64)
+        ok = np.array([e is None for e in errors], dtype=bool)
+        idx = np.where(np.isnan(probs), -1.0, probs).argmax(axis=1) if len(probs) else np.empty((0,), np.int64)
+        idx = np.where(ok, idx, -1)
+        rows = np.arange(len(idx))
+        out = pd.DataFrame({
+            "label": [self.class_names[int(i)] if i >= 0 else None for i in idx],
+            "label_index": idx.astype(np.int64) if ok.all() else pd.array(
+                [int(i) if i >= 0 else None for i in idx], dtype="Int64"),
+            "probability": np.where(ok, probs[rows, np.maximum(idx, 0)], np.nan) if len(idx) else np.empty((0,)),
+            "probabilities": [probs[r].tolist() if ok[r] else None for r in rows],
         }, index=model_input.index)
+        if on_error == "null":
+            out[ERROR_COLUMN] = errors
+        return out
 
 
 def model_signature() -> "mlflow.models.ModelSignature":
-    """Input: a binary `content` column; output: label, label_index, probability, probabilities."""
+    """Input: a binary `content` column (base64 strings in JSON); output: label, label_index, probability,
+    probabilities, and `error` (only with params on_error=null); param `on_error` (raise|null)."""
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, DataType, Schema
+    from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
 
     inputs = Schema([ColSpec(DataType.binary, CONTENT_COLUMN)])
@@ -121,8 +190,10 @@ def model_signature() -> "mlflow.models.ModelSignature":
         ColSpec(DataType.long, "label_index"),
         ColSpec(DataType.double, "probability"),
         ColSpec(Array(DataType.double), "probabilities"),
+        ColSpec(DataType.string, ERROR_COLUMN, required=False),
     ])
-    return ModelSignature(inputs=inputs, outputs=outputs)
+    params = ParamSchema([ParamSpec("on_error", DataType.string, "raise")])
+    return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 
 def blank_png(size: int, channels: int) -> bytes:

@@ -1,0 +1,158 @@
+"""Export a registered model version's network to ONNX or TorchScript with its preprocessing contract, checked and logged to its run."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from pipeline.log import get_logger
+from pipeline.serving.contract import CONTRACT_FILE, INPUT_NAME, OUTPUT_NAME, preprocessing_contract
+
+log = get_logger(__name__)
+
+FORMATS = ("onnx", "torchscript")
+FILES = {"onnx": "model.onnx", "torchscript": "model.pt"}
+# The legacy (TorchScript-based) ONNX exporter: it needs only torch and writes opset 17, which
+# onnxruntime runs. torch 2.13's default (dynamo=True) needs onnxscript, another dependency for
+# no gain on these plain conv nets.
+ONNX_OPSET = 17
+PARITY_TOL = 1e-4
+EXPORT_ARTIFACT_DIR = "export"
+
+
+class ExportError(RuntimeError):
+    """The export cannot be written or does not reproduce the network; the message names the model and format."""
+
+
+class _WithSoftmax(torch.nn.Module):
+    """The exported graph: normalised pixels (N, C, H, W) -> class probabilities (N, K)."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.network(pixels), dim=1)
+
+
+def _probe(meta: Dict[str, Any], n: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.rand((n, meta["channels"], meta["image_size"], meta["image_size"]), generator=gen) * 2 - 1
+
+
+def export_onnx(module: torch.nn.Module, meta: Dict[str, Any], contract: Dict[str, Any], path: Path) -> None:
+    """Write `module` as ONNX (dynamic batch) with the contract in the model's metadata_props."""
+    import onnx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter announces itself
+        torch.onnx.export(module, (_probe(meta, 2),), str(path), dynamo=False, opset_version=ONNX_OPSET,
+                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "preprocessing_contract", json.dumps(contract, sort_keys=True)
+    onnx.save(model, str(path))
+
+
+def export_torchscript(module: torch.nn.Module, meta: Dict[str, Any], contract: Dict[str, Any], path: Path) -> None:
+    """Write `module` traced to TorchScript with the contract inside (`_extra_files` contract.json)."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(module, (_probe(meta, 2),), check_inputs=[(_probe(meta, 3),)])
+        traced = torch.jit.freeze(traced.eval())
+    torch.jit.save(traced, str(path), _extra_files={CONTRACT_FILE: json.dumps(contract, sort_keys=True)})
+
+
+def run_exported(fmt: str, path: Path, pixels: np.ndarray) -> np.ndarray:
+    """Run an exported file on normalised pixels (N, C, H, W) -> probabilities, with its own runtime."""
+    pixels = np.ascontiguousarray(pixels, dtype=np.float32)
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        return session.run([OUTPUT_NAME], {INPUT_NAME: pixels})[0]
+    if fmt == "torchscript":
+        module = torch.jit.load(str(path), map_location="cpu")
+        with torch.no_grad():
+            return module(torch.from_numpy(pixels)).numpy()
+    raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out_dir: Path,
+                   model_info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write the network (`fmt`) and contract.json to `out_dir`; check it against torch on probe inputs.
+
+    Raises:
+        ExportError: unknown format, or the exported model's probabilities differ from torch's by more than 1e-4.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    contract = preprocessing_contract(meta, {**(model_info or {}), "format": fmt, "file": FILES[fmt]})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / FILES[fmt]
+    module = _WithSoftmax(network).eval()
+    (export_onnx if fmt == "onnx" else export_torchscript)(module, meta, contract, path)
+    (out_dir / CONTRACT_FILE).write_text(json.dumps(contract, indent=2, sort_keys=True))
+    probe = _probe(meta, 8)
+    with torch.no_grad():
+        expected = module(probe).numpy()
+    got = run_exported(fmt, path, probe.numpy())
+    diff = float(np.abs(got - expected).max())
+    if not diff <= PARITY_TOL:
+        raise ExportError(f"{fmt} export of {model_info or meta['arch']}: probabilities differ from torch by "
+                          f"{diff:.3g} (> {PARITY_TOL}) on probe inputs; not logged")
+    return {"format": fmt, "path": str(path), "contract": str(out_dir / CONTRACT_FILE), "max_abs_diff": diff,
+            "bytes": path.stat().st_size}
+
+
+def export_model(cfg, model_uri: str, fmt: str, out_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Export the registered version `model_uri` pins; log the files under `export/<fmt>/` of its run.
+
+    Returns what the CLI prints: model name/version/run, the local files, the artifact URI, the parity figure.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.serving.models import load_network, resolve
+    from pipeline.tracking.runs import configure
+
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    client = configure(cfg.mlflow)
+    pinned = resolve(client, model_uri)
+    network, meta = load_network(pinned)
+    info = {"name": pinned.name, "version": pinned.version, "run_id": pinned.run_id, "requested": model_uri}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lakehouse-export-") as tmp:
+        target = Path(out_dir) if out_dir else Path(tmp)
+        result = export_network(network, meta, fmt, target, info)
+        artifact_uri = None
+        if pinned.run_id:
+            artifact_path = f"{EXPORT_ARTIFACT_DIR}/{fmt}"
+            try:
+                for name in (FILES[fmt], CONTRACT_FILE):  # only these two, whatever else `--out` holds
+                    client.log_artifact(pinned.run_id, str(target / name), artifact_path=artifact_path)
+                client.set_model_version_tag(pinned.name, pinned.version, f"export_{fmt}",
+                                             f"runs:/{pinned.run_id}/{artifact_path}")
+            except MlflowException as exc:
+                raise ExportError(f"model {pinned.name!r} version {pinned.version}: exported, but logging to run "
+                                  f"{pinned.run_id} failed: {exc.message}") from None
+            artifact_uri = f"runs:/{pinned.run_id}/{artifact_path}"
+        else:
+            log.warning("model %r version %s has no run; the export is not logged", pinned.name, pinned.version)
+        if not out_dir:
+            result.pop("path"), result.pop("contract")
+    log.info("exported model %r version %s as %s in %.1f s (max |diff| %.2g)", pinned.name, pinned.version, fmt,
+             time.monotonic() - started, result["max_abs_diff"])
+    return {"model_name": pinned.name, "model_version": pinned.version, "run_id": pinned.run_id,
+            "artifact_uri": artifact_uri, "out_dir": os.path.abspath(out_dir) if out_dir else None, **result}

@@ -1,0 +1,123 @@
+"""Batch scoring: a pinned Delta table version scored by a registered model through `mlflow.pyfunc.spark_udf`, written as one Delta commit."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, Optional, Set
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+KEY_COLUMN = "path"
+CONTENT_COLUMN = "content"
+# The UDF's result: the pyfunc's columns with params on_error=null (an undecodable row gets nulls and its reason).
+# Not label_index: spark_udf casts a struct field to numpy int64, which has no null for an undecodable row.
+UDF_RESULT = "label string, probability double, probabilities array<double>, error string"
+OUTPUT_COLUMNS = ("path", "label", "probability", "probabilities", "error", "model_name", "model_version",
+                  "input_table", "input_version")
+
+
+class PredictError(RuntimeError):
+    """Batch scoring cannot run as asked; the message names the table, column or model."""
+
+
+def _table_files(table: str) -> Set[str]:
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.delta import local_path, table_uri
+
+    if local_path(table) is None or not DeltaTable.is_deltatable(table_uri(table)):
+        return set()
+    return set(DeltaTable(table_uri(table)).file_uris())
+
+
+def _count_committed(table: str, before: Set[str]) -> Optional[Dict[str, int]]:
+    """Rows and error rows in the files the last commit added (local tables; None elsewhere)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.lakehouse.delta import local_path
+
+    if local_path(table) is None:
+        return None
+    added = sorted(_table_files(table) - before)
+    rows = errors = 0
+    for uri in added:
+        path = local_path(uri)
+        col = pq.read_table(path, columns=["error"]).column("error")
+        rows += len(col)
+        errors += len(col) - col.null_count
+    return {"rows": rows, "errors": errors, "files": len(added)}
+
+
+def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
+    """`df` (path, content, ...) -> one output row per input row with the model's answer or the row's error."""
+    import mlflow.pyfunc
+    from pyspark.sql import functions as F
+
+    missing = [c for c in (KEY_COLUMN, CONTENT_COLUMN) if c not in df.columns]
+    if missing:
+        raise PredictError(f"Delta table {input_table} version {input_version} has no column(s) "
+                           f"{', '.join(repr(c) for c in missing)} to score; it has {df.columns}")
+    # env_manager=local: executors use this Python; the model is loaded once per Python worker process
+    # (spark.python.worker.reuse) and fed Arrow batches of rows.
+    udf = mlflow.pyfunc.spark_udf(spark, pinned_model.uri, result_type=UDF_RESULT, env_manager="local",
+                                  params={"on_error": "null"})
+    parallelism = spark.sparkContext.defaultParallelism
+    if df.rdd.getNumPartitions() < parallelism:
+        df = df.repartition(parallelism)  # all cores score, even from a table of one file
+    scored = df.select(F.col(KEY_COLUMN), udf(F.struct(F.col(CONTENT_COLUMN))).alias("_p"))
+    return scored.select(
+        F.col(KEY_COLUMN),
+        F.col("_p.label").alias("label"),
+        F.col("_p.probability").alias("probability"),
+        F.col("_p.probabilities").alias("probabilities"),
+        F.col("_p.error").alias("error"),
+        F.lit(pinned_model.name).alias("model_name"),
+        F.lit(int(pinned_model.version)).cast("long").alias("model_version"),
+        F.lit(input_table).alias("input_table"),
+        F.lit(int(input_version)).cast("long").alias("input_version"),
+    )
+
+
+def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Optional[int] = None,
+                  mode: str = "append") -> Dict[str, Any]:
+    """Score Delta `table` at `version` (latest when None) with `model_uri`; write `out` in one commit.
+
+    The alias in `model_uri` is resolved once, at the start: every row is scored by the same version,
+    recorded in each row. Returns what the CLI prints as its JSON line.
+    """
+    from pipeline.lakehouse.delta import get_engine
+    from pipeline.serving.models import resolve
+    from pipeline.tracking.runs import configure
+
+    if mode not in ("append", "overwrite"):
+        raise PredictError(f"--mode {mode!r} is not append or overwrite")
+    if os.path.abspath(table) == os.path.abspath(out):
+        raise PredictError(f"--out {out!r} is the input table; write predictions to another table")
+    started = time.monotonic()
+    client = configure(cfg.mlflow)
+    pinned_model = resolve(client, model_uri)
+    engine = get_engine(cfg.delta.engine)
+    df, pinned = engine.read(spark, table, version)
+    rows_in = pinned.num_rows if pinned.num_rows is not None else df.count()
+    log.info("scoring Delta table %s version %d (%d rows) with model %r version %s", table, pinned.version, rows_in,
+             pinned_model.name, pinned_model.version)
+    scored = scored_frame(spark, df, pinned_model, table, pinned.version)
+    before = _table_files(out) if mode == "append" else set()
+    out_version = engine.write(scored, out, mode)
+    counts = _count_committed(out, before)
+    if counts is not None and counts["rows"] != rows_in:
+        raise PredictError(f"predictions for Delta table {table} version {pinned.version}: {counts['rows']} rows "
+                           f"written to {out} version {out_version}, but the input has {rows_in}")
+    seconds = time.monotonic() - started
+    result = {
+        "model_name": pinned_model.name, "model_version": pinned_model.version, "model_uri": model_uri,
+        "input_table": table, "input_version": pinned.version, "rows": rows_in,
+        "errors": counts["errors"] if counts else None,
+        "out_table": out, "out_version": out_version, "seconds": round(seconds, 2),
+        "rows_per_s": round(rows_in / seconds, 1) if seconds > 0 else None,
+    }
+    log.info("wrote %d prediction rows (%s undecodable) to %s version %d in %.1f s", rows_in, result["errors"], out,
+             out_version, seconds)
+    return result

@@ -1,0 +1,325 @@
+"""Integration tests of pipeline.serving: `lakehouse predict` on real Spark + delta-rs, `mlflow models serve` over HTTP,
+ONNX (onnxruntime) and TorchScript (a fresh interpreter without `pipeline`) parity with the registered pyfunc.
+
+The registered model: a SmallCNN (width 8) fitted for 5 epochs (Adam, then BatchNorm statistics of all rows) in this process with a plain torch loop on the
+shared 600-digit table (seconds; confident predictions, so top-1 comparisons are not decided by float noise),
+logged with pipeline.tracking.pyfunc.log_model into a real SQLite store, registered and aliased `champion`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT, cli, free_port, make_config, stop_mlflow_server
+
+pytestmark = pytest.mark.integration
+
+VENV_BIN = Path(sys.executable).parent
+NAME = "serving_clf"
+CORRUPT_PATH = "/corrupt/not-an-image.png"
+CORRUPT_BYTES = b"\x89PNG\r\n\x1a\n but the rest is not a PNG"
+
+
+def _table_rows(table: Path) -> pa.Table:
+    from deltalake import DeltaTable
+
+    dt = DeltaTable(str(table))
+    return pa.concat_tables([pq.read_table(u.replace("file://", "")) for u in dt.file_uris()])
+
+
+@pytest.fixture(scope="module")
+def rows(digits_table) -> pa.Table:
+    return _table_rows(digits_table).sort_by("path")
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory, rows):
+    """(cfg, pinned model) of a briefly trained CNN registered as `serving_clf` version 1, alias champion."""
+    import torch
+
+    from pipeline.data.transforms import decode_batch
+    from pipeline.model.module import network_meta
+    from pipeline.model.nets import build_network
+    from pipeline.serving.models import resolve
+    from pipeline.tracking.pyfunc import log_model
+    from pipeline.tracking.registry import register_model
+    from pipeline.tracking.runs import configure, experiment_id_of
+
+    root = tmp_path_factory.mktemp("serving")
+    cfg = make_config(root, "mlflow.experiment=serving", f"mlflow.registered_model={NAME}", "model.width=8")
+    by_index = dict(zip(rows.column("label_index").to_pylist(), rows.column("label").to_pylist()))
+    class_names = [by_index[i] for i in range(len(by_index))]
+    x = torch.from_numpy(decode_batch(rows.column("content").to_pylist(), 32, 1))
+    y = torch.tensor(rows.column("label_index").to_pylist())
+    torch.manual_seed(0)
+    net = build_network("cnn", 1, len(class_names), width=8)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    net.train()
+    for _ in range(5):
+        perm = torch.randperm(len(y))
+        for start in range(0, len(y), 32):
+            idx = perm[start:start + 32]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            opt.step()
+    for module in net.modules():  # BatchNorm: population statistics of the rows, not a lagging running average
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.reset_running_stats()
+            module.momentum = None
+    with torch.no_grad():
+        net(x)
+    net.eval()
+    with torch.no_grad():
+        acc = float((net(x).argmax(1) == y).float().mean())
+    client = configure(cfg.mlflow)
+    run_id = client.create_run(experiment_id_of(client, cfg.mlflow.experiment)).info.run_id
+    meta = network_meta(cfg.model, 1, 32, class_names)
+    uri = log_model(net, meta, input_example_content=rows.column("content")[0].as_py(), run_id=run_id)
+    version = register_model(client, uri, NAME, run_id, {"val_acc": f"{acc:.4f}"})
+    client.set_registered_model_alias(NAME, "champion", version)
+    client.set_terminated(run_id)
+    assert acc > 0.5, f"the test model did not learn (train acc {acc})"
+    return cfg, resolve(client, f"models:/{NAME}@champion")
+
+
+@pytest.fixture(scope="module")
+def pyfunc_out(registered, rows) -> pd.DataFrame:
+    """The registered model's answers, in this process, for every row of the table (sorted by path)."""
+    _, pinned = registered
+    model = mlflow.pyfunc.load_model(pinned.uri)
+    return model.predict(pd.DataFrame({"content": rows.column("content").to_pylist()}))
+
+
+def _run(cmd, timeout, **kw):
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+    assert res.returncode == 0, f"{cmd[:3]} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows, pyfunc_out, tmp_path):
+    from deltalake import DeltaTable, write_deltalake
+
+    cfg, pinned = registered
+    table, out = tmp_path / "input", tmp_path / "predictions"
+    write_deltalake(str(table), rows)  # version 0: the 600 digits
+    corrupt = {name: None for name in rows.schema.names}
+    corrupt.update({"path": CORRUPT_PATH, "label": "?", "label_index": -1, "content": CORRUPT_BYTES})
+    write_deltalake(str(table), pa.Table.from_pylist([corrupt], schema=rows.schema), mode="append")  # version 1
+    args = ["predict", "--model", f"models:/{NAME}@champion", "--table", str(table), "--version", "1",
+            "--out", str(out), "--conf", str(ROOT / "conf/local.yaml"),
+            f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}", f"mlflow.experiment={cfg.mlflow.experiment}",
+            "spark.app_name=lakehouse-predict-test"]
+    started = time.monotonic()
+    result = _run(cli(*args), timeout=240)
+    seconds = time.monotonic() - started
+    assert result["rows"] == len(rows) + 1 and result["errors"] == 1, result
+    assert (result["model_version"], result["input_version"], result["out_version"]) == (pinned.version, 1, 0)
+
+    dt = DeltaTable(str(out))
+    assert dt.version() == 0 and len(dt.history()) == 1  # one commit
+    got = dt.to_pyarrow_table().to_pandas().sort_values("path").reset_index(drop=True)
+    assert len(got) == len(rows) + 1 and got["path"].is_unique
+    assert set(got["model_name"]) == {NAME} and set(got["model_version"]) == {int(pinned.version)}
+    assert set(got["input_version"]) == {1} and set(got["input_table"]) == {str(table)}
+    bad = got[got["path"] == CORRUPT_PATH].iloc[0]
+    assert bad["label"] is None and pd.isna(bad["probability"]) and bad["probabilities"] is None
+    assert "not a decodable image" in bad["error"], bad["error"]
+    good = got[got["path"] != CORRUPT_PATH].reset_index(drop=True)
+    assert good["error"].isna().all() and good["label"].notna().all()
+    assert list(good["path"]) == rows.column("path").to_pylist()
+    assert list(good["label"]) == list(pyfunc_out["label"])
+    np.testing.assert_allclose(good["probability"].to_numpy(), pyfunc_out["probability"].to_numpy(), atol=1e-6)
+    print(f"\nlakehouse predict: {len(got)} rows in {seconds:.1f} s end to end (CLI, new Spark), "
+          f"{result['rows_per_s']} rows/s inside predict_table")
+
+
+def _start_server(model_uri: str, tracking_uri: str, log_path: Path):
+    port = free_port()
+    # MLflow execs `uvicorn` by name: the venv's bin must be on PATH (as in an activated venv)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri,
+           "PATH": os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")])}
+    cmd = [str(VENV_BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
+           "-h", "127.0.0.1", "-p", str(port), "-w", "1"]
+    with open(log_path, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"mlflow models serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_mlflow_server(proc)
+            raise AssertionError(f"mlflow models serve not up after 120 s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def _post(url: str, body) -> tuple:
+    req = urllib.request.Request(f"{url}/invocations", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode()
+        try:
+            return exc.code, json.loads(text)
+        except ValueError:
+            return exc.code, {"raw": text}
+
+
+@pytest.mark.timeout(300)
+def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(registered, rows, pyfunc_out, tmp_path):
+    cfg, _ = registered
+    picks = list(range(0, len(rows), 40))  # 15 real images from the table
+    b64 = [base64.b64encode(rows.column("content")[i].as_py()).decode() for i in picks]
+    proc, url = _start_server(f"models:/{NAME}@champion", cfg.mlflow.tracking_uri, tmp_path / "serve.log")
+    try:
+        for body in ({"dataframe_split": {"columns": ["content"], "data": [[s] for s in b64]}},
+                     {"instances": [{"content": s} for s in b64]}):
+            status, answer = _post(url, body)
+            assert status == 200, answer
+            preds = answer["predictions"]
+            assert [p["label"] for p in preds] == [pyfunc_out["label"][i] for i in picks]
+            np.testing.assert_allclose([p["probabilities"] for p in preds],
+                                       np.stack(pyfunc_out["probabilities"].to_numpy()[picks]), atol=1e-6)
+
+        not_image = base64.b64encode(b"these bytes are no image").decode()
+        cases = {
+            "not an image (row 1)": ({"dataframe_split": {"columns": ["content"], "data": [[b64[0]], [not_image]]}},
+                                     ["row 1", "content", "not a decodable image"]),
+            "not an image, instances": ({"instances": [{"content": b64[0]}, {"content": b64[1]},
+                                                       {"content": not_image}]}, ["row 2", "not a decodable image"]),
+            # dataframe_split: MLflow base64-decodes the binary column itself, before the model (column named)
+            "bad base64": ({"dataframe_split": {"columns": ["content"], "data": [[b64[0]], ["abc"]]}},
+                           ["content", "Incorrect padding"]),
+            # instances: the model decodes the base64 text itself (row named)
+            "bad base64, instances": ({"instances": [{"content": b64[0]}, {"content": "abc"}]},
+                                      ["row 1", "content", "not valid base64"]),
+            "wrong column": ({"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]}},
+                             ["missing inputs", "content"]),
+        }
+        for what, (body, needles) in cases.items():
+            status, answer = _post(url, body)
+            assert status == 400, (what, status, answer)
+            message = answer.get("message", "")
+            for needle in needles:
+                assert needle in message, (what, needle, message[-1500:])
+            assert "stack_trace" not in answer and "Traceback" not in json.dumps(answer), (what, answer)
+        # the server still answers after the refusals
+        assert _post(url, {"instances": [{"content": b64[0]}]})[0] == 200
+    finally:
+        stop_mlflow_server(proc)
+    assert proc.poll() is not None
+
+
+def _contents(rows, n=None):
+    return rows.column("content").to_pylist()[:n]
+
+
+@pytest.mark.timeout(240)
+def test_onnx_export_matches_the_pyfunc_on_every_row(registered, rows, pyfunc_out, tmp_path):
+    import onnxruntime as ort
+
+    from pipeline.serving.contract import load_contract, preprocess
+    from pipeline.serving.export import export_model
+
+    cfg, pinned = registered
+    result = export_model(cfg, f"models:/{NAME}@champion", "onnx", str(tmp_path / "onnx"))
+    assert (result["model_name"], result["model_version"]) == (NAME, pinned.version)
+    assert result["max_abs_diff"] <= 1e-4
+    contract = load_contract(result["contract"])
+    assert contract["input"]["mean"] == [0.5] and contract["input"]["std"] == [0.5]
+    assert len(contract["output"]["class_names"]) == 10
+    session = ort.InferenceSession(result["path"], providers=["CPUExecutionProvider"])
+    assert json.loads(session.get_modelmeta().custom_metadata_map["preprocessing_contract"]) == contract
+    probs = session.run(["probabilities"], {"pixels": preprocess(_contents(rows), contract)})[0]
+    expected = np.stack(pyfunc_out["probabilities"].to_numpy())
+    names = contract["output"]["class_names"]
+    assert [names[i] for i in probs.argmax(1)] == list(pyfunc_out["label"])
+    assert float(np.abs(probs - expected).max()) <= 1e-4
+
+    client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+    logged = {Path(a.path).name for a in client.list_artifacts(pinned.run_id, "export/onnx")}
+    assert logged == {"model.onnx", "contract.json"}
+    assert client.get_model_version(NAME, pinned.version).tags["export_onnx"] == result["artifact_uri"]
+
+
+@pytest.mark.timeout(240)
+def test_torchscript_export_runs_without_the_pipeline_package(registered, rows, pyfunc_out, tmp_path):
+    cfg, pinned = registered
+    out = tmp_path / "ts"
+    args = ["export", "--model", f"models:/{NAME}/{pinned.version}", "--format", "torchscript", "--out", str(out),
+            "--conf", str(ROOT / "conf/local.yaml"), f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}",
+            f"mlflow.experiment={cfg.mlflow.experiment}"]
+    result = _run(cli(*args), timeout=180)
+    assert result["format"] == "torchscript" and Path(result["path"]).is_file()
+    images = tmp_path / "images"
+    images.mkdir()
+    n = 200
+    for i, content in enumerate(_contents(rows, n)):
+        (images / f"{i:04d}.img").write_bytes(content)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", "")).lower()
+                            and "editable" not in type(f).__module__.lower()]
+        try:
+            import pipeline
+            raise SystemExit("pipeline importable: " + str(pipeline.__file__))
+        except ImportError:
+            pass
+        import io, json, os
+        import numpy as np, torch
+        from PIL import Image
+        extra = {{"contract.json": ""}}  # the contract travels inside the TorchScript file
+        module = torch.jit.load({str(out / "model.pt")!r}, _extra_files=extra)
+        c = json.loads(extra["contract.json"])["input"]
+        batch = []
+        for name in sorted(os.listdir({str(images)!r})):
+            img = Image.open(os.path.join({str(images)!r}, name)).convert(c["color_mode"])
+            if img.size != (c["width"], c["height"]):
+                img = img.resize((c["width"], c["height"]), Image.BILINEAR)
+            a = np.asarray(img, dtype=np.uint8)
+            a = a[None] if c["channels"] == 1 else a.transpose(2, 0, 1)
+            mean = np.asarray(c["mean"], np.float32).reshape(-1, 1, 1)
+            std = np.asarray(c["std"], np.float32).reshape(-1, 1, 1)
+            batch.append((a.astype(np.float32) * np.float32(c["scale"]) - mean) / std)
+        with torch.no_grad():
+            probs = module(torch.from_numpy(np.stack(batch))).numpy()
+        np.save({str(tmp_path / "probs.npy")!r}, probs)
+        print(json.dumps({{"modules": sorted(m for m in sys.modules if m.split(".")[0] == "pipeline")}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["modules"] == []
+    probs = np.load(tmp_path / "probs.npy")
+    expected = np.stack(pyfunc_out["probabilities"].to_numpy()[:n])
+    assert list(probs.argmax(1)) == list(pyfunc_out["label_index"][:n])
+    assert float(np.abs(probs - expected).max()) <= 1e-4
+    client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+    assert {Path(a.path).name for a in client.list_artifacts(pinned.run_id, "export/torchscript")} == {
+        "model.pt", "contract.json"}

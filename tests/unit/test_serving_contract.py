@@ -1,0 +1,132 @@
+"""Unit tests of pipeline.serving's pure parts and the pyfunc's per-row error handling (no Spark, no store)."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.data.transforms import decode_batch
+from pipeline.model.nets import build_network
+from pipeline.serving.contract import check_contract, labels_of, preprocess, preprocessing_contract
+from pipeline.serving.export import ExportError, export_network, run_exported
+from pipeline.serving.models import ModelNotFound, parse_model_uri
+from pipeline.tracking.pyfunc import ImageClassifierModel, InvalidModelInput
+
+META = {"arch": "cnn", "width": 4, "channels": 1, "image_size": 16, "class_names": ["a", "b", "c"]}
+
+
+def _png(seed: int, size: int = 20, mode: str = "L", fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("uri,expected", [
+    ("models:/clf@champion", ("clf", "alias", "champion")),
+    ("models:/clf/3", ("clf", "version", "3")),
+    ("models:/clf/latest", ("clf", "latest", "latest")),
+])
+def test_parse_model_uri(uri, expected):
+    assert parse_model_uri(uri) == expected
+
+
+@pytest.mark.parametrize("uri", ["runs:/abc/model", "models:/clf", "models:/clf/three", "models:/a/b/c", ""])
+def test_parse_model_uri_refuses(uri):
+    with pytest.raises(ModelNotFound, match="--model"):
+        parse_model_uri(uri)
+
+
+@pytest.mark.parametrize("channels,mode", [(1, "L"), (3, "RGB")])
+def test_contract_preprocess_matches_the_training_transform(channels, mode):
+    meta = {**META, "channels": channels}
+    contract = preprocessing_contract(meta)
+    images = [_png(1, 20, mode), _png(2, 16, mode), _png(3, 24, "RGB", "JPEG"), _png(4, 16, "L")]
+    got = preprocess(images, contract)
+    np.testing.assert_allclose(got, decode_batch(images, 16, channels), atol=1e-6)
+    assert got.shape == (4, channels, 16, 16) and got.dtype == np.float32
+    assert contract["input"]["color_mode"] == mode and contract["output"]["class_names"] == ["a", "b", "c"]
+    assert labels_of(np.array([[0.1, 0.7, 0.2]]), contract) == ["b"]
+
+
+def test_contract_refuses_bad_rows_and_keys():
+    contract = preprocessing_contract(META)
+    with pytest.raises(ValueError, match="row 1: not a decodable image"):
+        preprocess([_png(1), b"nope"], contract)
+    broken = {**contract, "input": {k: v for k, v in contract["input"].items() if k != "std"}}
+    with pytest.raises(ValueError, match="input.std"):
+        check_contract(broken)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_export_network_reproduces_torch(tmp_path, fmt):
+    torch.manual_seed(0)
+    net = build_network("cnn", 1, 3, width=4).eval()
+    result = export_network(net, META, fmt, tmp_path)
+    assert result["max_abs_diff"] <= 1e-4
+    x = preprocess([_png(i) for i in range(5)], preprocessing_contract(META))
+    with torch.no_grad():
+        expected = torch.softmax(net(torch.from_numpy(x)), 1).numpy()
+    np.testing.assert_allclose(run_exported(fmt, tmp_path / ("model.onnx" if fmt == "onnx" else "model.pt"), x),
+                               expected, atol=1e-5)
+    with pytest.raises(ExportError, match="'tflite' is not one of"):
+        export_network(net, META, "tflite", tmp_path)
+
+
+def _model() -> ImageClassifierModel:
+    torch.manual_seed(0)
+    model = ImageClassifierModel()
+    model.meta, model.class_names = dict(META), list(META["class_names"])
+    model.network = build_network("cnn", 1, 3, width=4).eval()
+    return model
+
+
+def test_pyfunc_on_error_null_keeps_bad_rows_with_their_reason():
+    model = _model()
+    frame = pd.DataFrame({"content": [_png(1), b"not an image", None, _png(2)]})
+    out = model.predict(None, frame, params={"on_error": "null"})
+    assert len(out) == 4 and list(out.index) == list(frame.index)
+    assert out["error"][0] is None and out["error"][3] is None
+    assert "not a decodable image" in out["error"][1] and "got NoneType" in out["error"][2]
+    assert out["label"][1] is None and pd.isna(out["probability"][2]) and out["probabilities"][1] is None
+    assert pd.isna(out["label_index"][1]) and int(out["label_index"][0]) in (0, 1, 2)
+    good = model.predict(None, frame.iloc[[0, 3]])
+    assert list(out["label"][[0, 3]]) == list(good["label"])
+    np.testing.assert_allclose(out["probability"][[0, 3]], good["probability"])
+    assert "error" not in good.columns and good["label_index"].dtype == np.int64
+
+
+def test_pyfunc_raise_names_the_row_as_a_400():
+    from mlflow.exceptions import MlflowException
+
+    model = _model()
+    with pytest.raises(InvalidModelInput, match=r"row 1, column 'content'.*not a decodable image") as info:
+        model.predict(None, pd.DataFrame({"content": [_png(1), b"junk"]}))
+    assert isinstance(info.value, MlflowException) and isinstance(info.value, ValueError)
+    assert info.value.get_http_status_code() == 400
+    with pytest.raises(InvalidModelInput, match="param 'on_error'"):
+        model.predict(None, pd.DataFrame({"content": [_png(1)]}), params={"on_error": "skip"})
+    empty = model.predict(None, pd.DataFrame({"content": []}), params={"on_error": "null"})
+    assert len(empty) == 0 and "error" in empty.columns
+
+
+def test_pyfunc_takes_base64_text_as_a_server_sends_it():
+    import base64
+
+    model = _model()
+    png = _png(3)
+    raw = model.predict(None, pd.DataFrame({"content": [png]}))
+    for form in (base64.b64encode(png), base64.b64encode(png).decode(), base64.encodebytes(png)):
+        out = model.predict(None, pd.DataFrame({"content": [form]}))
+        np.testing.assert_allclose(out["probabilities"][0], raw["probabilities"][0])
+    out = model.predict(None, pd.DataFrame({"content": ["abc", "%%%", 7]}), params={"on_error": "null"})
+    assert "not valid base64" in out["error"][0] and "not base64" in out["error"][1]
+    assert "got int" in out["error"][2] and out["label"].isna().all()
+    with pytest.raises(InvalidModelInput, match=r"row 'b', column 'content': a string not valid base64"):
+        model.predict(None, pd.DataFrame({"content": [base64.b64encode(png).decode(), "abc"]}, index=["a", "b"]))
