@@ -1,10 +1,11 @@
-"""The Spark session of the driver: built from `spark.*` config, Delta settings when the engine needs them."""
+"""The Spark session of the driver: the project's own (built from `spark.*` config) or the cluster's, left as it is."""
 from __future__ import annotations
 
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
 from pipeline.config import Config
 from pipeline.log import get_logger
@@ -18,9 +19,104 @@ DELTA_SESSION_CONF = {
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
 
+# Settings the project gives a session it creates (laptop, CI). A session it did not create keeps its own.
+OWN_SESSION_CONF = {
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "8",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.parquet.compression.codec": "snappy",
+}
 
-def get_spark(cfg: Config):
-    """Get or create the driver's SparkSession for this config."""
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """Whose session the pipeline runs in: `owned` = the project creates, configures and stops it."""
+
+    owned: bool
+    reason: str
+
+
+def plan_session(active_session: bool, databricks_runtime: Optional[str]) -> SessionPlan:
+    """Decide whether the project owns the session (pure: the facts are passed in).
+
+    A session that already exists (a notebook, a job on a cluster, a caller's) or any Databricks runtime
+    (DATABRICKS_RUNTIME_VERSION set) means the session belongs to someone else: use it, never stop it, never
+    change its conf. Otherwise (the CLI on a laptop) the project creates it from `spark.*` and stops it after.
+    """
+    if databricks_runtime:
+        return SessionPlan(False, f"Databricks Runtime {databricks_runtime}: the cluster's session is used as it is")
+    if active_session:
+        return SessionPlan(False, "a SparkSession is already active: it is used as it is, and not stopped")
+    return SessionPlan(True, "no active SparkSession: the project creates one from spark.* and stops it after")
+
+
+def wanted_conf(cfg: Config) -> Dict[str, str]:
+    """The settings the pipeline needs from the session for this config (Delta's when delta.engine=spark, spark.conf)."""
+    wanted: Dict[str, str] = {}
+    if cfg.delta.engine == "spark":
+        wanted.update(DELTA_SESSION_CONF)
+    wanted.update({k: str(v) for k, v in cfg.spark.conf.items()})
+    return wanted
+
+
+def unapplied_settings(wanted: Mapping[str, str], current: Callable[[str], Optional[str]]) -> Dict[str, tuple]:
+    """The wanted settings a foreign session does not have: {key: (wanted, what the session has or None)}.
+
+    `current(key)` reads the session's value (None when unset). Used to warn, never to change the session.
+    """
+    out = {}
+    for key, value in wanted.items():
+        have = current(key)
+        if have is None or str(have) != str(value):
+            out[key] = (value, have)
+    return out
+
+
+def active_session():
+    """The SparkSession this process already has (active in this thread, or the default one), else None."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is not None:
+        return spark
+    default = getattr(SparkSession, "_instantiatedSession", None)  # a session made in another thread
+    if default is not None:
+        try:
+            if default.sparkContext._jsc is not None:
+                return default
+        except Exception:  # a Spark Connect session has no sparkContext: getActiveSession covers it
+            return None
+    return None
+
+
+def _conf_reader(spark) -> Callable[[str], Optional[str]]:
+    def read(key: str) -> Optional[str]:
+        try:
+            return spark.conf.get(key, None)
+        except Exception:  # a static or unreadable key (Spark Connect): reported as unset
+            return None
+    return read
+
+
+def _adopt(cfg: Config, reason: str):
+    """The existing session as it is: nothing set on it; the settings it lacks are named in a warning."""
+    from pyspark.sql import SparkSession
+
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        from pipeline.lakehouse.runtime import require_runtime
+
+        require_runtime(cfg)  # fails naming what the runtime lacks (horovod, petastorm, ...) and what to do
+    spark = active_session() or SparkSession.builder.getOrCreate()  # Databricks: the cluster's session
+    missing = unapplied_settings(wanted_conf(cfg), _conf_reader(spark))
+    log.info("%s", reason)
+    if missing:
+        log.warning("the session was not created by the pipeline and is not changed by it; it lacks %s",
+                    ", ".join(f"{k}={w!r} (has {h!r})" for k, (w, h) in sorted(missing.items())))
+    return spark
+
+
+def _create(cfg: Config):
+    """The project's own session, as configured by `spark.*` (and Delta's settings for delta.engine=spark)."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -28,28 +124,35 @@ def get_spark(cfg: Config):
     builder = SparkSession.builder
     if cfg.spark.master != "databricks":  # on Databricks the cluster's own session is used as it is
         builder = builder.master(cfg.spark.master)
-    builder = (builder.appName(cfg.spark.app_name)
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "8")
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-               .config("spark.sql.parquet.compression.codec", "snappy"))
+    builder = builder.appName(cfg.spark.app_name)
+    for k, v in OWN_SESSION_CONF.items():
+        builder = builder.config(k, v)
     if cfg.spark.master.startswith("local"):
         builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-    if cfg.delta.engine == "spark":
-        for k, v in DELTA_SESSION_CONF.items():
-            builder = builder.config(k, v)
-    for k, v in cfg.spark.conf.items():
+    for k, v in wanted_conf(cfg).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 
+def _plan_here() -> SessionPlan:
+    return plan_session(active_session() is not None, os.environ.get("DATABRICKS_RUNTIME_VERSION"))
+
+
+def get_spark(cfg: Config):
+    """The driver's SparkSession for this config: the one already there, unchanged, or a new one made from `spark.*`."""
+    plan = _plan_here()
+    return _create(cfg) if plan.owned else _adopt(cfg, plan.reason)
+
+
 @contextmanager
 def spark_session(cfg: Config) -> Iterator:
-    """A SparkSession that is stopped when the block ends."""
-    spark = get_spark(cfg)
+    """A SparkSession for a block: stopped when the block ends only if the pipeline created it."""
+    plan = _plan_here()
+    spark = _create(cfg) if plan.owned else _adopt(cfg, plan.reason)
     try:
         yield spark
     finally:
-        spark.stop()
+        if plan.owned:
+            spark.stop()
