@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "cloudpickle==3.1.2",
     "psutil==7.2.2",
     "optuna==5.0.0",  # lakehouse tune (pipeline/tune); only the driver imports it
+    "databricks-bundles==1.22.1",  # Databricks' own job schema: tests check conf/databricks/resources against it
 ]
 
 # The two install profiles (`make setup PROFILE=classic|modern`); exactly one goes with the core.
