@@ -1,4 +1,5 @@
-"""`lakehouse bench --quick` end to end: every path in tmp, exit 0, a JSON report with every ratio numeric (no timing asserts)."""
+"""`lakehouse bench --quick` end to end: every path in tmp, exit 0, a JSON report with every ratio numeric, loader
+efficiency for every available reader, scaling through the product's train() (no timing asserts)."""
 from __future__ import annotations
 
 import json
@@ -14,11 +15,13 @@ from conftest import ROOT, cli
 
 pytestmark = pytest.mark.integration
 
-RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write", "conversion_cache_hit",
-          "horovod_cpu_scaling", "shard_balance", "checkpoint_overhead", "tracking_overhead"]
+RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write",
+          "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
+          "checkpoint_overhead", "tracking_overhead"]
+GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_bench_quick_writes_every_ratio(tmp_path: Path):
     out = tmp_path / "bench" / "bench.json"
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, LAKEHOUSE_PROGRESS="0")
@@ -29,7 +32,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
             f"train.checkpoint_dir={tmp_path}/checkpoints",
             f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
             f"mlflow.artifact_location={tmp_path}/mlartifacts"),
-        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=590)
+        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=890)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     report = json.loads(out.read_text())
@@ -38,24 +41,34 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert report["quick"] is True and report["repeats"] == 2 and "quick" in report["repeats_note"]
 
     names = {r["name"] for r in report["results"]}
-    assert names == set(RATIOS), names
+    assert names == set(RATIOS) | (set(GPU_RATIOS) if report["machine"]["device"] == "cuda" else set()), names
+    assert len(report["ratios"]) == len(report["results"])  # every figure has its own key
     for r in report["results"]:
         assert isinstance(r["ratio"], float) and math.isfinite(r["ratio"]), r
         assert r["target"] > 0 and r["op"] in (">=", "<=") and isinstance(r["passed"], bool), r
         assert r["repeats"] >= 1 and len(r["per_repeat"]) == r["repeats"], r
         assert r["parts"] and r["spread"], r
-        assert report["ratios"][f"{r['name']}/{r['dataset']}"] == r["ratio"]
+        key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
+        assert report["ratios"][key] == r["ratio"]
     assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic"}
     scaling = next(r for r in report["results"] if r["name"] == "horovod_cpu_scaling")["parts"]
-    for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory"):  # measured, not assumed
+    for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory",
+                    "pipeline_2_ranks_in_memory"):  # measured, not assumed
         assert scaling["control_samples_per_s"][control] > 0, scaling
+    assert "train()" in scaling["path"] and scaling["samples_per_s_1_rank"] > 0 and scaling["samples_per_s_2_ranks"] > 0
+    alone = next(r for r in report["results"] if r["name"] == "horovod_pipeline_over_alone")
+    assert alone["ratio"] == pytest.approx(scaling["pipeline_2_ranks_over_horovod_alone_2_ranks"])
     assert scaling["control_machine_2_procs_over_1"] == pytest.approx(
         scaling["control_samples_per_s"]["plain_2_procs"] / scaling["control_samples_per_s"]["plain_1_proc"])
     assert report["datasets"]["sample"]["rows"] > 0 and report["datasets"]["synthetic"]["rows"] == 2000
-    loaders = {(r["name"], r["dataset"]): r["parts"]["kept_in_memory"] for r in report["results"]
+    readers = report["readers"]["measured"]
+    assert readers and readers[0] == report["readers"]["configured"]
+    loaders = {(r["name"], r["dataset"], r["parts"]["reader"]): r["parts"]["kept_in_memory"] for r in report["results"]
                if r["name"].startswith("loader_efficiency")}
-    assert loaders == {("loader_efficiency", d): True for d in ("sample", "synthetic")} | {
-        ("loader_efficiency_uncached", d): False for d in ("sample", "synthetic")}  # both ways of reading, measured
+    assert loaders == {("loader_efficiency", d, rd): True for d in ("sample", "synthetic") for rd in readers} | {
+        ("loader_efficiency_uncached", d, rd): False for d in ("sample", "synthetic") for rd in readers}
+    assert set(report["loaders"]) == {"sample", "synthetic"}  # side by side: data set -> reader -> cached/uncached
+    assert all(set(report["loaders"][d]) == set(readers) for d in report["loaders"])
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()

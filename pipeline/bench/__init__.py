@@ -1,0 +1,122 @@
+"""`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
+
+One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu), the
+references they are compared with (reference), the product's train() timed step by step (lightning_path) and in
+Horovod ranks (jobs); this runner assembles them into one report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Dict, List
+
+from pipeline.bench.core import FULL, QUICK, TARGETS, Result, Sizes, load, machine
+from pipeline.config import Config
+from pipeline.log import get_logger, quiet_third_party_warnings
+
+quiet_third_party_warnings()
+log = get_logger(__name__)
+
+__all__ = ["run_bench", "TARGETS", "Result", "Sizes", "FULL", "QUICK"]
+
+
+def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """{data set: {reader: {"cached" | "uncached": loader efficiency}}} from the loader results."""
+    table: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for r in results:
+        if r.name.startswith("loader_efficiency"):
+            kind = "uncached" if r.name.endswith("_uncached") else "cached"
+            table.setdefault(r.dataset, {}).setdefault(r.parts["reader"], {})[kind] = r.ratio
+    return table
+
+
+def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json") -> Dict[str, Any]:
+    """Run every measurement on the ingested sample and a synthetic table; write `out` (JSON) and return it.
+
+    The MLflow run (experiment `<mlflow.experiment>-bench`) receives the per-epoch metrics of the tracking
+    measurement and, unless `quick`, the report as `bench.json` and the ratios as metrics.
+    """
+    from pipeline.bench import conversion, gpu, input_bound, loader, overheads, scaling, shard_balance
+    from pipeline.bench.datasets import ensure_sample, ensure_synthetic
+    from pipeline.bench.report import log_table, log_to_mlflow
+    from pipeline.lakehouse.spark import spark_session
+    from pipeline.tracking.runs import tracked_run
+
+    sizes = QUICK if quick else FULL
+    if cfg.train.threads_per_rank is None:  # every figure is per rank x 1 thread unless the config says otherwise
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads_per_rank=1))
+    t_start = time.perf_counter()
+    out = os.path.abspath(out)
+    work_dir = os.path.dirname(out)
+    os.makedirs(work_dir, exist_ok=True)
+    readers = loader.available_readers(cfg)
+    report: Dict[str, Any] = {
+        "bench": "lakehouse", "quick": quick, "repeats": sizes.repeats,
+        "repeats_note": ("--quick: 2 repeats after a warm-up; it proves the bench runs, the figures are indicative"
+                         if quick else f"median of {sizes.repeats} repeats after a warm-up"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "load": {"before": load()},
+        "sizes": dataclasses.asdict(sizes), "config": {k: v for k, v in cfg.flat().items() if k.startswith("data.")},
+        "readers": {"configured": loader.configured_reader(cfg), "measured": readers},
+    }
+    results: List[Result] = []
+    datasets: Dict[str, Any] = {}
+    per_device: Dict[str, Any] = {}
+    bench_cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, experiment=f"{cfg.mlflow.experiment}-bench"))
+    log.info("bench%s: %d repeat(s), synthetic table of %d images, readers %s", " --quick" if quick else "",
+             sizes.repeats, sizes.synthetic_rows, readers)
+    with spark_session(cfg) as spark:
+        ensure_sample(spark, cfg, work_dir)
+        synth = ensure_synthetic(spark, cfg, sizes.synthetic_rows)
+        preps: List[Any] = []
+        try:
+            for name, table in (("sample", cfg.delta.table), ("synthetic", synth["table"])):
+                prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes)
+                preps.append(prep)
+                results.extend(conv_results)
+                datasets[name] = prep.info()
+            datasets["synthetic"].update(synth)
+            with tracked_run(bench_cfg, run_name="bench-quick" if quick else "bench",
+                             tags={"bench": "true", "quick": quick}) as run:
+                one_rank = {}
+                for prep in preps:
+                    log.info("measuring on %s (%d rows)", prep.name, prep.rows)
+                    for reader in readers:
+                        results.append(loader.measure_loader(cfg, prep, sizes, reader))
+                        if results[-1].parts["kept_in_memory"]:
+                            results.append(loader.measure_loader(cfg, prep, sizes, reader, uncached=True))
+                    one_rank[prep.name] = input_bound.one_rank_job(cfg, prep, sizes)
+                    res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
+                    results.append(res)
+                    per_device[prep.name] = dev
+                    results.append(shard_balance.measure_shard_balance(cfg, prep))
+                # Checkpoint and tracking cost a fixed time per epoch, so the sample's short epochs are the worst
+                # case; the synthetic table's epochs are ~30x longer.
+                results.extend(overheads.measure_train_overheads(cfg, preps[0], sizes, run))
+                results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
+                gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
+                results.extend(gpu_results)
+                if gpu_dev:
+                    per_device["gpu_per_precision"] = gpu_dev
+                report["load"]["after"] = load()
+                report["datasets"] = datasets
+                report["throughput"] = per_device
+                report["loaders"] = loaders_side_by_side(results)
+                report["results"] = [dataclasses.asdict(r) for r in results]
+                report["ratios"] = {r.key: r.ratio for r in results}
+                report["passed"] = {r.key: r.passed for r in results}
+                report["all_passed"] = all(r.passed for r in results)
+                report["duration_s"] = time.perf_counter() - t_start
+                report["mlflow_run_id"] = run.run_id
+                if not quick:
+                    log_to_mlflow(run, report)
+        finally:
+            for prep in preps:
+                prep.data.delete()
+    report["out"] = out
+    with open(out, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    log_table(report)
+    log.info("bench report written to %s (%.0f s)", out, report["duration_s"])
+    return report

@@ -1,0 +1,121 @@
+"""Conversion: the first conversion of a pinned table against a plain Parquet write, and a second one (cache hit)."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from pipeline.bench.core import Result, Sizes, median
+from pipeline.config import Config
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _remove(url_or_path: str) -> None:
+    from pipeline.lakehouse.delta import local_path
+
+    path = local_path(url_or_path)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Prepared:
+    """One data set, pinned and converted for 2 ranks, with what the measurements need."""
+
+    name: str
+    table: str
+    version: int
+    rows: int
+    class_names: List[str]
+    data: Any  # ConvertedData (2-rank plan)
+    data1: Any  # the same converters with a 1-rank plan
+
+    def info(self) -> Dict[str, Any]:
+        t = self.data.plan.train
+        return {"table": self.table, "version": self.version, "rows": self.rows, "train_rows": t.total_rows,
+                "val_rows": self.data.plan.val.total_rows, "train_row_groups": len(t.row_group_rows),
+                "classes": len(self.class_names)}
+
+
+def replan(data, world: int, batch_size: int = 0):
+    """The same converted data with a shard plan for `world` ranks (and `batch_size`, 0: the plan's own)."""
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+
+    plan = data.plan
+    return dataclasses.replace(data, plan=ShardPlan(
+        train=plan_split("train", plan.train.row_group_rows, world, batch_size or plan.train.batch_size),
+        val=plan_split("val", plan.val.row_group_rows, world, batch_size or plan.val.batch_size)))
+
+
+def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) -> Tuple[Prepared, List[Result]]:
+    """Plain Parquet write vs the first conversion vs a second conversion of the same pinned table (a cache hit).
+
+    A conversion is convert_for_training (both splits into one content-keyed cache entry); the plain write writes the
+    same prepared train and val DataFrames with df.write.parquet. Every repeat rebuilds the DataFrames from the pinned
+    table (as a second `train` would), the plain write goes to a scratch folder that is removed, and the cache entry
+    is deleted before each first conversion so that it is a miss (an entry left by an earlier job included).
+    """
+    from pipeline.data.cache import root_url
+    from pipeline.data.convert import class_names_of, convert_for_training, prepare_split, split_frame
+    from pipeline.lakehouse.delta import get_engine
+
+    engine = get_engine(cfg.delta.engine)
+    world = 2
+    df, pinned = engine.read(spark, table)
+    version = pinned.version
+    class_names = class_names_of(df)
+
+    def conversion():
+        d, p = engine.read(spark, table, version)
+        t0 = time.perf_counter()
+        data = convert_for_training(spark, d, cfg, world, class_names, p)
+        return time.perf_counter() - t0, data
+
+    scratch = root_url(cfg.data.cache_dir).rstrip("/") + "/bench-plain-" + uuid.uuid4().hex[:8]
+
+    def plain() -> float:
+        d, _ = engine.read(spark, table, version)
+        frames = [prepare_split(f, cfg, world) for f in split_frame(d, cfg.data.val_fraction)]
+        t0 = time.perf_counter()
+        for split, frame in zip(("train", "val"), frames):
+            frame.write.mode("overwrite").parquet(f"{scratch}/{split}")
+        elapsed = time.perf_counter() - t0
+        _remove(scratch)
+        return elapsed
+
+    plain()  # warm-up: Python workers, JIT, page cache of the table's files
+    conversion()[1].delete()  # warm-up too; and an entry left by an earlier job would make the first a hit
+    plains, firsts, hits = [], [], []
+    for r in range(sizes.repeats):
+        plains.append(plain())
+        first_s, first = conversion()
+        firsts.append(first_s)
+        hit_s, again = conversion()
+        hits.append(hit_s)
+        if again.entry_url != first.entry_url:
+            log.warning("%s: the second conversion was not a cache hit (%s vs %s)", name, again.entry_url,
+                        first.entry_url)
+            again.delete()
+        if r < sizes.repeats - 1:
+            first.delete()
+        log.info("%s conversion repeat %d: plain write %.2f s, first conversion %.2f s, second %.3f s", name, r + 1,
+                 plains[-1], firsts[-1], hits[-1])
+    data = convert_for_training(spark, df, cfg, world, class_names, pinned)  # a hit on the last repeat's entry
+    rows = pinned.num_rows if pinned.num_rows is not None else df.count()
+    prepared = Prepared(name=name, table=table, version=version, rows=rows, class_names=class_names, data=data,
+                        data1=replan(data, 1))
+    results = [
+        Result("conversion_vs_plain_write", name, median([f / p for f, p in zip(firsts, plains)]),
+               {"first_conversion_s": median(firsts), "plain_write_s": median(plains),
+                "rows": data.plan.train.total_rows + data.plan.val.total_rows}, len(firsts),
+               [f / p for f, p in zip(firsts, plains)]),
+        Result("conversion_cache_hit", name, median([h / f for h, f in zip(hits, firsts)]),
+               {"second_conversion_s": median(hits), "first_conversion_s": median(firsts)}, len(hits),
+               [h / f for h, f in zip(hits, firsts)]),
+    ]
+    return prepared, results

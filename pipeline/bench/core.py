@@ -1,0 +1,190 @@
+"""What every measurement shares: the targets, the work sizes, the Result record and the timing helpers."""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+# name -> (comparison, target, what the ratio is)
+TARGETS: Dict[str, Tuple[str, float, str]] = {
+    "loader_efficiency": (">=", 0.9, "rows/s of the train ShardLoader as configured (a shard that fits "
+                                     "data.memory_cache_mb is served from memory after its first pass) / rows/s of a "
+                                     "hand-written pyarrow loop over the same Parquet files with the same PixelsToTensor"),
+    "loader_efficiency_uncached": (">=", 0.9, "the same with data.memory_cache_mb=0: the ShardLoader reads every "
+                                              "epoch through its reader / the same pyarrow loop"),
+    "input_bound_fraction": ("<=", 0.10, "1 - step time of the product's train() (Lightning, HorovodStrategy, 1 rank) "
+                                         "on real batches held in memory / the same with the real ShardLoader"),
+    "conversion_vs_plain_write": ("<=", 1.2, "first convert_for_training (train and val into the converted-data "
+                                             "cache) / plain df.write.parquet of the same prepared DataFrames"),
+    "conversion_cache_hit": ("<=", 0.05, "second convert_for_training of the same pinned table (a cache hit) / "
+                                           "the first"),
+    "horovod_cpu_scaling": (">=", 1.8, "samples/s of the product's train() (Lightning, HorovodStrategy, real "
+                                       "ShardLoader) with 2 ranks x 1 thread / with 1 rank x 1 thread"),
+    "horovod_pipeline_over_alone": (">=", 0.9, "samples/s of the product's train() with 2 ranks / Horovod alone "
+                                               "(hand-written loop, hvd.DistributedOptimizer, real rows held in "
+                                               "memory) with 2 ranks, in the same rank processes"),
+    "shard_balance": ("<=", 1.05, "most / fewest rows read per rank in one epoch of a 2-shard plan"),
+    "checkpoint_overhead": ("<=", 0.05, "time saving checkpoints / epoch time (the project's train loop)"),
+    "tracking_overhead": ("<=", 1.03, "epoch (step) time with RankZeroTracker.log_epoch into a SQLite-store run / "
+                                      "the same without the time spent in it"),
+    "gpu_lightning_over_plain": (">=", 0.8, "images/s of the product's train() (Lightning, HorovodStrategy) on "
+                                            "GPU-resident batches / a plain PyTorch loop on the same batches, same "
+                                            "model, batch and precision, one GPU"),
+    "gpu_input_bound_fraction": ("<=", 0.05, "1 - step time of the product's train() on GPU-resident batches / the "
+                                             "same with the real ShardLoader, one GPU"),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each measurement does; --quick only proves the bench runs."""
+
+    synthetic_rows: int
+    repeats: int
+    loader_min_rows: int  # rows read per loader repeat (whole epochs)
+    train_steps: int  # steps per window of a train() run (one window = one repeat)
+    warmup_steps: int  # untimed training steps before the first timed one (a process reaches steady speed after ~200)
+    hvd_steps: int  # steps per window of the hand-written reference loops
+
+
+FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=200_000, train_steps=60, warmup_steps=250,
+             hvd_steps=60)
+QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=10_000, train_steps=16, warmup_steps=8,
+              hvd_steps=16)
+
+
+@dataclass
+class Result:
+    """One ratio on one data set: the two measured parts, every repeat, the spread and the verdict.
+
+    `variant` tells apart figures of the same ratio and data set (another reader, a precision); its key is then
+    `<name>/<data set>/<variant>`.
+    """
+
+    name: str
+    dataset: str
+    ratio: float
+    parts: Dict[str, Any]
+    repeats: int
+    per_repeat: List[float]
+    method: str = ""
+    target: float = 0.0
+    op: str = ""
+    passed: bool = False
+    spread: Dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        self.op, self.target, desc = TARGETS[self.name]
+        self.method = self.method or desc
+        self.passed = bool(self.ratio >= self.target if self.op == ">=" else self.ratio <= self.target)
+        vals = [v for v in self.per_repeat if v == v]
+        if vals:
+            mid = statistics.median(vals)
+            self.spread = {"min": min(vals), "max": max(vals),
+                           "rel": (max(vals) - min(vals)) / abs(mid) if mid else 0.0}
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.dataset}" + (f"/{self.variant}" if self.variant else "")
+
+
+def median(values: List[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN where the denominator is 0 or NaN (a figure that could not be measured)."""
+    return numerator / denominator if denominator and denominator == denominator else float("nan")
+
+
+def input_bound_fraction(step_s_in_memory: float, step_s_real_loader: float) -> float:
+    """The share of a step the loader adds: 1 - in-memory step time / real-loader step time (<= 0: not input-bound)."""
+    return 1.0 - ratio(step_s_in_memory, step_s_real_loader)
+
+
+def windows_rate(per_rank: List[Dict[str, Any]], window: int) -> float:
+    """Samples/s of window `window` over all ranks: every rank's samples / the slowest rank's wall time."""
+    slowest = max(r["window_s"][window] for r in per_rank)
+    return ratio(sum(r["batch_size"] * r["steps"] for r in per_rank), slowest)
+
+
+@contextlib.contextmanager
+def patched(owner: Any, attr: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace `owner.attr` by `make(original)` for the block (timing wrappers; the bench's only intrusion)."""
+    original = owner.__dict__[attr]
+    setattr(owner, attr, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def device():
+    import torch
+
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def interleaved(first: Callable[[], float], second: Callable[[], float],
+                repeats: int) -> Tuple[List[float], List[float]]:
+    """Run each of two measurements once per repeat, `first` first on even repeats and `second` first on odd ones."""
+    a, b = [], []
+    for r in range(repeats):
+        if r % 2:
+            b.append(second())
+            a.append(first())
+        else:
+            a.append(first())
+            b.append(second())
+    return a, b
+
+
+def machine() -> Dict[str, Any]:
+    import torch
+
+    info: Dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                            "torch": torch.__version__, "device": "cpu", "gpus": 0}
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2 ** 30, 1)
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info.update(device="cuda", gpus=torch.cuda.device_count(), gpu=torch.cuda.get_device_name(0))
+    return info
+
+
+def load() -> List[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return []
