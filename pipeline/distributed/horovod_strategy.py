@@ -286,13 +286,24 @@ class HorovodStrategy(ParallelStrategy):
         if optimizer.state:  # DistributedOptimizer is a new object built from the param groups; carry any state over
             wrapped.load_state_dict(optimizer.state_dict())
         self._original_optimizers[id(wrapped)] = optimizer
+        self._share_param_groups(wrapped)
         return wrapped
 
     def on_train_start(self) -> None:
         # Lightning restores optimizer state from ckpt_path after `setup`, so the optimizer states are made equal here,
         # after any restore and before the first step. Runs on every rank in every fit, so it cannot deadlock.
         for optimizer in self.optimizers:
-            self._broadcast_optimizer_state(_unwrap(optimizer))
+            optimizer = _unwrap(optimizer)
+            self._broadcast_optimizer_state(optimizer)
+            self._share_param_groups(optimizer)
+
+    def _share_param_groups(self, wrapped: Optimizer) -> None:
+        """Point the optimizer from configure_optimizers (which the LR schedulers drive) at the wrapped one's param
+        groups. torch's `load_state_dict` (a checkpoint restore) replaces an optimizer's group dicts, after which a
+        scheduler would set the rate on groups that no longer step: a resumed run would keep the checkpoint's rate."""
+        original = self._original_optimizers.get(id(wrapped))
+        if original is not None and original.param_groups is not wrapped.param_groups:
+            original.param_groups = wrapped.param_groups
 
     def _broadcast_optimizer_state(self, optimizer: Optimizer) -> None:
         root_has_state = hvd.broadcast_object(bool(optimizer.state), root_rank=0, name=_NAME + "opt_has_state")

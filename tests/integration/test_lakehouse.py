@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.datapath, pytest.mark.timeout(600)]
 
 
 def _ingest(spark, cfg, source, mode="append"):
@@ -185,11 +185,14 @@ def test_spark_split_matches_python_rule(spark, digits_table, tmp_path):
     assert not any(is_validation(p, 0.2) for p in train_paths)
 
 
-def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, tmp_path):
+@pytest.mark.parametrize("reader", ["petastorm", "arrow"])
+def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, tmp_path, reader):
+    from conftest import require_reader
     from pipeline.config import DataConfig
     from pipeline.data.convert import class_names_of, convert_for_training
     from pipeline.data.datamodule import make_datamodule
 
+    require_reader(reader)
     cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16")
     df, _ = _read(spark, cfg)
     data = convert_for_training(spark, df, cfg, 2, class_names_of(df))
@@ -198,7 +201,7 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
         assert data.plan.train.balance() <= 1.05  # row groups sized by the plan
         steps, val_rows, labels = [], [], set()
         for rank in range(2):
-            dm = make_datamodule(data, rank, 2, DataConfig(reader_workers=1, memory_cache_mb=0))  # Petastorm each pass
+            dm = make_datamodule(data, rank, 2, DataConfig(reader_workers=1, memory_cache_mb=0, reader=reader))  # files each pass
             try:
                 for _ in range(2):  # two epochs: the same steps every time
                     n = 0
@@ -259,7 +262,9 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path, read
         one_batch = ShardLoader(data.val, whole, rank=1, world_size=2, channels=data.channels,
                                 image_size=data.image_size, endless=False, workers=1, shuffle_buffer=0, seed=7,
                                 memory_cache_mb=64, reader=reader)
-        assert len(one_batch) == 1 and _row_keys(itertools.islice(one_batch, len(one_batch))) == first_val
+        # Petastorm's reader does not promise the order of its row groups between two readers: compare the rows
+        same = (lambda a, b: a == b) if reader == "arrow" else (lambda a, b: sorted(a) == sorted(b))
+        assert len(one_batch) == 1 and same(_row_keys(itertools.islice(one_batch, len(one_batch))), first_val)
         plan = data.plan.train
         shard_rows, epoch_rows = plan.rows_per_rank[1], plan.rows_per_epoch_per_rank
         stream = []
@@ -269,7 +274,7 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path, read
         for path in _parquet_files(data.train) + _parquet_files(data.val):
             os.remove(path)
         assert _row_keys(val) == first_val and len(first_val) == data.plan.val.rows_per_rank[1]
-        assert _row_keys(one_batch) == first_val
+        assert same(_row_keys(one_batch), first_val)
         for _ in range(3):
             stream += _row_keys(train)
             train.check_rows()
