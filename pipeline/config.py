@@ -161,6 +161,9 @@ class Config:
         return out
 
 
+# What every epoch logs (the LightningModule's exact sums over all ranks): what early stopping and the gate can use.
+EPOCH_METRICS = ("val_loss", "val_acc", "train_loss", "train_acc")
+
 CHOICES = {
     "delta.engine": ("delta-rs", "spark"),
     "ingest.on_bad_file": ("skip", "fail"),
@@ -343,6 +346,11 @@ def validate(cfg: Config) -> None:
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"config key '{key}': value {flat.get(key)!r} {why}")
+    for key, metric in (("train.early_stopping.monitor", cfg.train.early_stopping.monitor),
+                        ("mlflow.gate_metric", cfg.mlflow.gate_metric)):
+        if metric not in EPOCH_METRICS:  # checked before training: a gate on a metric never logged registers junk
+            raise ConfigError(f"config key '{key}': {metric!r} is not a metric training logs; one of "
+                              f"{', '.join(EPOCH_METRICS)}")
     if cfg.train.backend == "single" and cfg.train.np != 1:
         raise ConfigError(f"config key 'train.np': value {cfg.train.np} needs train.backend horovod or ddp; "
                           "train.backend=single runs one process (train.np=1)")

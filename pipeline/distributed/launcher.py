@@ -39,6 +39,39 @@ def _rank_env(job: TrainJob) -> dict:
     }
 
 
+@contextmanager
+def _rank_environment(job: TrainJob) -> Iterator[None]:
+    """The ranks' settings in this process's environment (inherited by local rank processes) while they run; the
+    driver's environment (a notebook's, say) is exactly as before afterwards."""
+    wanted = _rank_env(job)
+    # MLflow's own HTTP retries take minutes against a dead server; bound them by `mlflow.retries`
+    # unless the user set them (rank 0 then fails at model logging and the run registers nothing).
+    for key, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(job.cfg.mlflow.retries)),
+                       ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")):
+        wanted.setdefault(key, os.environ.get(key, value))
+    saved = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# What Spark executors running ranks get of the driver's environment: the ranks' own settings and these prefixes
+# (tracking, Horovod, CUDA/NCCL, Python paths); never the rest (tokens, credentials, a notebook's variables).
+EXECUTOR_ENV_PREFIXES = ("LAKEHOUSE_", "MLFLOW_", "HOROVOD_", "NCCL_", "CUDA_", "OMP_", "MKL_", "PYTHON",
+                         "DATABRICKS_RUNTIME_VERSION")
+
+
+def executor_env(environ: dict) -> dict:
+    """The part of `environ` handed to ranks on Spark executors (train.np=N)."""
+    return {k: v for k, v in environ.items() if k.startswith(EXECUTOR_ENV_PREFIXES)}
+
+
 # Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
 # TorchDistributor's torchrun); their launchers' middlemen are left alone so they can clean up.
 RANK_PROCESS_MARKERS = ("horovod.runner.run_task", "horovod.spark.task", "torch.distributed.run", "torchrun")
@@ -138,13 +171,7 @@ def launch(job: TrainJob) -> List[RankResult]:
     """
     shutil.rmtree(job.job_dir, ignore_errors=True)
     os.makedirs(job.job_dir, exist_ok=True)
-    os.environ.update(_rank_env(job))  # inherited by every rank process
-    # MLflow's own HTTP retries take minutes against a dead server; bound them by `mlflow.retries`
-    # unless the user set them (rank 0 then fails at model logging and the run registers nothing).
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(job.cfg.mlflow.retries))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-    with forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
+    with _rank_environment(job), forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
         try:
             return _launch(job)
         except Exception as exc:
@@ -233,7 +260,7 @@ def _launch(job: TrainJob) -> List[RankResult]:
         log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
         return list(horovod.spark.run(horovod_worker, args=(job,), num_proc=np_, use_gloo=True,
                                       start_timeout=cfg.train.start_timeout_s,
-                                      env=dict(os.environ), verbose=0))
+                                      env=executor_env(dict(os.environ)), verbose=0))
     if backend == "ddp":
         from pyspark.ml.torch.distributor import TorchDistributor
 

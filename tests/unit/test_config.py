@@ -82,3 +82,9 @@ def test_flat_has_dotted_keys():
     flat = load_config(None).flat()
     assert flat["train.early_stopping.monitor"] == "val_loss"
     assert flat["delta.engine"] == "delta-rs"
+
+
+@pytest.mark.parametrize("key", ["mlflow.gate_metric", "train.early_stopping.monitor"])
+def test_gate_and_early_stopping_metrics_must_be_logged_ones(key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("conf/local.yaml", [f"{key}=val_f1"])

@@ -1,0 +1,28 @@
+"""The launcher's environment handling: ranks get their settings, the driver gets its environment back, executors
+get only what ranks need."""
+import os
+
+from pipeline.config import load_config
+from pipeline.distributed.launcher import _rank_environment, executor_env
+from pipeline.distributed.loop import TrainJob
+
+
+def test_driver_environment_is_restored_after_the_ranks_ran(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
+    cfg = load_config("conf/local.yaml", ["train.np=-2", "train.stall_timeout_s=33"])
+    job = TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)
+    with _rank_environment(job):
+        assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
+        assert os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "33"
+    assert os.environ["OMP_NUM_THREADS"] == "7"
+    assert "MKL_NUM_THREADS" not in os.environ and "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ
+
+
+def test_executors_get_no_credentials_or_notebook_variables():
+    env = {"AWS_SECRET_ACCESS_KEY": "s", "DATABRICKS_TOKEN": "t", "HOME": "/root", "MY_VAR": "1",
+           "MLFLOW_TRACKING_URI": "http://x", "HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "PYTHONPATH": "/p",
+           "LAKEHOUSE_PROGRESS": "0", "NCCL_DEBUG": "INFO"}
+    assert set(executor_env(env)) == {"MLFLOW_TRACKING_URI", "HOROVOD_STALL_CHECK_TIME_SECONDS", "PYTHONPATH",
+                                      "LAKEHOUSE_PROGRESS", "NCCL_DEBUG"}
