@@ -158,7 +158,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if is_zero and job.run_id:
         from pipeline.tracking.rank_zero import RankZeroTracker
 
-        tracker = RankZeroTracker(job.tracking_uri, job.run_id)
+        tracker = RankZeroTracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
         tracker.record_precision(precision)
 
     ckpt_dir = cfg.train.checkpoint_dir
@@ -228,6 +228,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         finite = [h for h in accounting.history if h.get(key) == h.get(key)]
         best_epoch = pick(finite, key=lambda h: h[key]) if finite else accounting.history[-1]
         result.metrics = {k: v for k, v in best_epoch.items() if isinstance(v, float)}
+    if tracker is not None:
+        tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
         if best and os.path.exists(best):
             state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]

@@ -9,11 +9,13 @@ from pipeline.log import get_logger, is_rank_zero
 
 log = get_logger(__name__)
 
+MAX_PENDING_EPOCHS = 10_000  # epochs of metrics held while the server is unreachable; older ones go to a file
+
 
 class RankZeroTracker:
     """Logs into an existing run by id; a no-op on any rank but 0 (the one rule: rank 0 alone writes)."""
 
-    def __init__(self, tracking_uri: Optional[str], run_id: str) -> None:
+    def __init__(self, tracking_uri: Optional[str], run_id: str, local_dir: Optional[str] = None) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -21,6 +23,8 @@ class RankZeroTracker:
             mlflow.set_tracking_uri(tracking_uri)
         self.run_id = run_id
         self.client = MlflowClient(tracking_uri) if tracking_uri else MlflowClient()
+        self.pending: List = []  # (step, metrics) not yet accepted by the server, oldest first
+        self.local_dir = local_dir
 
     def record_precision(self, precision: str) -> None:
         """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
@@ -29,14 +33,50 @@ class RankZeroTracker:
         self.client.set_tag(self.run_id, "precision", precision)
 
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
+        """Send an epoch's metrics; while the server is unreachable they wait (oldest first, at most
+        MAX_PENDING_EPOCHS) and go with the next epoch that gets through, so training never waits on MLflow."""
         if not is_rank_zero():
             return
+        self.pending.append((int(step), dict(metrics)))
+        if len(self.pending) > MAX_PENDING_EPOCHS:
+            dropped = self.pending.pop(0)
+            self._keep_locally([dropped])
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send what waits, in order; False (with a warning) when the server is still unreachable."""
         from pipeline.tracking.runs import log_epoch_metrics
 
-        try:
-            log_epoch_metrics(self.client, self.run_id, metrics, step)
-        except Exception as exc:  # a metric lost is not worth a training lost; the end-of-run logging checks
-            log.warning("could not log epoch %d metrics to MLflow: %s", step, exc)
+        while self.pending:
+            step, metrics = self.pending[0]
+            try:
+                log_epoch_metrics(self.client, self.run_id, metrics, step)
+            except Exception as exc:  # a metric late is not worth a training lost
+                log.warning("MLflow did not take epoch %d's metrics (%s: %s); %d epoch(s) buffered, sent when it "
+                            "answers again", step, type(exc).__name__, exc, len(self.pending))
+                return False
+            self.pending.pop(0)
+        return True
+
+    def _keep_locally(self, items) -> None:
+        """Metrics that could not be sent at all go to a local JSON-lines file (named in a warning)."""
+        import json
+
+        if not items or not self.local_dir:
+            return
+        os.makedirs(self.local_dir, exist_ok=True)
+        path = os.path.join(self.local_dir, f"unsent_metrics_{self.run_id}.jsonl")
+        with open(path, "a") as fh:
+            for step, metrics in items:
+                fh.write(json.dumps({"run_id": self.run_id, "step": step, "metrics": metrics}) + "\n")
+        log.warning("%d epoch(s) of metrics of run %s could not reach MLflow; kept in %s", len(items), self.run_id,
+                    path)
+
+    def close(self) -> None:
+        """At the end of training: a last try, then whatever is left goes to the local file."""
+        if self.pending and not self.flush():
+            self._keep_locally(self.pending)
+            self.pending = []
 
     def finish(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
         """Plots, the per-rank host/pid, the confusion matrix and the servable model; returns the model URI."""
