@@ -45,8 +45,7 @@ def _plain(cfg: Config, data, batches, precision, warmup: int, steps: int, windo
         with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             step(model, opt, x, y)
 
-    out = timed_windows(fn, batch, warmup, steps, windows, lambda: sync(dev))
-    sync(dev)
+    out = timed_windows(fn, batch, warmup, steps, windows, lambda: sync(dev), lambda: sync(dev))
     out["batch_size"] = len(batches[0][1])
     return out
 

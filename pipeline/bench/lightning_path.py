@@ -111,9 +111,16 @@ def timed_train(cfg: Config, data, rank: int, world: int, make_strategy, warmup:
     bcfg = dataclasses.replace(cfg, train=train_cfg)
     stamps: List[tuple] = []
     counted = [0]
+    import torch
+
+    # On a GPU the queue is drained where a window starts or ends (never inside one), so a window's wall time is
+    # the time its steps took on the device, not only their launch.
+    boundaries = {warmup + k * steps for k in range(windows + 1)} if torch.cuda.is_available() else set()
 
     def stamping(original):
         def wrapper(self, batch, batch_idx):
+            if stamps and stamps[-1][0] == self.current_epoch and counted[0] + 1 in boundaries:
+                torch.cuda.synchronize()
             now = (self.current_epoch, time.perf_counter(), time.process_time(), time.thread_time())
             if stamps and stamps[-1][0] == now[0]:
                 counted[0] += 1

@@ -106,13 +106,16 @@ def step(model, opt, x, y) -> None:
     opt.step()
 
 
-def timed_windows(step_fn, batch, warmup: int, steps: int, windows: int, sync: Callable[[], None]) -> Dict[str, Any]:
-    """`warmup` untimed steps, `sync()`, then `windows` timed stretches of `steps` steps: wall, wait and CPU time."""
+def timed_windows(step_fn, batch, warmup: int, steps: int, windows: int, sync: Callable[[], None],
+                  device_sync: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+    """`warmup` untimed steps, `sync()`, then `windows` timed stretches of `steps` steps: wall, wait and CPU time.
+    `device_sync` (a GPU's queue drained) runs at every window's start and end, never inside a window."""
     times, waits, cpu_main, cpu_all = [], [], [], []
     for _ in range(warmup):
         step_fn(*batch())
     sync()
     for _ in range(windows):
+        device_sync()
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         wait = 0.0
         for _ in range(steps):
@@ -120,6 +123,7 @@ def timed_windows(step_fn, batch, warmup: int, steps: int, windows: int, sync: C
             x, y = batch()
             wait += time.perf_counter() - tw
             step_fn(x, y)
+        device_sync()
         times.append(time.perf_counter() - t0)
         cpu_all.append(time.process_time() - c0)
         cpu_main.append(time.thread_time() - m0)
