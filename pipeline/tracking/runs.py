@@ -294,17 +294,23 @@ def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str,
 
 
 @contextlib.contextmanager
-def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict[str, Any]] = None
-                ) -> Iterator[TrackedRun]:
+def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict[str, Any]] = None,
+                reopen: Optional[str] = None) -> Iterator[TrackedRun]:
     """Open an MLflow run for the block; end it FINISHED, FAILED (exception) or KILLED (Ctrl-C, SIGTERM).
 
     For the block's duration SIGTERM raises `Terminated` in the main thread, so a killed job still
-    closes its run. The exception is re-raised after the run's status is set.
+    closes its run. The exception is re-raised after the run's status is set. `reopen`: the id of an
+    existing run to continue (RUNNING again; `lakehouse tune --resume` reopens its study's parent run).
     """
     client, experiment_id = _connect(cfg.mlflow)
-    run = client.create_run(experiment_id, run_name=run_name, tags=_run_tags(tags))
-    run_id = run.info.run_id
-    log.info("MLflow run %s (%s) started in experiment %s", run_id, run.info.run_name, experiment_id)
+    if reopen:
+        client.update_run(reopen, status=RunStatus.to_string(RunStatus.RUNNING))
+        run_id = reopen
+        log.info("MLflow run %s reopened in experiment %s", run_id, experiment_id)
+    else:
+        run = client.create_run(experiment_id, run_name=run_name, tags=_run_tags(tags))
+        run_id = run.info.run_id
+        log.info("MLflow run %s (%s) started in experiment %s", run_id, run.info.run_name, experiment_id)
 
     terminating = {"flag": False}
     old_handler: Any = None

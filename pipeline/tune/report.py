@@ -6,9 +6,7 @@ import contextlib
 import json
 import math
 import os
-import signal
 import tempfile
-import threading
 from typing import Any, Dict, Iterator, List, Optional
 
 from pipeline.config import Config
@@ -26,61 +24,27 @@ def _status_of(client, run_id: str) -> Optional[str]:
 
 @contextlib.contextmanager
 def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any]) -> Iterator[Any]:
-    """The study's parent run: created with the study, reopened (RUNNING again) when the sweep resumes; ended
+    """The study's parent run (`tracked_run`): created with the study, reopened when the sweep resumes; ended
     FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED. SIGTERM raises `Terminated` in the main thread meanwhile.
     """
-    from mlflow.entities import Param, RunStatus
+    from mlflow.entities import Param
 
-    from pipeline.tracking.runs import (BATCH_LIMIT, Terminated, TrackedRun, configure, experiment_id_of,
-                                        log_config)
+    from pipeline.tracking.runs import BATCH_LIMIT, configure, log_config, tracked_run
     from pipeline.tune.study import ATTR_PARENT_RUN
 
-    client = configure(cfg.mlflow)
-    experiment_id = experiment_id_of(client, cfg.mlflow.experiment)
     run_id = study.user_attrs.get(ATTR_PARENT_RUN)
-    if run_id and _status_of(client, run_id) is not None:
-        client.update_run(run_id, status="RUNNING")
-        log.info("MLflow parent run %s of study %r reopened", run_id, study_name)
-    else:
-        run = client.create_run(experiment_id, run_name=f"tune-{study_name}",
-                                tags={"optuna.study": study_name, "lakehouse.job": "tune"})
-        run_id = run.info.run_id
-        study.set_user_attr(ATTR_PARENT_RUN, run_id)
-        log_config(client, run_id, cfg)
-        items = [Param(k, str(v)[:500]) for k, v in params.items()]
-        for start in range(0, len(items), BATCH_LIMIT):
-            client.log_batch(run_id, params=items[start:start + BATCH_LIMIT], synchronous=True)
-        log.info("MLflow parent run %s for study %r started in experiment %s", run_id, study_name, experiment_id)
-
-    import mlflow
-
-    installed = threading.current_thread() is threading.main_thread()
-    old = None
-    if installed:
-        def on_term(signum, frame):
-            raise Terminated(f"received SIGTERM (signal {signum})")
-
-        old = signal.signal(signal.SIGTERM, on_term)
-    status = RunStatus.to_string(RunStatus.FAILED)
-    try:
-        yield TrackedRun(run_id=run_id, client=client, experiment_id=experiment_id,
-                         tracking_uri=mlflow.get_tracking_uri())
-        status = RunStatus.to_string(RunStatus.FINISHED)
-    except (KeyboardInterrupt, Terminated) as exc:
-        status = RunStatus.to_string(RunStatus.KILLED)
-        _tag(client, run_id, "error", f"{type(exc).__name__}: {exc}")
-        raise
-    except BaseException as exc:
-        _tag(client, run_id, "error", f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        if installed:
-            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
-        try:
-            client.set_terminated(run_id, status=status)
-        except Exception as exc:
-            log.error("could not mark the parent run %s as %s: %s", run_id, status, exc)
-        log.info("MLflow parent run %s ended %s", run_id, status)
+    if run_id and _status_of(configure(cfg.mlflow), run_id) is None:
+        log.warning("the parent run %s of study %r is gone; a new one is started", run_id, study_name)
+        run_id = None
+    tags = {"optuna.study": study_name, "lakehouse.job": "tune"}
+    with tracked_run(cfg, run_name=f"tune-{study_name}", tags=tags, reopen=run_id) as run:
+        if not run_id:
+            study.set_user_attr(ATTR_PARENT_RUN, run.run_id)
+            log_config(run.client, run.run_id, cfg)
+            items = [Param(k, str(v)[:500]) for k, v in params.items()]
+            for start in range(0, len(items), BATCH_LIMIT):
+                run.client.log_batch(run.run_id, params=items[start:start + BATCH_LIMIT], synchronous=True)
+        yield run
 
 
 def _tag(client, run_id: str, key: str, value: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import ROOT, cli, make_config
+from test_notebooks import kernel_name  # noqa: F401  (fixture: a kernelspec for this interpreter, in a tmp path)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -136,7 +137,7 @@ def test_resume_after_kill_runs_only_missing_trials(spark, digits_table, tmp_pat
     space = tmp_path / "lr.yaml"
     space.write_text("params:\n  model.lr: {type: float, low: 0.01, high: 0.1, log: true}\n")
     overrides = _overrides(tmp_path, digits_table, "tune.study=resumable", "tune.sampler=random",
-                           "tune.pruner=none", "train.max_epochs=3")
+                           "tune.pruner=none")
     log_path = tmp_path / "sweep.log"
     with open(log_path, "wb") as log_fh:
         proc = subprocess.Popen(cli("tune", "--conf", str(ROOT / "conf/local.yaml"), "--space", str(space),
@@ -181,3 +182,35 @@ def test_resume_after_kill_runs_only_missing_trials(spark, digits_table, tmp_pat
     assert client.get_run(summary["parent_run_id"]).info.status == "FINISHED"
     lrs = [t.params["model.lr"] for t in study.trials]
     assert len(set(lrs)) == 3  # the resumed sampler did not replay the first sweep's draws
+
+
+def test_tune_notebook_runs_a_sweep_and_shows_the_plots(digits_table, tmp_path, monkeypatch, kernel_name):
+    import sys
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    space = tmp_path / "lr.yaml"
+    space.write_text("params:\n  model.lr: {type: float, low: 0.001, high: 0.01, log: true}\n")
+    overrides = [o for o in _overrides(tmp_path, digits_table, "train.max_epochs=1") if o != "train.np=-2"]
+    monkeypatch.setenv("LAKEHOUSE_CONF", "conf/local.yaml")
+    monkeypatch.setenv("LAKEHOUSE_OVERRIDES", " ".join(overrides + ["train.backend=single", "train.np=1",
+                                                                   "spark.app_name=lakehouse-tune-notebook"]))
+    monkeypatch.setenv("LAKEHOUSE_SPACE", str(space))
+    monkeypatch.setenv("LAKEHOUSE_TRIALS", "2")
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    nb = nbformat.read(str(ROOT / "notebooks" / "04_tune.ipynb"), as_version=4)
+    client = NotebookClient(nb, kernel_name=kernel_name, timeout=600, startup_timeout=120,
+                            resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, str(tmp_path / "04_tune.ipynb"))
+    history = [c for c in nb.cells if "plot_optimization_history" in c.source][0]
+    assert any("image/png" in out.get("data", {}) for out in history.outputs), "no optimization history plot"
+    importance = [c for c in nb.cells if "plot_param_importances" in c.source][0]
+    assert any("image/png" in out.get("data", {}) for out in importance.outputs), "no importance plot"
+    mlflow_client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (version,) = mlflow_client.search_model_versions("name='lakehouse_classifier'")
+    parent_id = mlflow_client.get_run(version.run_id).data.tags["mlflow.parentRunId"]
+    assert sorted(_children(mlflow_client, parent_id)) == [0, 1]

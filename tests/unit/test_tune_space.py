@@ -112,3 +112,51 @@ def test_replan_keeps_row_groups_changes_steps():
     assert again.train.row_group_rows == plan.train.row_group_rows and again.train.rows_per_rank == [180, 160]
     assert (plan.train.steps_per_epoch, again.train.steps_per_epoch) == (10, 5)
     assert again.val.batch_size == 32 and again.val.steps_per_epoch == 1
+
+
+def _wait_for(path, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def test_pruning_gate_reports_each_epoch_and_answers_rank_zero(tmp_path):
+    """The driver side of pruning with a real in-memory Optuna study: epoch files in, verdict files out."""
+    import json
+
+    import optuna
+
+    from pipeline.tune.trial import PruningGate
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1))
+    first = study.ask()
+    for epoch, value in enumerate([2.0, 1.0, 0.5]):
+        first.report(value, epoch)
+    study.tell(first, 0.5)
+
+    def epoch_file(folder, epoch, value):
+        (folder / f"epoch-{epoch}.json").write_text(json.dumps({"epoch": epoch, "metrics": {"val_loss": value}}))
+
+    trial = study.ask()
+    folder = tmp_path / "gate"
+    with PruningGate(trial, str(folder), "val_loss", "median") as gate:
+        epoch_file(folder, 0, 9.0)  # worse, but epoch 0 is warmup
+        assert _wait_for(folder / "verdict-0") == "continue"
+        epoch_file(folder, 1, float("nan"))  # not reported (a non-finite loss stops the ranks by itself)
+        assert _wait_for(folder / "verdict-1") == "continue"
+        epoch_file(folder, 2, 3.0)  # worse than the median at epoch 2 (0.5): pruned
+        verdict = _wait_for(folder / "verdict-2")
+    assert verdict.startswith("stop: pruned by the median pruner after epoch 2 (val_loss 3)")
+    assert gate.pruned_epoch == 2 and study.trials[1].intermediate_values == {0: 9.0, 2: 3.0}
+
+    good = study.ask()
+    with PruningGate(good, str(tmp_path / "gate2"), "val_loss", "median") as gate:
+        for epoch, value in enumerate([1.5, 0.8, 0.4]):
+            epoch_file(tmp_path / "gate2", epoch, value)
+            assert _wait_for(tmp_path / "gate2" / f"verdict-{epoch}") == "continue"
+    assert gate.pruned_epoch is None
