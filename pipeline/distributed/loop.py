@@ -165,12 +165,17 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     es = cfg.train.early_stopping
     stop = StopSignals(os.path.join(ckpt_dir, "last.ckpt"))
     accounting = EpochAccounting(report=tracker.log_epoch if tracker else None)
+    # best.ckpt when the monitored metric improves; last.ckpt after EVERY epoch (a monitored ModelCheckpoint writes
+    # its last.ckpt only in epochs that improved, so a resume would go back to the last improving epoch) and, with
+    # train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode,
-                                 save_top_k=1, save_last=True, enable_version_counter=False)
-    callbacks = [stop, accounting, checkpoint, LineageCheckpoint(job.lineage), RngCheckpoint()]
-    if cfg.train.checkpoint_every_n_steps:  # mid-epoch checkpoints too (last.ckpt): resume continues inside the epoch
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", save_top_k=1, save_last=True,
-                                         every_n_train_steps=cfg.train.checkpoint_every_n_steps,
+                                 save_top_k=1, save_last=False, enable_version_counter=False)
+    latest = ModelCheckpoint(dirpath=ckpt_dir, filename="latest", monitor=None, save_top_k=1, save_last=True,
+                             enable_version_counter=False)
+    callbacks = [stop, accounting, checkpoint, latest, LineageCheckpoint(job.lineage), RngCheckpoint()]
+    if cfg.train.checkpoint_every_n_steps:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", monitor=None, save_top_k=1,
+                                         save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
                                          enable_version_counter=False))
     gate = DriverVerdict(job.epoch_gate_dir, job.epoch_gate_timeout_s) if job.epoch_gate_dir else None
     if gate is not None:

@@ -244,3 +244,24 @@ def test_ddp_with_torch_distributor_local_mode(spark, digits_table, tmp_path):
     assert summary["world_size"] == 2 and summary["backend"] == "ddp" and summary["model_version"] == 1
     client = MlflowClient(summary["tracking_uri"])
     assert _only_run(client, cfg).info.status == "FINISHED"
+
+
+def test_last_checkpoint_is_the_last_epoch_even_without_improvement(spark, digits_table, tmp_path):
+    """last.ckpt follows every epoch, not only those where the monitored metric improved (val_loss watched with
+    mode=max: after the first epoch it only "worsens"), so a resume or a restart continues from the last epoch."""
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.distributed.launcher import launch
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.lakehouse.delta import get_engine
+
+    cfg = _cfg(tmp_path, digits_table, "train.backend=single", "train.np=1", "train.max_epochs=3", "model.lr=0.05",
+               "train.early_stopping.mode=max", "train.early_stopping.enabled=false")
+    df, pinned = get_engine("delta-rs").read(spark, str(digits_table))
+    data = convert_for_training(spark, df, cfg, 1, class_names_of(df), pinned)
+    result = launch(TrainJob(cfg=cfg, data=data, delta_table=str(digits_table), delta_version=pinned.version,
+                             job_dir=str(tmp_path / "job")))[0]
+    losses = [h["val_loss"] for h in result.history]
+    assert losses[0] == max(losses)  # the monitored "best" stayed at epoch 0
+    last = torch.load(os.path.join(cfg.train.checkpoint_dir, "last.ckpt"), map_location="cpu", weights_only=False)
+    best = torch.load(os.path.join(cfg.train.checkpoint_dir, "best.ckpt"), map_location="cpu", weights_only=False)
+    assert best["epoch"] == 0 and last["epoch"] == 2
