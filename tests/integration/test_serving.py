@@ -111,7 +111,7 @@ def _run(cmd, timeout, **kw):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows, pyfunc_out, tmp_path):
     from deltalake import DeltaTable, write_deltalake
 
@@ -145,8 +145,14 @@ def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows
     assert list(good["path"]) == rows.column("path").to_pylist()
     assert list(good["label"]) == list(pyfunc_out["label"])
     np.testing.assert_allclose(good["probability"].to_numpy(), pyfunc_out["probability"].to_numpy(), atol=1e-6)
-    print(f"\nlakehouse predict: {len(got)} rows in {seconds:.1f} s end to end (CLI, new Spark), "
-          f"{result['rows_per_s']} rows/s inside predict_table")
+    model = mlflow.pyfunc.load_model(pinned.uri)
+    frame = pd.DataFrame({"content": rows.column("content").to_pylist()})
+    t0 = time.monotonic()
+    model.predict(frame)
+    direct = len(rows) / (time.monotonic() - t0)
+    print(f"\nlakehouse predict: {len(got)} rows in {seconds:.1f} s end to end (CLI, new Spark); "
+          f"{result['rows_per_s']} rows/s inside predict_table (read, score, write, commit); pyfunc in one "
+          f"process: {direct:.0f} rows/s; ratio {result['rows_per_s'] / direct:.2f}")
 
 
 def _start_server(model_uri: str, tracking_uri: str, log_path: Path):
@@ -190,7 +196,7 @@ def _post(url: str, body) -> tuple:
             return exc.code, {"raw": text}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(registered, rows, pyfunc_out, tmp_path):
     cfg, _ = registered
     picks = list(range(0, len(rows), 40))  # 15 real images from the table
@@ -239,7 +245,7 @@ def _contents(rows, n=None):
     return rows.column("content").to_pylist()[:n]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_onnx_export_matches_the_pyfunc_on_every_row(registered, rows, pyfunc_out, tmp_path):
     import onnxruntime as ort
 
@@ -267,7 +273,7 @@ def test_onnx_export_matches_the_pyfunc_on_every_row(registered, rows, pyfunc_ou
     assert client.get_model_version(NAME, pinned.version).tags["export_onnx"] == result["artifact_uri"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_torchscript_export_runs_without_the_pipeline_package(registered, rows, pyfunc_out, tmp_path):
     cfg, pinned = registered
     out = tmp_path / "ts"

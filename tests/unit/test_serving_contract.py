@@ -130,3 +130,15 @@ def test_pyfunc_takes_base64_text_as_a_server_sends_it():
     assert "got int" in out["error"][2] and out["label"].isna().all()
     with pytest.raises(InvalidModelInput, match=r"row 'b', column 'content': a string not valid base64"):
         model.predict(None, pd.DataFrame({"content": [base64.b64encode(png).decode(), "abc"]}, index=["a", "b"]))
+
+
+@pytest.mark.parametrize("job,command", [("predict.py", "predict"), ("export.py", "export")])
+def test_job_script_is_the_cli_subcommand(job, command):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "jobs" / job
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"usage: lakehouse {command} "), done.stdout
