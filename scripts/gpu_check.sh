@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU tier on a bare, offline CUDA machine that has a CUDA torch, Lightning and pyarrow but nothing else of this
+# stack: install the wheels brought along, build Horovod with NCCL, install the project without dependencies, run
+# tests/gpu, write a JSON report (device, versions, nccl_built, test outcomes, samples/s per configuration).
+#   scripts/gpu_check.sh [REPORT.json]       default: $OUT/gpu_check.json if $OUT is set, else work/gpu_check.json
+#   LAKEHOUSE_BUNDLE=gpu_bundle              the folder made by scripts/fetch_gpu_bundle.sh on a networked machine
+#   PYTHON=python3                           the interpreter that has the CUDA torch
+#   GPU_CHECK_VENV=.venv-gpu                 a venv over that interpreter's packages (--system-site-packages)
+# Exit status: pytest's (0 when the tier passed); the report is written either way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+BUNDLE=${LAKEHOUSE_BUNDLE:-gpu_bundle}
+VENV=${GPU_CHECK_VENV:-.venv-gpu}
+REPORT=${1:-${OUT:+$OUT/gpu_check.json}}
+REPORT=${REPORT:-work/gpu_check.json}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+log() { echo "gpu_check: $*" >&2; }
+T0=$(date +%s)
+
+"$PYTHON" -c 'import torch, pytorch_lightning, pyarrow' || {
+  log "$PYTHON lacks torch, pytorch_lightning or pyarrow: this check expects a CUDA image that has them"; exit 1; }
+log "$("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())')"
+[ -d "$BUNDLE" ] || { log "no bundle folder $BUNDLE: run scripts/fetch_gpu_bundle.sh on a networked machine, bring it along, set LAKEHOUSE_BUNDLE"; exit 1; }
+BUNDLE=$(cd "$BUNDLE" && pwd)
+
+# A venv that sees the image's CUDA torch, so nothing installed here touches the image's own packages (PEP 668).
+# (A PYTHON that already is a virtual environment's is used as it is.)
+if "$PYTHON" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)'; then
+  VPY=$("$PYTHON" -c 'import sys; print(sys.executable)')
+  log "$PYTHON is a virtual environment's: installing into it"
+else
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv --system-site-packages "$VENV" 2>/dev/null \
+      || "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
+  fi
+  VPY="$ROOT/$VENV/bin/python"
+fi
+if "$VPY" -m pip --version >/dev/null 2>&1; then PIP=("$VPY" -m pip); else PIP=("$PYTHON" -m pip --python "$VPY"); fi
+pip_offline() { PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install -q --no-index --find-links "$BUNDLE" "$@"; }
+
+# What the tier imports beyond torch/Lightning/numpy/pyarrow (see scripts/fetch_gpu_bundle.sh); already-present
+# packages are kept as they are.
+pip_offline cffi pycparser cloudpickle psutil pyyaml packaging pytest pytest-timeout pillow pandas matplotlib \
+  mlflow-skinny sqlalchemy alembic
+if ! command -v cmake >/dev/null 2>&1 && ls "$BUNDLE"/cmake-*.whl >/dev/null 2>&1; then pip_offline cmake; fi
+T_DEPS=$(date +%s)
+
+# Horovod from the bundle's sdist: NCCL from the nvidia-nccl-* package the CUDA torch installed (or $NCCL_HOME).
+HVD_RC=0
+PIP_CONFIG_FILE=/dev/null LAKEHOUSE_BUNDLE="$BUNDLE" PY="$VPY" bash scripts/build_horovod.sh 2> "$WORK/horovod.err" \
+  || HVD_RC=$?
+cat "$WORK/horovod.err" >&2
+T_HVD=$(date +%s)
+
+PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install -q --no-deps --no-build-isolation -e . >/dev/null
+PYTEST_RC=0
+if [ "$HVD_RC" -eq 0 ]; then
+  "$VPY" -m pytest tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/junit.xml" || PYTEST_RC=$?
+else
+  log "horovod build failed (status $HVD_RC): the tier is not run"
+  PYTEST_RC=$HVD_RC
+fi
+T_TESTS=$(date +%s)
+
+mkdir -p "$(dirname "$REPORT")"
+"$VPY" scripts/gpu_report.py --out "$REPORT" --junit "$WORK/junit.xml" --horovod-log "$WORK/horovod.err" \
+  --pytest-rc "$PYTEST_RC" --seconds "deps=$((T_DEPS - T0)),horovod=$((T_HVD - T_DEPS)),tests=$((T_TESTS - T_HVD))"
+log "report: $REPORT"
+exit "$PYTEST_RC"
