@@ -3,6 +3,7 @@ missing trials one after the other, then register only the best trial's model an
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
 from pipeline.config import Config, ConfigError
@@ -65,6 +66,12 @@ def _close_interrupted_runs(client, trials) -> None:
             log.warning("could not mark the run %s of interrupted trial %d failed: %s", run_id, t.number, exc)
 
 
+def _pin_version(study, shared: SharedData) -> None:
+    """Record the Delta version the trials read, so a resumed sweep reads the same one."""
+    if shared.delta_version is not None and study.user_attrs.get(ATTR_DELTA_VERSION) is None:
+        study.set_user_attr(ATTR_DELTA_VERSION, shared.delta_version)
+
+
 def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
     """Register the best trial's model once (a resumed sweep does not register it again), then the gate."""
     from pipeline.workflow import register_and_promote
@@ -79,13 +86,10 @@ def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
         raise RuntimeError(f"best trial {best.number} of study {study.study_name!r} has no logged model; "
                            f"nothing registered")
     tags = client.get_run(run_id).data.tags
-
-    class Pinned:
-        table = tags.get("delta_table", cfg.delta.table)
-        version = int(tags.get("delta_version", -1))
-
+    pinned = SimpleNamespace(table=tags.get("delta_table", cfg.delta.table),
+                             version=int(tags.get("delta_version", -1)))
     version, decision = register_and_promote(
-        client, cfg, model_uri, run_id, Pinned, best.user_attrs.get(ATTR_METRICS) or {},
+        client, cfg, model_uri, run_id, pinned, best.user_attrs.get(ATTR_METRICS) or {},
         extra_tags={"optuna.study": study.study_name, "optuna.trial": best.number,
                     f"tune_{cfg.tune.metric}": best.value})
     done = {"trial": best.number, "version": str(version), "champion": bool(decision and decision.promoted),
@@ -123,6 +127,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
         _close_interrupted_runs(parent.client, interrupted)
         if not space.needs_conversion():
             shared.for_config(cfg)  # convert (or hit the cache) once, before the first trial
+            _pin_version(study, shared)
         while True:
             done = counted(study)
             if done >= total:
@@ -153,8 +158,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
                     study.tell(trial, state=TrialState.PRUNED)
                 else:
                     study.tell(trial, outcome.value)
-            if shared.delta_version is not None and study.user_attrs.get(ATTR_DELTA_VERSION) is None:
-                study.set_user_attr(ATTR_DELTA_VERSION, shared.delta_version)
+            _pin_version(study, shared)
             outcome.elapsed_s = time.monotonic() - started
             best = best_trial(study)
             log.info("%s", progress_line(trial.number, counted(study), total, outcome, best, metric,

@@ -169,14 +169,15 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
 
     base_ckpt = os.path.abspath(cfg.train.checkpoint_dir)
     trial_dir = os.path.join(base_ckpt, "tune", study_name, f"trial-{trial.number}")
-    tcfg = apply_overrides(cfg, {**overrides, "train.checkpoint_dir": trial_dir})
-    data, pinned = shared.for_config(tcfg)
-    tags = {"world_size": world_size_of(tcfg), "backend": tcfg.train.backend, "np": tcfg.train.np,
+    tags = {"world_size": world_size_of(cfg), "backend": cfg.train.backend, "np": cfg.train.np,
             "mlflow.parentRunId": parent_run_id, "optuna.study": study_name, "optuna.trial": trial.number,
             "optuna.params": json.dumps(overrides, sort_keys=True, default=str)}
     metric = cfg.tune.metric
-    with tracked_run(tcfg, run_name=f"{study_name}-trial-{trial.number}", tags=tags) as run:
+    # the child run opens first, so a combination the config or the shard plan refuses is a FAILED run too
+    with tracked_run(cfg, run_name=f"{study_name}-trial-{trial.number}", tags=tags) as run:
         trial.set_user_attr(ATTR_RUN_ID, run.run_id)
+        tcfg = apply_overrides(cfg, {**overrides, "train.checkpoint_dir": trial_dir})
+        data, pinned = shared.for_config(tcfg)
         gate = None
         if cfg.tune.pruner != "none":
             gate = PruningGate(trial, os.path.join(base_ckpt, "tune", study_name, "epochs", f"trial-{trial.number}"),
