@@ -45,12 +45,17 @@ def prepare_split(df, cfg: Config, world_size: int):
             .repartition(parts))
 
 
-def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: int, max_group_mb: float) -> int:
+def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: int, max_group_mb: float,
+                   partitions: int = 1) -> int:
     """Rows per row group: enough groups that every rank gets about `groups_per_rank` of them (whole groups then
-    spread evenly, whatever the partitions' sizes), and no group above `max_group_mb`."""
-    by_count = math.ceil(max(1, rows) / max(1, world_size * groups_per_rank))
-    by_bytes = max(1, int(max_group_mb * 2 ** 20 // max(1, row_bytes)))
-    return max(1, min(by_count, by_bytes))
+    spread evenly, whatever the partitions' sizes), none above `max_group_mb`, and a partition of the expected size
+    (`rows / partitions`, Spark's round-robin repartition) split into groups of equal size: the last group of each
+    file is then (nearly) full, and no rank collects the short ones."""
+    target = math.ceil(max(1, rows) / max(1, world_size * groups_per_rank))
+    target = max(1, min(target, int(max_group_mb * 2 ** 20 // max(1, row_bytes))))
+    per_partition = math.ceil(max(1, rows) / max(1, partitions))
+    groups = math.ceil(per_partition / target)
+    return max(1, math.ceil(per_partition / groups))
 
 
 def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
@@ -69,21 +74,33 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
         name = f"part-{ctx.partitionId():05d}.parquet"
         tmp = f"{folder}/.{name}.{ctx.attemptNumber()}-{uuid.uuid4().hex[:6]}.tmp"
         schema = pa.schema([(PIXELS, pa.binary()), (LABEL, pa.int32()), (ROW_ID, pa.int64())])
-        writer, pending, groups, written = None, [], [], 0
+        writer, pending, groups = None, [], []
+
+        def write(part):
+            nonlocal writer
+            if writer is None:
+                writer = pq.ParquetWriter(fs.open_output_stream(tmp), schema, compression="none")
+            writer.write_table(part, row_group_size=len(part))
+            groups.append(len(part))
 
         def flush(tables, final):
-            nonlocal writer, written
+            """Write whole groups, keeping at least one group's rows back until the end, where the last
+            `group_rows`..2*`group_rows` rows become two halves: no file ends on a short group."""
             table = pa.concat_tables(tables) if tables else schema.empty_table()
-            full = len(table) if final else (len(table) // group_rows) * group_rows
-            if full:
-                if writer is None:
-                    writer = pq.ParquetWriter(fs.open_output_stream(tmp), schema, compression="none")
-                for start in range(0, full, group_rows):
-                    part = table.slice(start, min(group_rows, full - start))
-                    writer.write_table(part, row_group_size=group_rows)
-                    groups.append(len(part))
-                written += full
-            return [table.slice(full)] if full < len(table) else []
+            start = 0
+            while len(table) - start >= 2 * group_rows:
+                write(table.slice(start, group_rows))
+                start += group_rows
+            rest = len(table) - start
+            if final and rest:
+                if rest > group_rows:
+                    half = (rest + 1) // 2
+                    write(table.slice(start, half))
+                    write(table.slice(start + half))
+                else:
+                    write(table.slice(start))
+                return []
+            return [table.slice(start)] if rest else []
 
         try:
             for batch in batches:
@@ -92,7 +109,7 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
                 pending.append(pa.table({PIXELS: pa.array(pixels, pa.binary()),
                                          LABEL: batch.column(1).cast(pa.int32()),
                                          ROW_ID: batch.column(2).cast(pa.int64())}, schema=schema))
-                if sum(len(t) for t in pending) >= group_rows:
+                if sum(len(t) for t in pending) >= 2 * group_rows:
                     pending = flush(pending, final=False)
             flush(pending, final=True)
             if writer is None:
@@ -182,7 +199,8 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any])
     for name, frame in (("train", train_df), ("val", val_df)):
         rows = frame.count()
         group_rows = group_rows_for(rows, world_size, row_bytes, cfg.data.row_groups_per_rank,
-                                    cfg.data.max_row_group_mb)
+                                    cfg.data.max_row_group_mb, num_partitions(cfg.data.partitions_per_worker,
+                                                                              world_size))
         files = write_split(prepare_split(frame, cfg, world_size), f"{url}/{run}/{name}", cfg.data.image_size,
                             cfg.data.channels, group_rows)
         splits[name] = {"folder": f"{run}/{name}", "rows": sum(sum(f["row_groups"]) for f in files),

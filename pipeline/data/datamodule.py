@@ -79,6 +79,26 @@ class PixelsToTensor:
         return out.pin_memory() if pin else out.clone()
 
 
+def int_values(column, name: str) -> np.ndarray:
+    """An Arrow integer column (or a sequence) as a numpy view of its buffer. pyarrow 14's own `to_numpy` imports
+    pandas, which a rank must not need."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if not isinstance(column, pa.Array):
+        return np.asarray(column, dtype=np.int64)
+    if not pa.types.is_integer(column.type):
+        raise ValueError(f"column {name} has Arrow type {column.type}, expected an integer; convert again")
+    if column.null_count:
+        raise ValueError(f"column {name} holds {column.null_count} null(s); convert again")
+    if len(column) == 0:
+        return np.empty(0, np.int64)
+    signed = pa.types.is_signed_integer(column.type)
+    dtype = np.dtype(f"{'int' if signed else 'uint'}{column.type.bit_width}")
+    return np.frombuffer(column.buffers()[1], dtype=dtype)[column.offset:column.offset + len(column)]
+
+
 class BatchAssembler:
     """Turns row groups (Arrow columns `pixels`, `label_index`, optionally `row_id`) into batches of `batch_size`.
 
@@ -137,11 +157,11 @@ class BatchAssembler:
         threshold = max(self.batch_size, self.shuffle_buffer)
         for chunk in self.row_groups:
             xs.append(self.transform.rows(chunk.pixels))
-            labels = chunk.label_index.to_numpy()
+            labels = int_values(chunk.label_index, "label_index")
             meta = np.empty((len(labels), 2), np.int64)
             meta[:, 0] = labels
             ids = getattr(chunk, "row_id", None)
-            meta[:, 1] = ids.to_numpy() if ids is not None else -1
+            meta[:, 1] = int_values(ids, "row_id") if ids is not None else -1
             ms.append(meta)
             n += len(labels)
             if n >= threshold:

@@ -10,7 +10,7 @@ from pipeline.lakehouse.partition import ShardPlan
 PIXELS, LABEL, ROW_ID = "pixels", "label_index", "row_id"
 COLUMNS = (PIXELS, LABEL, ROW_ID)
 # Bumped whenever the converted files' layout changes: entries of another format are rebuilt, never misread.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 READERS = ("petastorm", "arrow")
 
