@@ -104,7 +104,8 @@ def test_the_refusal_reaches_the_user_as_a_config_error(monkeypatch):
         prepare_data(None, cfg)  # refused before any Spark work
 
 
-@pytest.mark.parametrize("job,command", [("ingest.py", "ingest"), ("train.py", "train"), ("promote.py", "promote")])
+@pytest.mark.parametrize("job,command", [("ingest.py", "ingest"), ("train.py", "train"), ("promote.py", "promote"),
+                                         ("predict.py", "predict")])
 def test_jobs_are_thin_guarded_calls_of_the_cli(job, command):
     path = ROOT / "jobs" / job
     tree = ast.parse(path.read_text())
@@ -115,7 +116,8 @@ def test_jobs_are_thin_guarded_calls_of_the_cli(job, command):
     assert f'main([{command!r}, *sys.argv[1:]])'.replace("'", '"') in ast.unparse(guard[0]).replace("'", '"')
 
 
-@pytest.mark.parametrize("job,command", [("ingest.py", "ingest"), ("train.py", "train"), ("promote.py", "promote")])
+@pytest.mark.parametrize("job,command", [("ingest.py", "ingest"), ("train.py", "train"), ("promote.py", "promote"),
+                                         ("predict.py", "predict")])
 def test_a_job_script_is_the_cli_subcommand(job, command):
     done = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--help"], capture_output=True, text=True,
                           timeout=120)
@@ -123,7 +125,7 @@ def test_a_job_script_is_the_cli_subcommand(job, command):
     assert done.stdout.startswith(f"usage: lakehouse {command} "), done.stdout
 
 
-def test_databricks_bundle_runs_the_three_jobs_with_the_target_profile():
+def test_databricks_bundle_runs_the_four_jobs_with_the_target_profile():
     bundle = yaml.safe_load((ROOT / "conf/databricks/databricks.yml").read_text())
     assert "bundle" in bundle and "targets" in bundle
     jobs = {}
@@ -132,9 +134,10 @@ def test_databricks_bundle_runs_the_three_jobs_with_the_target_profile():
     assert jobs, "no job in conf/databricks/resources"
     (job,) = jobs.values()
     tasks = {t["task_key"]: t for t in job["tasks"]}
-    assert set(tasks) == {"ingest", "train", "promote"}
+    assert set(tasks) == {"ingest", "train", "promote", "predict"}
     assert tasks["train"]["depends_on"] == [{"task_key": "ingest"}]
     assert tasks["promote"]["depends_on"] == [{"task_key": "train"}]
+    assert tasks["predict"]["depends_on"] == [{"task_key": "promote"}]
     for key, task in tasks.items():
         spt = task["spark_python_task"]
         assert spt["python_file"].endswith(f"jobs/{key}.py")

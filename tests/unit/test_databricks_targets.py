@@ -90,7 +90,7 @@ def test_the_job_matches_databricks_own_job_schema():
 
     (job,) = jobs().values()
     parsed = Job.from_dict(job)
-    assert [t.task_key for t in parsed.tasks] == ["ingest", "train", "promote"]
+    assert [t.task_key for t in parsed.tasks] == ["ingest", "train", "promote", "predict"]
     bad = yaml.safe_load(yaml.safe_dump(job))
     bad["job_clusters"][0]["new_cluster"]["init_script"] = bad["job_clusters"][0]["new_cluster"].pop("init_scripts")
     with pytest.raises(ValueError, match="init_script"):
