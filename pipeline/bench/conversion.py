@@ -61,7 +61,7 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
     is deleted before each first conversion so that it is a miss (an entry left by an earlier job included).
     """
     from pipeline.data.cache import root_url
-    from pipeline.data.convert import class_names_of, convert_for_training, prepare_split, split_frame
+    from pipeline.data.convert import class_names_of, convert_for_training, decoded_frame, split_frame
     from pipeline.lakehouse.delta import get_engine
 
     engine = get_engine(cfg.delta.engine)
@@ -80,7 +80,7 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) 
 
     def plain() -> float:
         d, _ = engine.read(spark, table, version)
-        frames = [prepare_split(f, cfg, world) for f in split_frame(d, cfg.data.val_fraction)]
+        frames = [decoded_frame(f, cfg, world) for f in split_frame(d, cfg.data.val_fraction)]
         t0 = time.perf_counter()
         for split, frame in zip(("train", "val"), frames):
             frame.write.mode("overwrite").parquet(f"{scratch}/{split}")

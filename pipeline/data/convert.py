@@ -130,6 +130,26 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
     return write
 
 
+def decoded_frame(df, cfg: Config, world_size: int):
+    """The plain-Spark equivalent of what the converter writes (decoded pixels, label, row id; repartitioned), for a
+    reference `df.write.parquet` to compare the converter with (`lakehouse bench`)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.functions import pandas_udf
+
+    from pipeline.data.transforms import decode_image
+
+    size, channels = cfg.data.image_size, cfg.data.channels
+
+    @pandas_udf("binary")
+    def decode(content):
+        import pandas as pd
+
+        return pd.Series([decode_image(bytes(b), size, channels).tobytes() for b in content])
+
+    prepared = prepare_split(df, cfg, world_size)
+    return prepared.select(decode(F.col("content")).alias(PIXELS), F.col(LABEL), F.col(ROW_ID))
+
+
 def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int) -> List[Dict[str, Any]]:
     """Convert `df` (columns content, label_index, row_id) into Parquet files under `split_url`, one per non-empty
     partition; returns each file's name, size and row groups, sorted by name (the order every reader uses)."""
@@ -188,16 +208,23 @@ def _key_inputs(df, cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
     }
 
 
-def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any]) -> Dict[str, Any]:
-    """Write both splits into a new folder of entry `url` and return its manifest (written last)."""
+def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
+             total_rows: Optional[int] = None) -> Dict[str, Any]:
+    """Write both splits into a new folder of entry `url` and return its manifest (written last).
+
+    Row groups are sized from the table's row count (`total_rows`, from the Delta log; counted when unknown) split by
+    `data.val_fraction`: an estimate is all the sizing needs, and it costs no Spark job.
+    """
     import pyarrow as pa
 
     train_df, val_df = split_frame(df, cfg.data.val_fraction)
     row_bytes = cfg.data.channels * cfg.data.image_size ** 2
     run = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # concurrent writers never mix files
+    total = total_rows if total_rows is not None else df.count()
+    share = {"train": 1.0 - cfg.data.val_fraction, "val": cfg.data.val_fraction}
     splits = {}
     for name, frame in (("train", train_df), ("val", val_df)):
-        rows = frame.count()
+        rows = max(1, round(total * share[name]))
         group_rows = group_rows_for(rows, world_size, row_bytes, cfg.data.row_groups_per_rank,
                                     cfg.data.max_row_group_mb, num_partitions(cfg.data.partitions_per_worker,
                                                                               world_size))
@@ -244,7 +271,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: L
         cache.touch(url, manifest)
     else:
         t0 = time.time()
-        manifest = _convert(df, cfg, world_size, url, inputs)
+        manifest = _convert(df, cfg, world_size, url, inputs, getattr(pinned, "num_rows", None))
         cache.write_manifest(url, manifest)
         log.info("converted %d train + %d val rows into %s in %.1f s", manifest["splits"]["train"]["rows"],
                  manifest["splits"]["val"]["rows"], url, time.time() - t0)
