@@ -6,7 +6,7 @@ import os
 from typing import Any, Dict, List
 
 from pipeline.bench.core import Result, Sizes, median, ratio, windows_rate
-from pipeline.bench.input_bound import later_warmup
+from pipeline.bench.input_bound import LOADER_RUN, later_warmup, warmup_run
 from pipeline.bench.jobs import launch, per_run, run_spec
 from pipeline.bench.reference import solo_run
 from pipeline.config import Config
@@ -27,20 +27,20 @@ def _cores(ranks: List[Dict[str, Any]], key: str) -> float:
 def measure_horovod_scaling(cfg: Config, prep, sizes: Sizes, one_rank_job: List[Dict[str, Any]]) -> List[Result]:
     """The pipeline's 2-rank / 1-rank scaling, and its 2-rank throughput / Horovod alone's, with the controls.
 
-    `one_rank_job`: input_bound.one_rank_job on the same data set (its run 1 is the pipeline on 1 rank).
-    The 2-rank job runs, in the same two rank processes: Horovod alone, the pipeline, the pipeline on in-memory
+    `one_rank_job`: input_bound.one_rank_job on the same data set (its run LOADER_RUN is the pipeline on 1 rank).
+    The 2-rank job runs, in the same two rank processes after an untimed warm-up train(): Horovod alone, the pipeline, the pipeline on in-memory
     batches, Horovod alone again. machine: two independent plain processes at once / one (what this machine gives a
     second process); horovod_alone: Horovod with 2 ranks on in-memory batches / one plain process (a size-1 Horovod
     optimizer does no allreduce, so the plain process is its 1-rank run). The pipeline can only approach
     horovod_alone, which can only approach machine.
     """
     steps, windows = sizes.train_steps, sizes.repeats
-    one = per_run(one_rank_job, 1)
-    two_job = launch(cfg, prep.data, 2, [run_spec("horovod_alone", sizes.warmup_steps),
+    one = per_run(one_rank_job, LOADER_RUN)
+    two_job = launch(cfg, prep.data, 2, [warmup_run(sizes), run_spec("horovod_alone", later_warmup(sizes)),
                                          run_spec("train", later_warmup(sizes), "loader"),
                                          run_spec("train", later_warmup(sizes), "memory"),
                                          run_spec("horovod_alone", later_warmup(sizes))], steps, windows)
-    alone_a, two, two_mem, alone_b = (per_run(two_job, i) for i in range(4))
+    alone_a, two, two_mem, alone_b = (per_run(two_job, i) for i in range(1, 5))  # run 0: the warm-up
     one_rates, two_rates, two_mem_rates = _rates(one), _rates(two), _rates(two_mem)
     alone_rates = [(a + b) / 2 for a, b in zip(_rates(alone_a), _rates(alone_b))]
     log.info("pipeline (train() + HorovodStrategy + ShardLoader): 1 rank %.0f, 2 ranks %.0f samples/s; Horovod alone "
