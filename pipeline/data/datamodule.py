@@ -215,10 +215,6 @@ class ShardLoader:
         self._source: Optional[Iterator] = None
         self._it: Optional[Iterator] = None
 
-    @property
-    def converter(self) -> ConvertedSplit:  # the name earlier code used
-        return self.split
-
     def shard_mb(self) -> float:
         """Memory this rank's shard takes held as Arrow columns (pixels, labels, row ids)."""
         return self.plan.rows_per_rank[self.rank] * (self.transform.row_bytes + 12) / 2 ** 20
