@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -96,7 +96,7 @@ def _wait_ready(client: MlflowClient, name: str, mv: ModelVersion, wait_s: float
 
 @dataclass
 class PromotionDecision:
-    """What the gate decided about one model version, with the numbers it compared."""
+    """What the gate decided about one model version, with the numbers it compared (same rows for both)."""
 
     promoted: bool
     version: str
@@ -105,19 +105,31 @@ class PromotionDecision:
     champion_version: Optional[str]
     champion_value: Optional[float]
     reason: str
+    margin: float = 0.0
+    rows: Optional[str] = None  # what both were scored on, e.g. "val split of work/delta/digits version 3 (361 rows)"
+    error: Optional[str] = None  # why a model could not be scored (the decision is then "not promoted")
 
 
-def decide(version: str, value: float, champion_version: Optional[str], champion_value: Optional[float],
-           metric: str = "val_acc", mode: str = "max") -> PromotionDecision:
-    """The gate's pure rule: promote when there is no champion or `value` is at least as good as its value."""
+def decide(version: str, value: Optional[float], champion_version: Optional[str], champion_value: Optional[float],
+           metric: str = "val_acc", mode: str = "max", margin: float = 0.0,
+           champion_error: Optional[str] = None) -> PromotionDecision:
+    """The gate's pure rule: promote when there is no champion, or when `value` beats the champion's value (measured
+    on the same rows) by more than `margin` (max: value > champion + margin; min: value < champion - margin).
+
+    A tie never promotes; neither does a champion that could not be scored (`champion_error`) nor a value that
+    is not a number.
+    """
     if mode not in GATE_MODES:
         raise ValueError(f"config key 'mlflow.gate_mode': {mode!r} is not one of {', '.join(GATE_MODES)}")
+    if margin is None or not margin >= 0:
+        raise ValueError(f"config key 'mlflow.gate_margin': {margin!r} must be a number >= 0")
     version = str(version)
     champ = None if champion_version is None else str(champion_version)
     better_word = "higher" if mode == "max" else "lower"
 
     def out(promoted: bool, reason: str) -> PromotionDecision:
-        return PromotionDecision(promoted, version, metric, value, champ, champion_value, reason)
+        return PromotionDecision(promoted, version, metric, value, champ, champion_value, reason, margin,
+                                 error=champion_error)
 
     if value is None or math.isnan(value):
         return out(False, f"version {version} has {metric}={value}, which cannot be compared; not promoted")
@@ -125,36 +137,101 @@ def decide(version: str, value: float, champion_version: Optional[str], champion
         return out(True, f"no champion yet; version {version} ({metric}={value:g}) becomes champion")
     if champ == version:
         return out(True, f"version {version} ({metric}={value:g}) is already the champion")
+    if champion_error is not None:
+        return out(False, f"champion version {champ} could not be scored ({champion_error}); version {version} "
+                          f"({metric}={value:g}) is not promoted: fix or move the alias by hand")
     if champion_value is None or math.isnan(champion_value):
-        return out(True, f"champion version {champ} has no comparable {metric} ({champion_value}); "
-                         f"version {version} ({metric}={value:g}) replaces it")
-    good = value >= champion_value if mode == "max" else value <= champion_value
-    if good:
-        return out(True, f"version {version} {metric}={value:g} is at least as good as champion version {champ} "
-                         f"{metric}={champion_value:g} ({better_word} is better); promoted")
-    return out(False, f"champion version {champ} {metric}={champion_value:g} is better than version {version} "
-                      f"{metric}={value:g} ({better_word} is better); champion kept")
+        return out(False, f"champion version {champ} has {metric}={champion_value}, which cannot be compared; "
+                          f"version {version} ({metric}={value:g}) is not promoted: move the alias by hand")
+    gain = value - champion_value if mode == "max" else champion_value - value
+    if gain > margin:
+        return out(True, f"version {version} {metric}={value:g} beats champion version {champ} "
+                         f"{metric}={champion_value:g} by {gain:g} > margin {margin:g} ({better_word} is better); "
+                         f"promoted")
+    return out(False, f"version {version} {metric}={value:g} does not beat champion version {champ} "
+                      f"{metric}={champion_value:g} by more than margin {margin:g} ({better_word} is better); "
+                      f"champion kept")
 
 
-def version_metric(client: MlflowClient, name: str, version: str, metric: str) -> Optional[float]:
-    """The version's `metric`: its model version tag named `metric`, else its run's metric; None if neither."""
-    mv = client.get_model_version(name, str(version))
-    raw = (mv.tags or {}).get(metric)
-    if raw is not None:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"model {name!r} version {version}: tag {metric!r} is {raw!r}, not a number") from None
-    if mv.run_id:
-        try:
-            metrics = client.get_run(mv.run_id).data.metrics
-        except MlflowException as exc:
-            if "RESOURCE_DOES_NOT_EXIST" in _error_code(exc):
-                return None
-            raise
-        if metric in metrics:
-            return float(metrics[metric])
-    return None
+# --- the rows both models are scored on --------------------------------------------------------------------------
+
+@dataclass
+class HeldOutRows:
+    """The rows of one pinned Delta version that a split rule holds out: encoded images and their true labels."""
+
+    table: str
+    version: int
+    split: str
+    contents: List[bytes]
+    labels: List[str]
+
+    def describe(self) -> str:
+        return f"{self.split} split of Delta table {self.table} version {self.version} ({len(self.labels)} rows)"
+
+
+def split_of(metric: str) -> str:
+    """The split a gate metric is measured on: `train_*` on the training rows, everything else on the val rows."""
+    return "train" if metric.startswith("train_") else "val"
+
+
+def held_out_rows(table: str, version: int, val_fraction: float, split: str = "val") -> HeldOutRows:
+    """Read `split` of Delta `table` at `version` with delta-rs (no Spark): the training split rule on `path`.
+
+    Raises:
+        RegistryError: the table, version or a needed column is missing, or the split has no rows.
+    """
+    import pyarrow.compute as pc
+
+    from pipeline.lakehouse.delta import DeltaError, DeltaRsEngine
+    from pipeline.lakehouse.partition import is_validation
+
+    try:
+        dt = DeltaRsEngine()._open(table, int(version))
+    except DeltaError as exc:
+        raise RegistryError(f"promotion gate: {exc}") from None
+    dataset = dt.to_pyarrow_dataset()
+    missing = [c for c in ("path", "content", "label") if c not in dataset.schema.names]
+    if missing:
+        raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
+                            f"{', '.join(missing)}; it has {dataset.schema.names}")
+    paths = dataset.to_table(columns=["path"]).column("path").to_pylist()
+    keep = [p for p in paths if p is not None and is_validation(p, val_fraction) == (split == "val")]
+    if not keep:
+        raise RegistryError(f"promotion gate: the {split} split of Delta table {table} version {version} "
+                            f"(data.val_fraction={val_fraction}) has no rows to score")
+    rows = dataset.to_table(columns=["path", "content", "label"], filter=pc.field("path").isin(keep)).sort_by("path")
+    return HeldOutRows(table, int(version), split, rows.column("content").to_pylist(),
+                       [None if v is None else str(v) for v in rows.column("label").to_pylist()])
+
+
+def score_on_rows(model_uri: str, rows: HeldOutRows, metric: str) -> float:
+    """`metric` (`*_acc`: top-1 accuracy; `*_loss`: mean cross-entropy) of the pyfunc at `model_uri` on `rows`.
+
+    The model is the one users serve: loaded with mlflow.pyfunc, called on the `content` column with
+    on_error=null. An undecodable row counts as wrong and adds no loss.
+    """
+    import mlflow.pyfunc
+    import numpy as np
+    import pandas as pd
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    out = model.predict(pd.DataFrame({"content": rows.contents}), params={"on_error": "null"})
+    if metric.endswith("_acc"):
+        return float(np.mean([p is not None and p == t for p, t in zip(out["label"], rows.labels)]))
+    if metric.endswith("_loss"):
+        names = list((model.metadata.metadata or {}).get("class_names") or [])
+        if not names:
+            raise RegistryError(f"{model_uri} records no class_names in its MLflow model metadata; its loss on "
+                                f"the held-out rows cannot be computed")
+        where = {n: i for i, n in enumerate(names)}
+        losses = [-math.log(max(float(p[where[t]]) if t in where else 0.0, 1e-12))
+                  for p, t in zip(out["probabilities"], rows.labels) if p is not None]
+        return float(np.mean(losses)) if losses else math.nan
+    raise RegistryError(f"config key 'mlflow.gate_metric': {metric!r} is neither an accuracy (*_acc) nor a loss "
+                        f"(*_loss); the gate cannot score it on held-out rows")
+
+
+Scorer = Callable[[str, HeldOutRows, str], float]
 
 
 def _champion(client: MlflowClient, name: str, alias: str) -> Optional[ModelVersion]:
@@ -168,31 +245,98 @@ def _champion(client: MlflowClient, name: str, alias: str) -> Optional[ModelVers
         raise
 
 
+def _val_fraction(client: MlflowClient, mv: ModelVersion, fallback: float) -> float:
+    """The val fraction the challenger was trained with (its run's `data.val_fraction` param), else `fallback`."""
+    if mv.run_id:
+        try:
+            raw = client.get_run(mv.run_id).data.params.get("data.val_fraction")
+        except MlflowException:
+            raw = None
+        if raw is not None:
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+    return float(fallback)
+
+
+def _pinned_data(name: str, mv: ModelVersion) -> Tuple[str, int]:
+    tags = mv.tags or {}
+    missing = [t for t in ("delta_table", "delta_version") if not tags.get(t)]
+    if missing:
+        raise RegistryError(f"model {name!r} version {mv.version} has no tag(s) {', '.join(missing)}: the gate "
+                            f"cannot tell which Delta version's held-out rows to score it on")
+    try:
+        return tags["delta_table"], int(tags["delta_version"])
+    except ValueError:
+        raise RegistryError(f"model {name!r} version {mv.version}: tag delta_version is "
+                            f"{tags['delta_version']!r}, not a number") from None
+
+
+def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str]) -> None:
+    for key, val in tags.items():
+        try:
+            client.set_model_version_tag(name, version, key, str(val)[:5000])
+        except MlflowException as exc:  # the decision stands even if an audit tag cannot be written
+            log.warning("could not tag model %r version %s with %s: %s", name, version, key, exc)
+
+
 def promote(client: MlflowClient, name: str, version: str, metric: str = "val_acc", mode: str = "max",
-            alias: str = "champion") -> PromotionDecision:
-    """Move `alias` to `version` only if its `metric` is at least as good as the current holder's.
+            alias: str = "champion", margin: float = 0.0, val_fraction: float = 0.2,
+            held_out: Optional[HeldOutRows] = None, scorer: Scorer = score_on_rows) -> PromotionDecision:
+    """Score the challenger `version` and the `alias` holder on the same held-out rows; move `alias` only if the
+    challenger beats the holder by more than `margin` (see `decide`).
+
+    The rows: the `val` split (`train` for a `train_*` metric) of the Delta version the challenger was trained on
+    (its tags delta_table, delta_version; the split rule with its run's data.val_fraction, else `val_fraction`),
+    unless `held_out` is given. Both figures, the rows and the decision are recorded as tags of the challenger
+    (gate_<metric>, gate_champion_<metric>, gate_champion_version, gate_rows, gate_margin, gate_decision).
+    A champion that cannot be loaded or scored leaves the alias where it is; the decision's `error` and reason
+    name its version, and it is logged as an error.
 
     Raises:
-        ValueError: the version has no `metric` (neither tag nor run metric), or `mode` is not max/min.
+        RegistryError: the challenger has no pinned data, or it cannot be loaded or scored.
+        ValueError: `mode` is not max/min, or `margin` < 0.
     """
     if mode not in GATE_MODES:
         raise ValueError(f"config key 'mlflow.gate_mode': {mode!r} is not one of {', '.join(GATE_MODES)}")
+    if margin is None or not margin >= 0:
+        raise ValueError(f"config key 'mlflow.gate_margin': {margin!r} must be a number >= 0")
     version = str(version)
-    value = version_metric(client, name, version, metric)
-    if value is None:
-        raise ValueError(f"model {name!r} version {version} has no metric {metric!r} (neither a model version tag "
-                         f"{metric!r} nor a metric of its run); the promotion gate cannot judge it")
+    mv = client.get_model_version(name, version)
+    if held_out is None:
+        table, data_version = _pinned_data(name, mv)
+        held_out = held_out_rows(table, data_version, _val_fraction(client, mv, val_fraction), split_of(metric))
+    try:
+        value = scorer(f"models:/{name}/{version}", held_out, metric)
+    except Exception as exc:
+        why = f"model {name!r} version {version} could not be scored on the {held_out.describe()}: " \
+              f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}"
+        _record(client, name, version, {GATE_TAG: f"not promoted: {why}"})
+        raise RegistryError(why) from exc
     current = _champion(client, name, alias)
     champion_version = str(current.version) if current is not None else None
-    champion_value = None
+    champion_value: Optional[float] = None
+    champion_error: Optional[str] = None
     if current is not None and champion_version != version:
-        champion_value = version_metric(client, name, champion_version, metric)
-    decision = decide(version, value, champion_version, champion_value, metric, mode)
+        try:
+            champion_value = scorer(f"models:/{name}/{champion_version}", held_out, metric)
+        except Exception as exc:
+            champion_error = (f"model {name!r} version {champion_version} ({alias}) cannot be loaded or scored: "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
+    decision = decide(version, value, champion_version, champion_value, metric, mode, margin, champion_error)
+    decision.rows = held_out.describe()
     if decision.promoted and champion_version != version:
         client.set_registered_model_alias(name, alias, version)
-    try:
-        client.set_model_version_tag(name, version, GATE_TAG, decision.reason[:5000])
-    except MlflowException as exc:  # the decision stands even if the audit tag cannot be written
-        log.warning("could not tag model %r version %s with the gate decision: %s", name, version, exc)
-    log.info("promotion gate for model %r version %s: %s", name, version, decision.reason)
+    tags = {f"gate_{metric}": f"{value:.6g}", "gate_rows": decision.rows, "gate_margin": f"{margin:g}",
+            GATE_TAG: decision.reason}
+    if champion_version is not None and champion_version != version:
+        tags["gate_champion_version"] = champion_version
+        tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{champion_value:.6g}"
+    _record(client, name, version, tags)
+    if champion_error:
+        log.error("promotion gate for model %r version %s: %s", name, version, decision.reason)
+    else:
+        log.info("promotion gate for model %r version %s on the %s: %s", name, version, decision.rows,
+                 decision.reason)
     return decision

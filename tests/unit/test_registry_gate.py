@@ -1,4 +1,5 @@
-"""Unit tests of the promotion gate: the pure rule, and promote() against a real SQLite registry."""
+"""Unit tests of the promotion gate: the pure rule, and promote() against a real SQLite registry with a stand-in
+scorer (the real one, a pyfunc on a Delta version's held-out rows, is tested in tests/integration/test_serving.py)."""
 from __future__ import annotations
 
 import math
@@ -7,14 +8,15 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.tracking.registry import PromotionDecision, decide, promote, register_model, version_metric
+from pipeline.tracking.registry import (HeldOutRows, PromotionDecision, RegistryError, decide, promote, register_model,
+                                       split_of)
 
 
 # --- the pure rule ---------------------------------------------------------------------------
 
 def test_no_champion_promotes():
     d = decide("1", 0.8, None, None)
-    assert d == PromotionDecision(True, "1", "val_acc", 0.8, None, None, d.reason)
+    assert d == PromotionDecision(True, "1", "val_acc", 0.8, None, None, d.reason, 0.0)
     assert "no champion" in d.reason
 
 
@@ -24,8 +26,24 @@ def test_worse_is_refused_and_reason_names_both_values():
     assert "0.7" in d.reason and "0.8" in d.reason and "version 1" in d.reason
 
 
-def test_tie_promotes_at_least_as_good():
-    assert decide("2", 0.8, "1", 0.8).promoted
+def test_tie_does_not_promote():
+    d = decide("2", 0.8, "1", 0.8)
+    assert not d.promoted and "champion kept" in d.reason
+    assert decide("2", 0.8000001, "1", 0.8).promoted
+
+
+def test_margin_must_be_exceeded():
+    assert not decide("2", 0.82, "1", 0.80, margin=0.02).promoted  # a gain equal to the margin is not enough
+    assert decide("2", 0.83, "1", 0.80, margin=0.02).promoted
+    assert not decide("2", 0.39, "1", 0.40, metric="val_loss", mode="min", margin=0.05).promoted
+    d = decide("2", 0.30, "1", 0.40, metric="val_loss", mode="min", margin=0.05)
+    assert d.promoted and "margin 0.05" in d.reason and d.margin == 0.05
+
+
+def test_bad_margin_names_the_config_key():
+    for bad in (-0.01, math.nan, None):
+        with pytest.raises(ValueError, match="mlflow.gate_margin"):
+            decide("2", 0.9, "1", 0.8, margin=bad)
 
 
 def test_min_mode_lower_is_better():
@@ -40,8 +58,11 @@ def test_nan_value_is_never_promoted():
     assert not decide("1", math.nan, None, None).promoted
 
 
-def test_champion_without_metric_is_replaced():
-    assert decide("2", 0.1, "1", None).promoted
+def test_champion_that_cannot_be_scored_keeps_the_alias():
+    d = decide("2", 0.9, "1", None, champion_error="model 'm' version 1 cannot be loaded or scored: OSError")
+    assert not d.promoted and d.error and "champion version 1 could not be scored" in d.reason
+    assert not decide("2", 0.9, "1", None).promoted
+    assert not decide("2", 0.9, "1", math.nan).promoted
 
 
 def test_same_version_is_already_champion():
@@ -52,6 +73,10 @@ def test_same_version_is_already_champion():
 def test_bad_mode_names_the_config_key():
     with pytest.raises(ValueError, match="mlflow.gate_mode"):
         decide("1", 0.5, None, None, mode="best")
+
+
+def test_train_metrics_are_scored_on_the_training_rows():
+    assert (split_of("val_acc"), split_of("val_loss"), split_of("train_loss")) == ("val", "val", "train")
 
 
 # --- promote() against a real SQLite registry -----------------------------------------------
@@ -70,58 +95,100 @@ def registry(tmp_path_factory):
         mlflow.set_tracking_uri(old)
 
 
-def _version(client, exp_id, name, tags=None, run_metrics=None):
+def _version(client, exp_id, name, tags=None):
     run_id = client.create_run(exp_id).info.run_id
-    for k, v in (run_metrics or {}).items():
-        client.log_metric(run_id, k, v)
     client.set_terminated(run_id)
     model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
     return register_model(client, f"models:/{model.model_id}", name, run_id, tags or {})
 
 
+ROWS = HeldOutRows("t", 3, "val", [b"a", b"b"], ["0", "1"])
+
+
+class Scores:
+    """A stand-in scorer: a fixed figure per version (a float, or an exception to raise), calls recorded."""
+
+    def __init__(self, by_version):
+        self.by_version, self.calls = by_version, []
+
+    def __call__(self, uri, rows, metric):
+        self.calls.append((uri, rows, metric))
+        got = self.by_version[uri.rsplit("/", 1)[1]]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
 @pytest.mark.timeout(120)
-def test_promote_sequence_and_metric_sources(registry):
+def test_promote_scores_both_on_the_same_rows_and_records_both(registry):
     client, exp_id = registry
     name = "gate_seq"
-    v1 = _version(client, exp_id, name, tags={"val_acc": "0.8"})
-    assert client.get_model_version(name, v1).tags["run_id"]
-    d1 = promote(client, name, v1)
-    assert d1.promoted and d1.champion_version is None
+    # the logged val_acc tags say the opposite of the same-rows scores: the gate must not read them
+    v1 = _version(client, exp_id, name, tags={"val_acc": "0.5"})
+    v2 = _version(client, exp_id, name, tags={"val_acc": "0.99"})
+    v3 = _version(client, exp_id, name, tags={"val_acc": "0.1"})
+    v4 = _version(client, exp_id, name, tags={"val_acc": "1.0"})
+    scores = Scores({v1: 0.8, v2: 0.7, v3: 0.9, v4: 0.9})
+    d1 = promote(client, name, v1, held_out=ROWS, scorer=scores)
+    assert d1.promoted and d1.champion_version is None and d1.rows == ROWS.describe()
     assert str(client.get_model_version_by_alias(name, "champion").version) == v1
 
-    # metric read from the run when the version has no tag
-    v2 = _version(client, exp_id, name, run_metrics={"val_acc": 0.7})
-    assert version_metric(client, name, v2, "val_acc") == pytest.approx(0.7)
-    d2 = promote(client, name, v2)
+    d2 = promote(client, name, v2, held_out=ROWS, scorer=scores)
     assert not d2.promoted
+    assert {u for u, _, _ in scores.calls[-2:]} == {f"models:/{name}/{v2}", f"models:/{name}/{v1}"}
+    assert all(r is ROWS for _, r, _ in scores.calls)  # the same rows for challenger and champion
     assert (d2.champion_version, d2.champion_value, d2.value) == (v1, pytest.approx(0.8), pytest.approx(0.7))
-    assert "0.7" in d2.reason and "0.8" in d2.reason
+    tags = client.get_model_version(name, v2).tags
+    assert (tags["gate_val_acc"], tags["gate_champion_val_acc"], tags["gate_champion_version"]) == ("0.7", "0.8", v1)
+    assert tags["gate_decision"] == d2.reason and tags["gate_rows"] == ROWS.describe() and tags["gate_margin"] == "0"
     assert str(client.get_model_version_by_alias(name, "champion").version) == v1
-    assert client.get_model_version(name, v2).tags["gate_decision"] == d2.reason
 
-    v3 = _version(client, exp_id, name, tags={"val_acc": "0.9"})
-    assert promote(client, name, v3).promoted
+    assert promote(client, name, v3, held_out=ROWS, scorer=scores).promoted
     assert str(client.get_model_version_by_alias(name, "champion").version) == v3
+    d4 = promote(client, name, v4, held_out=ROWS, scorer=scores)  # a tie with the champion
+    assert not d4.promoted and str(client.get_model_version_by_alias(name, "champion").version) == v3
 
 
 @pytest.mark.timeout(120)
-def test_version_without_metric_is_refused_with_clear_error(registry):
+def test_champion_that_cannot_be_scored_is_kept_with_an_error_naming_it(registry):
+    client, exp_id = registry
+    name = "gate_broken"
+    v1 = _version(client, exp_id, name)
+    v2 = _version(client, exp_id, name)
+    client.set_registered_model_alias(name, "champion", v1)
+    scores = Scores({v1: OSError("no such artifact"), v2: 0.9})
+    d = promote(client, name, v2, held_out=ROWS, scorer=scores)
+    assert not d.promoted and f"version {v1}" in d.error and "no such artifact" in d.error
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v1
+    tags = client.get_model_version(name, v2).tags
+    assert tags["gate_champion_val_acc"] == "error" and f"champion version {v1}" in tags["gate_decision"]
+
+
+@pytest.mark.timeout(120)
+def test_challenger_without_data_or_score_is_refused_with_clear_error(registry):
     client, exp_id = registry
     name = "gate_missing"
     v1 = _version(client, exp_id, name, tags={"delta_version": "0"})
-    with pytest.raises(ValueError, match=rf"version {v1} has no metric 'val_acc'"):
+    with pytest.raises(RegistryError, match=rf"version {v1} has no tag\(s\) delta_table"):
         promote(client, name, v1)
+    with pytest.raises(RegistryError, match=rf"version {v1} could not be scored.*boom"):
+        promote(client, name, v1, held_out=ROWS, scorer=Scores({v1: RuntimeError("boom")}))
+    assert "not promoted" in client.get_model_version(name, v1).tags["gate_decision"]
     with pytest.raises(ValueError, match="gate_mode"):
         promote(client, name, v1, mode="up")
+    with pytest.raises(ValueError, match="gate_margin"):
+        promote(client, name, v1, margin=-1)
 
 
 @pytest.mark.timeout(120)
 def test_custom_alias_and_min_mode(registry):
     client, exp_id = registry
     name = "gate_min"
-    v1 = _version(client, exp_id, name, tags={"val_loss": "0.4"})
-    v2 = _version(client, exp_id, name, tags={"val_loss": "0.5"})
-    assert promote(client, name, v1, metric="val_loss", mode="min", alias="prod").promoted
-    d = promote(client, name, v2, metric="val_loss", mode="min", alias="prod")
-    assert not d.promoted
+    v1 = _version(client, exp_id, name)
+    v2 = _version(client, exp_id, name)
+    scores = Scores({v1: 0.4, v2: 0.5})
+    assert promote(client, name, v1, metric="val_loss", mode="min", alias="prod", held_out=ROWS,
+                   scorer=scores).promoted
+    d = promote(client, name, v2, metric="val_loss", mode="min", alias="prod", held_out=ROWS, scorer=scores)
+    assert not d.promoted and scores.calls[-1][2] == "val_loss"
     assert str(client.get_model_version_by_alias(name, "prod").version) == v1
