@@ -1,7 +1,9 @@
 """`lakehouse doctor`: the install profile, the stack, CUDA devices, Horovod's build and the combinations known to fail.
 
 The checks are pure functions of descriptions (versions, a `GpuFacts`, a `HorovodBuild`, config values), so unit tests
-feed them made-up machines; `run_doctor` gathers the facts of this one. Importable without pyspark or petastorm.
+feed them made-up machines; `run_doctor` gathers the facts of this one. On a Databricks runtime (a notebook or a job:
+DATABRICKS_RUNTIME_VERSION is set) it names the target it recognizes and checks the runtime against it instead of
+the local install profiles. Importable without pyspark or petastorm.
 """
 from __future__ import annotations
 
@@ -73,15 +75,19 @@ class HorovodBuild:
 
 
 def detect_profile(versions: Dict[str, Optional[str]]) -> Tuple[str, str]:
-    """(profile, why) from what is installed: classic = Petastorm on pyarrow 14; modern = no Petastorm, pyarrow >= 18."""
+    """(profile, why) from what is installed: classic = Petastorm on pyarrow 14; modern = no Petastorm, pyarrow >= 18;
+    dbr-15.4 = Petastorm on pyarrow 14 with Spark 3.5."""
     pet, arrow, np_ = versions.get("petastorm"), versions.get("pyarrow"), versions.get("numpy")
     arrow_major, np_major = _major_minor(arrow)[0], _major_minor(np_)[0]
+    spark = versions.get("pyspark")
+    if pet and arrow and arrow_major < 15 and _major_minor(spark) == (3, 5):
+        return "dbr-15.4", f"petastorm {pet} with pyarrow {arrow} on Spark {spark}"
     if pet and arrow and arrow_major < 15:
         return "classic", f"petastorm {pet} with pyarrow {arrow}"
     if not pet and arrow and arrow_major >= 18 and np_major >= 2:
         return "modern", f"no petastorm, pyarrow {arrow}, numpy {np_}"
     return "unknown", (f"petastorm {pet or 'absent'}, pyarrow {arrow or 'absent'}, numpy {np_ or 'absent'}: neither "
-                       "profile (`make setup PROFILE=classic` or `PROFILE=modern`)")
+                       "profile (`make setup PROFILE=classic`, `PROFILE=modern` or `PROFILE=dbr-15.4`)")
 
 
 def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> List[str]:
@@ -95,8 +101,9 @@ def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> L
                         "uninstall petastorm and read with data.reader=arrow (modern profile)")
     if arrow and np_ and _major_minor(arrow)[0] < 15 and _major_minor(np_) >= (2, 0):
         problems.append(f"numpy {np_}: pyarrow {arrow} is built for numpy 1.x; use numpy < 2")
-    if spark and delta and _major_minor(spark) != _major_minor(delta):
-        problems.append(f"delta-spark {delta} does not match Spark {spark} (delta-spark 4.0.x goes with Spark 4.0.x)")
+    if spark and delta and not _delta_matches(spark, delta):
+        problems.append(f"delta-spark {delta} does not match Spark {spark} (delta-spark 4.0.x goes with Spark 4.0.x, "
+                        "3.x with Spark 3.5)")
     if java is None:
         problems.append("java not found: Spark 4.0 needs Java 17")
     elif _major_minor(java)[0] < 17:
@@ -105,6 +112,33 @@ def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> L
         if not versions.get(required):
             problems.append(f"{required} is not installed")
     return problems
+
+
+def _delta_matches(spark: str, delta: str) -> bool:
+    s, d = _major_minor(spark), _major_minor(delta)
+    if s[0] == 3:
+        return d[0] == 3  # Delta 3.0 to 3.3 are all built for Spark 3.5
+    return s == d
+
+
+def databricks_problems(cfg: Config, runtime_version: str, python: str,
+                        versions: Dict[str, Optional[str]]) -> Tuple[Optional[str], List[str], List[str]]:
+    """On a Databricks runtime: (the target recognized, or None; problems; notes). Pure but for reading the target's
+    constraints file. The problems are the start-up check's (pipeline.lakehouse.runtime), so a notebook's doctor and
+    a job's start say the same; a runtime that is no supported target, or a patch level that differs from the
+    recorded one, is a note."""
+    from pipeline.lakehouse import runtime
+
+    target = runtime.recognize(runtime_version)
+    pins = runtime.read_constraints(target.constraints) if target and target.constraints.is_file() else None
+    found = runtime.problems(cfg, target, python, versions, pins)
+    notes = [f"{name} {have} on this runtime, {rec} recorded in {target.constraints.name}"
+             for name, (have, rec) in sorted(runtime.drift(versions, pins or {}).items())]
+    if target is None:
+        notes.append(f"Databricks Runtime {runtime_version} is not a supported target ("
+                     + ", ".join(f"{t.name}: {t.runtime} LTS ML" for t in runtime.TARGETS.values())
+                     + "): the checks below are the generic ones")
+    return (target.name if target else None), found, notes
 
 
 def reader_problems(reader: str, petastorm_version: Optional[str]) -> List[str]:
@@ -206,20 +240,37 @@ def run_doctor(cfg: Config) -> int:
     marker = _profile_marker()
     reader = getattr(cfg.data, "reader", "petastorm")
     ddp_backend = getattr(cfg.train, "ddp_backend", "auto")
+    dbr = os.environ.get("DATABRICKS_RUNTIME_VERSION")
+    notes: List[str] = []
 
-    problems = known_problems(versions, java)
-    problems += reader_problems(reader, versions.get("petastorm"))
-    problems += horovod_problems(hvd, gpu, cfg.train.backend)
-    problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
-    if marker and profile != "unknown" and marker != profile:
-        problems.append(f"set up as the {marker} profile ({sys.prefix}/{PROFILE_MARKER}) but what is installed is "
-                        f"{profile} ({why}); re-run `make setup PROFILE={marker}`")
-    if cfg.delta.engine == "spark" and not any(k in cfg.spark.conf for k in ("spark.jars", "spark.jars.packages")):
-        problems.append("config delta.engine=spark but spark.conf sets neither spark.jars nor spark.jars.packages "
-                        "(the Delta jars); fine on Databricks, which ships them")
+    if dbr:  # a notebook or job on Databricks: the runtime and its target, not the local install profiles
+        from pipeline.lakehouse.runtime import TARGETS, runtime_facts
+
+        _, py, runtime_versions = runtime_facts()
+        target, problems, notes = databricks_problems(cfg, dbr, py, runtime_versions)
+        if hvd.installed:
+            problems += horovod_problems(hvd, gpu, cfg.train.backend)
+        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
+        where = (f"target {target} (Spark {TARGETS[target].spark}, Python {TARGETS[target].python}, defaults "
+                 f"data.reader={TARGETS[target].reader} train.backend={TARGETS[target].backend})" if target
+                 else "no supported target")
+    else:
+        problems = known_problems(versions, java)
+        problems += reader_problems(reader, versions.get("petastorm"))
+        problems += horovod_problems(hvd, gpu, cfg.train.backend)
+        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
+        if marker and profile != "unknown" and marker != profile:
+            problems.append(f"set up as the {marker} profile ({sys.prefix}/{PROFILE_MARKER}) but what is installed "
+                            f"is {profile} ({why}); re-run `make setup PROFILE={marker}`")
+        if cfg.delta.engine == "spark" and not any(k in cfg.spark.conf for k in ("spark.jars", "spark.jars.packages")):
+            problems.append("config delta.engine=spark but spark.conf sets neither spark.jars nor spark.jars.packages "
+                            "(the Delta jars); fine on Databricks, which ships them")
 
     print("lakehouse doctor")
-    print(f"  {'profile':<18} {profile} ({why}){f'; set up as {marker}' if marker else ''}")
+    if dbr:
+        print(f"  {'databricks':<18} Databricks Runtime {dbr}: {where}")
+    else:
+        print(f"  {'profile':<18} {profile} ({why}){f'; set up as {marker}' if marker else ''}")
     print(f"  {'python':<18} {sys.version.split()[0]} ({sys.executable})")
     for p in PACKAGES:
         print(f"  {DIST_NAMES.get(p, p):<18} {versions[p] or 'MISSING'}")
@@ -235,6 +286,8 @@ def run_doctor(cfg: Config) -> int:
     print(f"  {'config':<18} train.backend={cfg.train.backend} train.np={cfg.train.np} data.reader={reader}")
     for name, state in engines.items():
         print(f"  delta engine {name:<6} {state}")
+    for note in notes:
+        print(f"  note: {note}")
     if problems:
         print("problems:")
         for p in problems:

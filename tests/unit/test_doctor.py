@@ -1,18 +1,22 @@
-"""`lakehouse doctor`'s checks on described machines: profile, known-bad package sets, Horovod vs CUDA, ranks vs GPUs."""
+"""`lakehouse doctor`'s checks on described machines: profile, known-bad package sets, Horovod vs CUDA, ranks vs GPUs, Databricks targets."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.doctor import (GpuFacts, HorovodBuild, detect_profile, gpu_problems, horovod_problems, known_problems,
-                             reader_problems)
+import os
+
+from pipeline.config import load_config
+from pipeline.doctor import (GpuFacts, HorovodBuild, databricks_problems, detect_profile, gpu_problems,
+                             horovod_problems, known_problems, reader_problems)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSIC = {"torch": "2.13.0+cpu", "pytorch_lightning": "2.6.6", "pyspark": "4.0.5", "delta": "4.0.1",
            "deltalake": "1.6.6", "petastorm": "0.12.1", "pyarrow": "14.0.2", "numpy": "1.26.4", "pandas": "2.2.3",
            "mlflow": "3.17.2", "horovod": "0.28.1"}
 MODERN = {**CLASSIC, "petastorm": None, "pyarrow": "25.0.1", "numpy": "2.4.6", "pandas": "2.3.3"}
+DBR154 = {**CLASSIC, "pyspark": "3.5.0", "delta": "3.2.0", "pyarrow": "14.0.1", "numpy": "1.23.5", "pandas": "1.5.3"}
 CPU = GpuFacts(torch="2.13.0+cpu")
 H100 = GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0", device_names=["NVIDIA H100 80GB HBM3"],
                 capabilities=[(9, 0)], dist_nccl=True)
@@ -25,6 +29,15 @@ def test_profiles_are_told_from_what_is_installed():
     assert detect_profile(MODERN) == ("modern", "no petastorm, pyarrow 25.0.1, numpy 2.4.6")
     profile, why = detect_profile({**CLASSIC, "pyarrow": "25.0.1"})  # petastorm beside a pyarrow it cannot read
     assert profile == "unknown" and "petastorm 0.12.1, pyarrow 25.0.1" in why
+    assert detect_profile(DBR154) == ("dbr-15.4", "petastorm 0.12.1 with pyarrow 14.0.1 on Spark 3.5.0")
+
+
+def test_the_dbr_15_4_profile_passes_and_delta_3_goes_with_spark_3_5_only():
+    assert known_problems(DBR154, "17.0.13") == []
+    assert any("delta-spark 4.0.1 does not match Spark 3.5.0" in p
+               for p in known_problems({**DBR154, "delta": "4.0.1"}, "17.0.13"))
+    assert any("delta-spark 3.2.0 does not match Spark 4.0.5" in p
+               for p in known_problems({**CLASSIC, "delta": "3.2.0"}, "17.0.13"))
 
 
 def test_both_profiles_pass_the_package_checks_and_mixtures_do_not():
@@ -82,3 +95,54 @@ def test_doctor_imports_without_pyspark_or_petastorm():
             "import pipeline.doctor, pipeline.buildinfo; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# --- on Databricks: the target recognized and what the runtime lacks (the start-up check's own messages) ---
+
+DBR_15_4_RUNTIME = {"pyspark": "3.5.0", "pyarrow": "14.0.1", "numpy": "1.23.5", "pandas": "1.5.3",
+                    "torch": "2.3.1+cu121", "mlflow": "3.17.2", "horovod": "0.28.1", "petastorm": "0.12.1",
+                    "pytorch_lightning": "2.6.6", "deltalake": "1.6.6"}
+
+
+def test_databricks_15_4_is_recognized_and_passes_with_its_profile():
+    cfg = load_config(str(ROOT / "conf/databricks/dbr-15.4-ml.yaml"))
+    target, problems, notes = databricks_problems(cfg, "15.4", "3.11", DBR_15_4_RUNTIME)
+    assert (target, problems, notes) == ("dbr-15.4-ml", [], [])
+
+
+def test_databricks_17_3_without_horovod_or_petastorm_says_what_is_missing():
+    cfg = load_config(str(ROOT / "conf/databricks/dbr-17.3-ml.yaml"), ["train.backend=horovod", "data.reader=petastorm"])
+    versions = {**DBR_15_4_RUNTIME, "pyspark": "4.0.0", "pyarrow": "19.0.1", "numpy": "2.1.3", "pandas": "2.2.3",
+                "torch": "2.7.1", "mlflow": "3.0.1", "horovod": None, "petastorm": None}
+    target, problems, notes = databricks_problems(cfg, "17.3", "3.12", versions)
+    assert target == "dbr-17.3-ml" and notes == []
+    text = "\n".join(problems)
+    assert "horovod is not installed" in text and "init-lakehouse.sh" in text
+    assert "petastorm is not installed" in text and "data.reader=arrow" in text
+
+
+def test_an_unsupported_runtime_is_a_note_and_a_patch_difference_too():
+    cfg = load_config(str(ROOT / "conf/databricks/dbr-15.4-ml.yaml"))
+    target, problems, notes = databricks_problems(cfg, "16.4", "3.12", DBR_15_4_RUNTIME)
+    assert target is None and problems == []
+    assert "Databricks Runtime 16.4 is not a supported target (dbr-15.4-ml: 15.4 LTS ML" in notes[0]
+    target, problems, notes = databricks_problems(cfg, "15.4.x-gpu-ml-scala2.12", "3.11",
+                                                  {**DBR_15_4_RUNTIME, "pyarrow": "14.0.2"})
+    assert target == "dbr-15.4-ml" and problems == []
+    assert notes == ["pyarrow 14.0.2 on this runtime, 14.0.1 recorded in constraints-dbr-15.4-ml.txt"]
+
+
+def test_doctor_on_a_databricks_runtime_names_the_target_and_what_this_interpreter_lacks():
+    """The real command, with DATABRICKS_RUNTIME_VERSION as a notebook or job on 17.3 has it: this venv is not that
+    runtime (its Python and packages differ), and the report says so under the recognized target."""
+    env = {**os.environ, "DATABRICKS_RUNTIME_VERSION": "17.3", "LAKEHOUSE_PROGRESS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "doctor", "--conf",
+                           "conf/databricks/dbr-17.3-ml.yaml"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+    out = proc.stdout
+    assert "Databricks Runtime 17.3: target dbr-17.3-ml (Spark 4.0, Python 3.12" in out, out + proc.stderr
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert (proc.returncode == 0) == (py == "3.12" and "problems:" not in out)
+    if py != "3.12":
+        assert f"runs Python 3.12, this is Python {py}" in out and proc.returncode == 1
+    assert "profile " not in out  # the local install profiles are not what is checked there
