@@ -1,0 +1,127 @@
+"""Restart cost: the wall time one injected rank failure adds to a run (train.max_restarts=1) over one epoch plus a
+process start, i.e. the issue's target `wall(with the failure) / wall(uninterrupted) <= 1 + (epoch + process start)
+/ total` written as `(wall with the failure - wall uninterrupted) / (epoch + process start) <= 1`: only the
+interrupted epoch and the relaunch are lost."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Dict, List, Tuple
+
+from pipeline.bench.core import Result, Sizes, discarded, median, patched, ratio
+from pipeline.config import Config, apply_overrides, world_size_of
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+EPOCHS = 4
+FAIL_EPOCH = 1  # 0-based; its last step fails: with per-epoch checkpoints almost the whole epoch is lost (worst case)
+FAIL_RANK = 1
+
+
+def epoch_timing(client, run_id: str, launch_start: float) -> Tuple[float, float, List[float]]:
+    """(median epoch seconds, process start seconds, every epoch's seconds) of a run from its `epoch_time_s`
+    metric (one epoch's steps and validation, logged by rank 0 at the epoch's end). Process start: from the
+    launcher's call (`launch_start`, wall clock) to the first epoch's start (its metric's time less its duration):
+    rank processes, imports, hvd.init, data module and Lightning setup."""
+    history = sorted(client.get_metric_history(run_id, "epoch_time_s"), key=lambda m: m.step)
+    if not history:
+        return float("nan"), float("nan"), []
+    values = [m.value for m in history]
+    first = history[0]
+    return median(values), first.timestamp / 1000.0 - first.value - launch_start, values
+
+
+def cost_result(whole: List[float], cut: List[float], epoch_s: List[float], start_s: List[float], dataset: str,
+                context: Dict[str, Any]) -> Result:
+    """The restart_cost figure: median over the pairs of (cut - whole) / (epoch + start), with the issue's form of
+    the same comparison (wall ratio and its bound) in the parts."""
+    per = [ratio(c - w, e + s) for w, c, e, s in zip(whole, cut, epoch_s, start_s)]
+    w, c, e, s = median(whole), median(cut), median(epoch_s), median(start_s)
+    parts = {"uninterrupted_s": w, "with_failure_s": c, "extra_s": c - w, "epoch_s": e, "process_start_s": s,
+             "wall_ratio": ratio(c, w), "wall_ratio_bound": 1 + ratio(e + s, w),
+             "uninterrupted_s_per_pair": whole, "with_failure_s_per_pair": cut, **context}
+    note = ("the run with the failure lost more than the interrupted epoch and a relaunch: see extra_s against "
+            "epoch_s + process_start_s")
+    return Result("restart_cost", dataset, median(per), parts, len(per), per, note=note)
+
+
+def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
+    """`repeats` pairs of the same `workflow.train` (2 Horovod ranks on this machine, `EPOCHS` epochs, a checkpoint
+    per epoch, early stopping off) on `prep` (the sample) with a warm converted-data cache: uninterrupted, and with
+    rank 1 failing at the last step of epoch `FAIL_EPOCH` (`train.fail_at_step`: the rank raises and exits, Horovod's
+    launcher stops the other; the injected failure hits the first attempt only) and `train.max_restarts=1`, which
+    relaunches both ranks from the last checkpoint. Pairs alternate their order; an uninterrupted warm-up run
+    comes first. Registration goes to `<mlflow.registered_model>-bench-restarts` (never promoted; deleted after).
+    """
+    from mlflow.tracking import MlflowClient
+
+    from pipeline import workflow
+    from pipeline.bench.conversion import bench_cache_dir
+    from pipeline.distributed import launcher
+    from pipeline.tracking.runs import temporary_env
+
+    root = os.path.join(work_dir, "restart_cost")
+    shutil.rmtree(root, ignore_errors=True)
+    model = f"{cfg.mlflow.registered_model}-bench-restarts"
+    np_ = -2 if cfg.train.backend == "horovod" else cfg.train.np
+    base = apply_overrides(cfg, {
+        "delta.table": prep.table, "delta.version": prep.version, "data.cache_dir": bench_cache_dir(cfg, work_dir),
+        "train.np": np_, "train.max_epochs": EPOCHS, "train.early_stopping.enabled": False,
+        "train.checkpoint_every_n_steps": None, "train.warmup_epochs": 0, "mlflow.registered_model": model,
+        "mlflow.promote": False})
+    launches: List[float] = []
+
+    def launch_timer(original):
+        def wrapper(*a, **kw):
+            launches.append(time.time())
+            return original(*a, **kw)
+        return wrapper
+
+    def one(name: str, i: int, fail_step: int = None) -> Dict[str, Any]:
+        extra = {"train.checkpoint_dir": os.path.join(root, f"{name}-{i}")}
+        if fail_step is not None:
+            extra.update({"train.max_restarts": 1, "train.fail_at_step": fail_step, "train.fail_rank": FAIL_RANK})
+        del launches[:]
+        t0 = time.perf_counter()
+        out = workflow.train(spark, apply_overrides(base, extra), run_name=f"bench-restart-{name}-{i}")
+        wall = time.perf_counter() - t0
+        client = MlflowClient(out["tracking_uri"])
+        epoch_s, start_s, epochs = epoch_timing(client, out["run_id"], launches[0])
+        restarts = [m.value for m in client.get_metric_history(out["run_id"], "restarts")]
+        return {"wall": wall, "epoch_s": epoch_s, "start_s": start_s, "epochs": epochs, "restarts": restarts,
+                "launches": len(launches), "run_id": out["run_id"], "tracking_uri": out["tracking_uri"]}
+
+    whole: List[Dict[str, Any]] = []
+    cut: List[Dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_env({"LAKEHOUSE_PROGRESS": "0"}))
+        stack.enter_context(patched(launcher, "launch", launch_timer))
+        stack.enter_context(discarded(root, base.mlflow, model))
+        warm = one("warmup", 0)  # the driver's imports, the experiment, the registered model, the cache entry
+        client = MlflowClient(warm["tracking_uri"])
+        with open(client.download_artifacts(warm["run_id"], "shard_plan.json", root)) as fh:
+            steps = json.load(fh)["train"]["steps_per_epoch"]
+        fail_step = (FAIL_EPOCH + 1) * steps - 1
+        for i in range(1, sizes.repeats + 1):
+            for name in (("cut", "whole") if i % 2 else ("whole", "cut")):
+                (cut if name == "cut" else whole).append(one(name, i, fail_step if name == "cut" else None))
+    bad = [c for c in cut if c["restarts"] != [1] or c["launches"] != 2]
+    if bad:
+        log.warning("restart cost: %d run(s) with the failure did not restart exactly once: %s", len(bad),
+                    [(c["restarts"], c["launches"]) for c in bad])
+    context = {"epochs": EPOCHS, "fail_at_step": fail_step, "fail_epoch": FAIL_EPOCH, "steps_per_epoch": steps,
+               "fail_rank": FAIL_RANK, "world_size": world_size_of(base), "backend": base.train.backend,
+               "batch_size": base.data.batch_size, "restarts_per_run_with_failure": [c["restarts"] for c in cut],
+               "epoch_s_per_run": [w["epochs"] for w in whole], "warmup_s": round(warm["wall"], 3),
+               "path": "pipeline.workflow.train with train.max_restarts=1 vs without a failure"}
+    result = cost_result([w["wall"] for w in whole], [c["wall"] for c in cut], [w["epoch_s"] for w in whole],
+                         [w["start_s"] for w in whole], prep.name, context)
+    log.info("restart cost on %s: uninterrupted %.2f s, with one failure %.2f s, epoch %.2f s, start %.2f s: "
+             "ratio %.3f (wall ratio %.3f <= bound %.3f)", prep.name, result.parts["uninterrupted_s"],
+             result.parts["with_failure_s"], result.parts["epoch_s"], result.parts["process_start_s"], result.ratio,
+             result.parts["wall_ratio"], result.parts["wall_ratio_bound"])
+    return [result]

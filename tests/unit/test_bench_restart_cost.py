@@ -1,0 +1,26 @@
+"""The restart-cost figure: extra wall time over (epoch + process start), and the issue's wall-ratio form of it."""
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.bench.restart_cost import cost_result, epoch_timing
+
+
+def test_restart_cost_passes_when_only_an_epoch_and_a_start_are_lost():
+    r = cost_result([100.0, 102.0], [110.0, 113.0], [5.0, 5.0], [6.0, 6.0], "sample", {})
+    assert r.ratio == pytest.approx((10 / 11 + 11 / 11) / 2) and r.passed
+    assert r.parts["wall_ratio"] == pytest.approx(111.5 / 101) and r.parts["wall_ratio"] <= r.parts["wall_ratio_bound"]
+
+
+def test_restart_cost_fails_when_more_is_lost():
+    r = cost_result([100.0], [125.0], [5.0], [6.0], "sample", {})
+    assert r.ratio == pytest.approx(25 / 11) and not r.passed
+    assert r.parts["wall_ratio"] > r.parts["wall_ratio_bound"]
+
+
+def test_epoch_timing_from_the_epoch_metric():
+    history = [SimpleNamespace(step=1, value=3.0, timestamp=1_000_020_000),
+               SimpleNamespace(step=0, value=4.0, timestamp=1_000_016_000)]
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: history)
+    epoch_s, start_s, epochs = epoch_timing(client, "run", launch_start=1_000_005.0)
+    assert epochs == [4.0, 3.0] and epoch_s == 3.5 and start_s == pytest.approx(7.0)  # 1e6+16 - 4 - (1e6+5)
