@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", action="append", default=None, help="clear only this entry (repeatable)")
     _add_conf(p)
 
+    p = sub.add_parser("sync-run", help="upload a run left offline (the tracking server was down) to MLflow")
+    p.add_argument("folder", help="the run's folder (<job dir>/offline_run, named by `lakehouse train`)")
+    p.add_argument("overrides", nargs="*", help="e.g. mlflow.tracking_uri=http://host:5000 (default: the run's)")
+
     p = sub.add_parser("doctor", help="check the installed stack")
     _add_conf(p)
 
@@ -90,6 +94,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             counts = render_digits(args.out, size=args.size, limit=args.limit)
             print(json.dumps({"out": args.out, "images": sum(counts.values()), "classes": counts}))
+            return 0
+        if args.command == "sync-run":
+            from pipeline.tracking.offline import sync_run
+
+            print(json.dumps(sync_run(args.folder, args.overrides)))
             return 0
         cfg = load_config(args.conf, args.overrides)
         if args.command == "doctor":
@@ -144,6 +153,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
                 summary = train(spark, cfg, run_name=args.run_name)
                 print(json.dumps(summary), flush=True)
+                if summary.get("offline_run"):  # trained, but MLflow never came back: nothing registered yet
+                    log.error("MLflow unreachable: run kept in %s; upload it with `lakehouse sync-run %s`",
+                              summary["offline_run"], summary["offline_run"])
+                    return 3
                 return 0
     except ConfigError as exc:
         log.error("%s", exc)

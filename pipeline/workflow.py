@@ -59,6 +59,70 @@ def _record_restart(run, n: int, cause: str) -> None:
         log.warning("could not record restart %d in MLflow: %s", n, exc)
 
 
+CHECKPOINT_NAMES = {"last": "last.ckpt", "best": "best.ckpt"}
+
+
+def run_checkpoint_dir(cfg: Config, run_id: str) -> str:
+    """The run's own checkpoint folder, `<train.checkpoint_dir>/<run_id>`: jobs sharing a checkpoint_dir never
+    overwrite or reload each other's checkpoints."""
+    return os.path.join(os.path.abspath(cfg.train.checkpoint_dir), run_id)
+
+
+def job_dir_of(cfg: Config, run_id: str) -> str:
+    """The driver's and ranks' scratch folder of the run (failures, markers, a run left offline)."""
+    return os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run_id)
+
+
+def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
+    """`train.ckpt_restore` as a path: `last` / `best` in this run's folder, `<run_id>/last` / `<run_id>/best` in
+    that run's folder under `train.checkpoint_dir`, anything else a path.
+
+    Raises:
+        ConfigError: the checkpoint does not exist (with the runs under the folder that have one).
+    """
+    value = cfg.train.ckpt_restore
+    if not value:
+        return None
+    base = os.path.abspath(cfg.train.checkpoint_dir)
+    owner, _, which = value.rpartition("/")
+    if value in CHECKPOINT_NAMES:
+        path = os.path.join(base, run_id, CHECKPOINT_NAMES[value])
+    elif which in CHECKPOINT_NAMES and owner and "/" not in owner and not os.path.exists(value):
+        path = os.path.join(base, owner, CHECKPOINT_NAMES[which])
+    else:
+        path = value
+    if os.path.exists(path):
+        return path
+    name = CHECKPOINT_NAMES.get(which or value, "last.ckpt")
+    found = sorted((d for d in os.listdir(base) if os.path.exists(os.path.join(base, d, name))),
+                   key=lambda d: -os.path.getmtime(os.path.join(base, d, name))) if os.path.isdir(base) else []
+    hint = (f"; runs with a {name} under {base} (newest first): {', '.join(found[:5])} (set train.ckpt_restore="
+            f"<run_id>/{name[:-5]})") if found else ""
+    mine = " (this run's own folder: checkpoints are kept per MLflow run)" if value in CHECKPOINT_NAMES else ""
+    raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist{mine}{hint}")
+
+
+def _in_run_folder(cfg: Config, run_id: str) -> Config:
+    """`cfg` with the checkpoints in the run's own folder and `train.ckpt_restore` resolved to a path."""
+    import dataclasses
+
+    train = dataclasses.replace(cfg.train, checkpoint_dir=run_checkpoint_dir(cfg, run_id),
+                                ckpt_restore=resolve_restore(cfg, run_id))
+    return dataclasses.replace(cfg, train=train)
+
+
+def _record_batch(run, n: int, plan, cause: str) -> None:
+    """An OOM back-off (data.batch_size=auto, train.oom_backoff) in the run: the `batch_size_used` tag, the
+    `oom_backoffs` metric, a tag with its cause and the new shard plan."""
+    try:
+        run.client.set_tag(run.run_id, "batch_size_used", plan.train.batch_size)
+        run.client.log_metric(run.run_id, "oom_backoffs", n, step=n)
+        run.client.set_tag(run.run_id, f"oom_backoff_{n}_cause", cause[:4000])
+        run.client.log_dict(run.run_id, {"train": plan.train.__dict__, "val": plan.val.__dict__}, "shard_plan.json")
+    except Exception as exc:  # the training matters more than its record
+        log.warning("could not record OOM back-off %d in MLflow: %s", n, exc)
+
+
 def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None):
     """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
 
@@ -83,9 +147,13 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
                 {"train": rows_train, "val": rows_val}, extra_tags=tags)
     run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
                         "shard_plan.json")
+    job_dir = job_dir_of(cfg, run.run_id)
+    cfg = _in_run_folder(cfg, run.run_id)
+    run.client.set_tag(run.run_id, "checkpoint_dir", cfg.train.checkpoint_dir)
+    if cfg.train.ckpt_restore:
+        run.client.set_tag(run.run_id, "resumed_from", cfg.train.ckpt_restore)
     job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
-                   run_id=run.run_id, tracking_uri=run.tracking_uri,
-                   job_dir=os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run.run_id))
+                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir)
     if epoch_gate is not None:
         job.epoch_gate_dir = epoch_gate.folder
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
@@ -93,7 +161,9 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
         results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause))
     log.info("training finished in %.1f s", time.time() - t0)
-    log_rank_hosts(run.client, run.run_id, results)
+    from pipeline.tracking.offline import left_offline
+
+    log_rank_hosts(left_offline(job_dir) or run.client, run.run_id, results)  # the server gone: into the folder
     r0 = next(r for r in results if r.rank == 0)
     if r0.stop_reason and r0.stop_reason.startswith("SIGTERM"):
         raise Terminated(r0.stop_reason)
@@ -129,6 +199,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
 
     Returns the summary that `lakehouse train` prints as its last line of JSON.
     """
+    from pipeline.tracking.offline import left_offline, record_job
     from pipeline.tracking.runs import configure, tracked_run
 
     client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
@@ -140,6 +211,13 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
     tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
         r0 = train_in_run(run, cfg, data, pinned, tags)
+        offline = left_offline(job_dir_of(cfg, run.run_id))
+        if offline is not None:  # the server never came back: `lakehouse sync-run <folder>` uploads the run
+            record_job(offline, run, cfg, pinned, {"train": rows_train, "val": rows_val}, tags, r0, run_name)
+            return {"run_id": run.run_id, "offline_run": offline.folder, "model_name": cfg.mlflow.registered_model,
+                    "model_version": None, "delta_table": pinned.table, "delta_version": pinned.version,
+                    "epochs": r0.epochs, "val_loss": r0.metrics.get("val_loss"), "val_acc": r0.metrics.get("val_acc"),
+                    "tracking_uri": run.tracking_uri}
         if not r0.model_uri:
             raise RuntimeError("rank 0 returned no model; nothing registered")
         version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics)

@@ -1,4 +1,5 @@
-"""What training rank 0 writes into the driver's MLflow run: per-epoch metrics, plots, the model."""
+"""What training rank 0 writes into the driver's MLflow run (per-epoch metrics, plots, the model), or into a local
+folder when the server never comes back."""
 from __future__ import annotations
 
 import os
@@ -25,19 +26,32 @@ class RankZeroTracker:
         self.client = MlflowClient(tracking_uri) if tracking_uri else MlflowClient()
         self.pending: List = []  # (step, metrics) not yet accepted by the server, oldest first
         self.local_dir = local_dir
+        self.epochs: List = []  # every epoch (step, metrics, timestamp ms): what a run left offline keeps
+        self.sent: set = set()  # the steps the server took
+        self.offline = None  # an OfflineRun once the server is given up on
+        self.tags: Dict[str, str] = {}  # set by rank 0 (kept for a run left offline)
+        self.unsent_tags: Dict[str, str] = {}
 
     def record_precision(self, precision: str) -> None:
         """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
         if not is_rank_zero():
             return
-        self.client.set_tag(self.run_id, "precision", precision)
+        self.tags["precision"] = precision
+        try:
+            self.client.set_tag(self.run_id, "precision", precision)
+        except Exception as exc:  # kept, and sent with the model (or left offline with it)
+            log.warning("MLflow did not take the precision tag (%s: %s)", type(exc).__name__, exc)
+            self.unsent_tags["precision"] = precision
 
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
         """Send an epoch's metrics; while the server is unreachable they wait (oldest first, at most
         MAX_PENDING_EPOCHS) and go with the next epoch that gets through, so training never waits on MLflow."""
         if not is_rank_zero():
             return
+        import time
+
         self.pending.append((int(step), dict(metrics)))
+        self.epochs.append((int(step), dict(metrics), int(time.time() * 1000)))
         if len(self.pending) > MAX_PENDING_EPOCHS:
             dropped = self.pending.pop(0)
             self._keep_locally([dropped])
@@ -56,6 +70,7 @@ class RankZeroTracker:
                             "answers again", step, type(exc).__name__, exc, len(self.pending))
                 return False
             self.pending.pop(0)
+            self.sent.add(step)
         return True
 
     def _keep_locally(self, items) -> None:
@@ -73,28 +88,81 @@ class RankZeroTracker:
                     path)
 
     def close(self) -> None:
-        """At the end of training: a last try, then whatever is left goes to the local file."""
+        """At the end of training: a last try, then whatever is left goes to the local file (and stays pending for
+        `finish`, which waits for the server before leaving the run offline)."""
         if self.pending and not self.flush():
             self._keep_locally(self.pending)
-            self.pending = []
 
     def finish(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
-        """Plots, the per-rank host/pid, the confusion matrix and the servable model; returns the model URI."""
+        """Plots, the per-rank host/pid, the confusion matrix and the servable model; returns the model URI.
+
+        The server unreachable: it is waited for, at most `mlflow.reconnect_wait_s`; if it does not come back, the
+        metrics, plots and model go to the job's offline folder (`lakehouse sync-run` uploads it) and None is returned.
+        """
         if not is_rank_zero():
             return None
-        from pipeline.model.module import network_meta
-        from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png
-        from pipeline.tracking.pyfunc import log_model
+        from pipeline.tracking.offline import server_back
 
-        cfg = job.cfg
+        wait_s, retry_s = job.cfg.mlflow.reconnect_wait_s, job.cfg.mlflow.retry_wait_s
+        if self.pending and server_back(self.client, self.run_id, wait_s, retry_s) and self.flush():
+            self._drop_local_file()
+        if not self.pending:
+            try:
+                for key, value in self.unsent_tags.items():
+                    self.client.set_tag(self.run_id, key, value)
+                return self._finish_online(model, job, history, result)
+            except Exception as exc:
+                if server_back(self.client, self.run_id, wait_s, retry_s):
+                    raise
+                log.warning("MLflow went away while rank 0 logged the model (%s: %s)", type(exc).__name__, exc)
+        self._go_offline(job)
+        return self._finish_offline(model, job, history, result)
+
+    def _drop_local_file(self) -> None:
+        path = os.path.join(self.local_dir or "", f"unsent_metrics_{self.run_id}.jsonl")
+        if self.local_dir and os.path.exists(path):
+            os.remove(path)
+            log.info("the buffered metrics reached MLflow after all; %s removed", path)
+
+    def _go_offline(self, job) -> None:
+        from pipeline.tracking.offline import OfflineRun, offline_folder
+
+        self.offline = OfflineRun(offline_folder(job.job_dir))
+        self.offline.write_metrics((step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs)
+        self.offline.update(tags=self.tags)
+        log.warning("MLflow at %s did not come back within %.0f s (config key 'mlflow.reconnect_wait_s'): run %s's "
+                    "metrics, plots and model are kept in %s; upload them with `lakehouse sync-run %s`",
+                    job.tracking_uri, job.cfg.mlflow.reconnect_wait_s, self.run_id, self.offline.folder,
+                    self.offline.folder)
+
+    def _plots(self, model, job, history, target) -> None:
+        from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png
+
         with tempfile.TemporaryDirectory() as tmp:
             if history:
                 learning_curves_png(history, os.path.join(tmp, "learning_curves.png"))
-                self.client.log_artifact(self.run_id, os.path.join(tmp, "learning_curves.png"), "plots")
+                target.log_artifact(self.run_id, os.path.join(tmp, "learning_curves.png"), "plots")
             cm = getattr(model, "last_confusion", None)
             if cm is not None:
                 confusion_matrix_png(cm.cpu().numpy(), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
-                self.client.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
+                target.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
+
+    def _finish_offline(self, model, job, history, result) -> Optional[str]:
+        from pipeline.model.module import network_meta
+
+        self._plots(model, job, history, self.offline)
+        meta = network_meta(job.cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
+        model.eval()
+        self.offline.save_model(model.network.cpu(), meta, result.epochs)
+        log.info("kept the model of run %s in %s", self.run_id, self.offline.folder)
+        return None
+
+    def _finish_online(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
+        from pipeline.model.module import network_meta
+        from pipeline.tracking.pyfunc import log_model
+
+        cfg = job.cfg
+        self._plots(model, job, history, self.client)
         meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
         model.eval()
         uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)

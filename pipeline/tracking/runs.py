@@ -268,7 +268,8 @@ class TrackedRun:
     tracking_uri: str
 
 
-def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str, cfg_mlflow: MlflowConfig) -> None:
+def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str, cfg_mlflow: MlflowConfig) -> bool:
+    """Mark the run ended with `status` (bounded retries); False when the server could not be told."""
     # Bounded: a job being killed has seconds, not the minutes MLflow's default HTTP retries can take. The run is
     # recorded in mlflow.unended_runs at the first failure, so a driver killed while retrying still leaves it there.
     end_ms = int(time.time() * 1000)
@@ -277,7 +278,7 @@ def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str,
         try:
             with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}):
                 client.set_terminated(run_id, status=status, end_time=end_ms)
-            return
+            return True
         except Exception as exc:  # never mask the exception that ended the run
             if not recorded:
                 recorded = True
@@ -291,6 +292,7 @@ def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str,
                 time.sleep(1.0)
                 continue
             log.error("could not mark MLflow run %s as %s: %s", run_id, status, _short(exc))
+    return False
 
 
 @contextlib.contextmanager
@@ -345,10 +347,11 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
         raise
     finally:
         terminating["flag"] = True
-        _end_run(client, experiment_id, run_id, status, cfg.mlflow)
+        ended = _end_run(client, experiment_id, run_id, status, cfg.mlflow)
         if installed:
             signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
-        log.info("MLflow run %s ended %s", run_id, status)
+        if ended:
+            log.info("MLflow run %s ended %s", run_id, status)
 
 
 def _run_tags(tags: Optional[Dict[str, Any]]) -> Dict[str, str]:

@@ -61,6 +61,12 @@ def _ranks_of(proc: subprocess.Popen):
     return out
 
 
+def _run_ckpt(tmp: Path):
+    """The run's last.ckpt (checkpoints live in <checkpoint_dir>/<run_id>/), or None before the first."""
+    found = sorted((tmp / "ckpt").glob("*/last.ckpt"))
+    return found[0] if found else None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -100,8 +106,8 @@ def test_rank_sigkilled_fails_in_bound_then_resume_continues(table, tmp_path):
     """Faults 1 and 2: a rank SIGKILLed mid-epoch; then `train.ckpt_restore=last` resumes."""
     proc = _start_train(tmp_path, table, "train.max_epochs=30", "train.early_stopping.enabled=false")
     try:
-        ckpt = tmp_path / "ckpt" / "last.ckpt"
-        _wait_for(ckpt.exists, 400, "the first checkpoint", proc, tmp_path)
+        _wait_for(lambda: _run_ckpt(tmp_path), 400, "the first checkpoint", proc, tmp_path)
+        ckpt = _run_ckpt(tmp_path)
         ranks = _ranks_of(proc)
         assert len(ranks) == 2, [r.cmdline() for r in ranks]
         everything = psutil.Process(proc.pid).children(recursive=True)
@@ -123,7 +129,7 @@ def test_rank_sigkilled_fails_in_bound_then_resume_continues(table, tmp_path):
 
     saved_epoch = torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"]
     out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *_paths(tmp_path, table),
-                             "train.ckpt_restore=last", f"train.max_epochs={saved_epoch + 2}",
+                             f"train.ckpt_restore={ckpt.parent.name}/last", f"train.max_epochs={saved_epoch + 2}",
                              "mlflow.experiment=resumed"),
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -278,9 +284,9 @@ def test_mlflow_down_at_start_is_bounded(table, tmp_path):
 def test_sigterm_to_driver_checkpoints_and_ends_killed(table, tmp_path):
     """Fault 11: SIGTERM: the ranks stop together, rank 0 writes a last checkpoint, the run ends KILLED."""
     proc = _start_train(tmp_path, table, "train.max_epochs=30", "train.early_stopping.enabled=false")
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
     try:
-        _wait_for(ckpt.exists, 400, "the first checkpoint", proc, tmp_path)
+        _wait_for(lambda: _run_ckpt(tmp_path), 400, "the first checkpoint", proc, tmp_path)
+        ckpt = _run_ckpt(tmp_path)
         first_mtime = ckpt.stat().st_mtime
         everything = psutil.Process(proc.pid).children(recursive=True)
         time.sleep(1.0)

@@ -89,7 +89,8 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     assert str(champion.version) == str(versions[0].version) == str(summary["model_version"])
 
     # the checkpoint records what it was trained on
-    ckpt = torch.load(os.path.join(cfg.train.checkpoint_dir, "last.ckpt"), map_location="cpu", weights_only=False)
+    ckpt = torch.load(os.path.join(cfg.train.checkpoint_dir, summary["run_id"], "last.ckpt"), map_location="cpu",
+                      weights_only=False)
     assert ckpt["lakehouse"] == {"delta_table": str(digits_table), "delta_version": 0}
 
     # the registered model predicts label names for rows read back from the Delta table
@@ -133,12 +134,12 @@ def test_resume_continues_epochs_and_checks_lineage(spark, digits_table, tmp_pat
     cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1")
     first = workflow.train(spark, cfg)
     assert first["epochs"] == 1
-    ckpt_path = os.path.join(cfg.train.checkpoint_dir, "last.ckpt")
+    ckpt_path = os.path.join(cfg.train.checkpoint_dir, first["run_id"], "last.ckpt")  # checkpoints are per run
     saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     momentum_before = saved["optimizer_states"][0]["state"]
     assert momentum_before, "SGD momentum buffers were checkpointed"
 
-    cfg2 = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=3", "train.ckpt_restore=last",
+    cfg2 = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=3", f"train.ckpt_restore={first['run_id']}/last",
                 "mlflow.experiment=resumed")
     second = workflow.train(spark, cfg2)
     assert second["epochs"] == 3

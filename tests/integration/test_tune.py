@@ -150,7 +150,7 @@ def test_resume_after_kill_runs_only_missing_trials(spark, digits_table, tmp_pat
             assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             if "trial 2/3 (#1) starts" in log_path.read_text() and \
-                    list((tmp_path / "checkpoints").glob("tune/resumable/trial-1/*.ckpt")):
+                    list((tmp_path / "checkpoints").glob("tune/resumable/trial-1/*/*.ckpt")):
                 break
             time.sleep(0.5)
     finally:

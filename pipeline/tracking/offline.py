@@ -1,0 +1,281 @@
+"""A run left in a local folder when the tracking server never came back, and `lakehouse sync-run` that uploads it.
+
+The folder (`<job dir>/offline_run`) holds what the server did not get: `run.json` (run id, experiment, server, tags,
+the pinned Delta version, the true end status and whether the job would have registered the model), `config.yaml`,
+`metrics.jsonl` (every epoch's metrics with their steps, and whether the server already took them), `artifacts/`
+(plots, ranks.json, ...) and `model/` (the network's weights and what rebuilds it). Rank 0 writes the metrics, plots
+and model; the driver the rest, through the same calls it makes on an MLflow client (`set_tag`, `log_dict`, ...).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+FOLDER_NAME = "offline_run"
+# A probe of the server must fail fast: the caller's own bounded loop does the waiting.
+_PROBE_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
+class SyncError(RuntimeError):
+    """A folder that `lakehouse sync-run` cannot upload; the message names the folder and the file."""
+
+
+def offline_folder(job_dir: str) -> str:
+    return os.path.join(job_dir, FOLDER_NAME)
+
+
+def left_offline(job_dir: str) -> Optional["OfflineRun"]:
+    """The run rank 0 left in `job_dir` because the server never came back, or None."""
+    folder = offline_folder(job_dir)
+    return OfflineRun(folder) if os.path.exists(os.path.join(folder, "model", "network.pt")) else None
+
+
+def server_back(client, run_id: str, wait_s: float, retry_wait_s: float) -> bool:
+    """Whether the server answers for `run_id` within `wait_s` seconds (probed every `retry_wait_s`)."""
+    from pipeline.tracking.runs import temporary_env
+
+    deadline = time.monotonic() + max(0.0, float(wait_s))
+    while True:
+        try:
+            with temporary_env(_PROBE_ENV):
+                client.get_run(run_id)
+            return True
+        except Exception as exc:  # connection refused, timeouts, 5xx while it starts
+            if time.monotonic() >= deadline:
+                log.warning("MLflow still unreachable after %.0f s (config key 'mlflow.reconnect_wait_s'): %s",
+                            wait_s, exc)
+                return False
+        time.sleep(max(0.1, float(retry_wait_s)))
+
+
+class OfflineRun:
+    """The folder of one run kept offline; also takes the MLflow client calls the driver makes on a run."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = os.path.abspath(folder)
+
+    # -- writing ---------------------------------------------------------------------------------------------------
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.folder, *parts)
+
+    @contextlib.contextmanager
+    def _atomic(self, path: str, mode: str = "w") -> Iterator[Any]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, mode) as fh:
+                yield fh
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def read(self) -> Dict[str, Any]:
+        path = self._path("run.json")
+        if not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as fh:
+                return json.load(fh)
+        except ValueError as exc:
+            raise SyncError(f"{path} is not valid JSON: {exc}") from None
+
+    def update(self, **fields: Any) -> Dict[str, Any]:
+        """Merge `fields` into run.json (tags merge key by key)."""
+        data = self.read()
+        for key, value in fields.items():
+            if key == "tags":
+                data.setdefault("tags", {}).update({str(k): str(v) for k, v in value.items()})
+            else:
+                data[key] = value
+        with self._atomic(self._path("run.json")) as fh:
+            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+        return data
+
+    def write_metrics(self, epochs: Iterable[Tuple[int, Dict[str, float], int, bool]]) -> None:
+        """Every epoch's metrics: (step, metrics, timestamp in ms, whether the server already took them)."""
+        with self._atomic(self._path("metrics.jsonl")) as fh:
+            for step, metrics, ts, sent in epochs:
+                for key, value in metrics.items():
+                    fh.write(json.dumps({"key": key, "value": float(value), "step": int(step), "timestamp": int(ts),
+                                         "sent": bool(sent)}) + "\n")
+
+    def save_model(self, network, meta: Dict[str, Any], step: int) -> str:
+        """The network's weights and what rebuilds it (`sync-run` logs it with the same pyfunc code as online)."""
+        import torch
+
+        folder = self._path("model")
+        os.makedirs(folder, exist_ok=True)
+        with self._atomic(os.path.join(folder, "meta.json")) as fh:
+            json.dump({"meta": meta, "step": int(step)}, fh, indent=2, sort_keys=True)
+        with self._atomic(os.path.join(folder, "network.pt"), "wb") as fh:  # last: its presence marks the folder
+            torch.save({k: v.detach().cpu() for k, v in network.state_dict().items()}, fh)
+        return folder
+
+    # the MLflow client calls the driver and rank 0 make on a run (the run id is the folder's)
+    def set_tag(self, run_id: str, key: str, value: Any) -> None:
+        self.update(tags={key: value})
+
+    def log_artifact(self, run_id: str, local_path: str, artifact_path: Optional[str] = None) -> None:
+        dest = self._path("artifacts", *([artifact_path] if artifact_path else []))
+        os.makedirs(dest, exist_ok=True)
+        shutil.copy2(local_path, os.path.join(dest, os.path.basename(local_path)))
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        with self._atomic(self._path("artifacts", artifact_file)) as fh:
+            fh.write(text)
+
+    def log_dict(self, run_id: str, dictionary: Any, artifact_file: str) -> None:
+        self.log_text(run_id, json.dumps(dictionary, indent=2, default=str), artifact_file)
+
+    # -- reading ---------------------------------------------------------------------------------------------------
+    def metrics(self) -> List[Dict[str, Any]]:
+        path = self._path("metrics.jsonl")
+        out: List[Dict[str, Any]] = []
+        if not os.path.exists(path):
+            return out
+        with open(path) as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                    out.append({"key": str(item["key"]), "value": float(item["value"]), "step": int(item["step"]),
+                                "timestamp": int(item["timestamp"]), "sent": bool(item.get("sent"))})
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise SyncError(f"{path} line {number} is not a metric ({exc})") from None
+        return out
+
+
+def _run_exists(client, run_id: str, experiment_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code):
+            return False
+        raise
+    return run.info.experiment_id == experiment_id and run.info.lifecycle_stage == "active"
+
+
+def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Upload a run left offline to the tracking server (the folder's, or `mlflow.tracking_uri=` in `overrides`).
+
+    The run continues where the server has it (else a new run is created in the experiment, tagged with the
+    original id): the metrics the server never took, the tags, the artifacts, the model (logged by the same code
+    as online), then the run's true end status; the model is registered through the same gate as `lakehouse train`
+    when the job would have registered it. A folder already uploaded is not uploaded twice.
+
+    Raises:
+        SyncError: the folder is not a run left offline, or was uploaded already.
+    """
+    from mlflow.entities import Metric, RunTag
+
+    from pipeline.config import load_config
+    from pipeline.tracking.runs import _connect, log_config, log_lineage
+
+    off = OfflineRun(folder)
+    info = off.read()
+    model_file = os.path.join(off.folder, "model", "network.pt")
+    if not info or not os.path.exists(model_file) or not os.path.exists(os.path.join(off.folder, "config.yaml")):
+        raise SyncError(f"{off.folder} is not a run left offline by `lakehouse train` (it needs run.json, "
+                        "config.yaml and model/network.pt)")
+    if info.get("synced"):
+        raise SyncError(f"{off.folder} was uploaded already: {json.dumps(info['synced'])}")
+    overrides = list(overrides or [])
+    if not any(o.startswith("mlflow.tracking_uri=") for o in overrides) and info.get("tracking_uri"):
+        overrides.insert(0, f"mlflow.tracking_uri={info['tracking_uri']}")
+    cfg = load_config(os.path.join(off.folder, "config.yaml"), overrides)
+    client, experiment_id = _connect(cfg.mlflow)
+
+    run_id = str(info["run_id"])
+    continued = _run_exists(client, run_id, experiment_id)
+    lineage = info.get("lineage") or {}
+    if not continued:
+        run = client.create_run(experiment_id, run_name=info.get("run_name"), start_time=info.get("start_time"),
+                                tags={"lakehouse.offline_run_id": run_id})
+        run_id = run.info.run_id
+        log_config(client, run_id, cfg)
+        if lineage:
+            log_lineage(client, run_id, lineage["table"], int(lineage["version"]), lineage.get("rows") or {})
+    tags = [RunTag(k, str(v)[:5000]) for k, v in (info.get("tags") or {}).items()]
+    tags.append(RunTag("lakehouse.synced_from", off.folder))
+    for start in range(0, len(tags), 100):
+        client.log_batch(run_id, tags=tags[start:start + 100], synchronous=True)
+    metrics = [Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in off.metrics()
+               if not (continued and m["sent"])]
+    for start in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
+    artifacts = os.path.join(off.folder, "artifacts")
+    if os.path.isdir(artifacts):
+        client.log_artifacts(run_id, artifacts)
+    model_uri = _log_offline_model(off, run_id)
+
+    summary: Dict[str, Any] = {"folder": off.folder, "run_id": run_id, "offline_run_id": str(info["run_id"]),
+                               "continued": continued, "metrics": len(metrics), "model_uri": model_uri,
+                               "status": info.get("status", "FINISHED"), "model_version": None, "champion": False,
+                               "tracking_uri": cfg.mlflow.tracking_uri}
+    if info.get("register"):
+        from pipeline.workflow import register_and_promote
+
+        version, decision = register_and_promote(client, cfg, model_uri, run_id, _Pinned(lineage),
+                                                 {k: float(v) for k, v in (info.get("gate_metrics") or {}).items()})
+        summary.update(model_version=int(version), champion=bool(decision and decision.promoted))
+    client.set_terminated(run_id, status=summary["status"], end_time=info.get("end_time"))
+    off.update(synced={"run_id": run_id, "tracking_uri": cfg.mlflow.tracking_uri,
+                       "model_version": summary["model_version"], "at": int(time.time() * 1000)})
+    log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s", off.folder, run_id,
+             "continued" if continued else "created", len(metrics),
+             f"; registered version {summary['model_version']}" if summary["model_version"] is not None else "")
+    return summary
+
+
+class _Pinned:
+    """The pinned Delta table and version as `register_and_promote` reads them."""
+
+    def __init__(self, lineage: Dict[str, Any]) -> None:
+        self.table = lineage.get("table")
+        self.version = lineage.get("version")
+
+
+def _log_offline_model(off: OfflineRun, run_id: str) -> str:
+    import torch
+
+    from pipeline.model.nets import build_network
+    from pipeline.tracking.pyfunc import log_model
+
+    with open(os.path.join(off.folder, "model", "meta.json")) as fh:
+        saved = json.load(fh)
+    meta = saved["meta"]
+    network = build_network(meta["arch"], meta["channels"], len(meta["class_names"]), meta["width"])
+    network.load_state_dict(torch.load(os.path.join(off.folder, "model", "network.pt"), map_location="cpu"))
+    network.eval()
+    return log_model(network, meta, "model", run_id=run_id, step=int(saved.get("step", 0)))
+
+
+def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Dict[str, Any], r0,
+               run_name: Optional[str] = None, register: bool = True) -> Dict[str, Any]:
+    """The driver's part of a run left offline: the config, lineage, tags, gate metrics and the true end status
+    (FINISHED: training ended normally), and whether the job would have registered the model."""
+    from pipeline.config import to_yaml
+
+    off.log_text(run.run_id, to_yaml(cfg), "config.yaml")
+    shutil.move(off._path("artifacts", "config.yaml"), off._path("config.yaml"))
+    return off.update(run_id=run.run_id, run_name=run_name, experiment=cfg.mlflow.experiment,
+                      experiment_id=run.experiment_id, tracking_uri=run.tracking_uri, status="FINISHED",
+                      end_time=int(time.time() * 1000), register=bool(register),
+                      gate_metrics={k: v for k, v in (r0.metrics or {}).items()},
+                      lineage={"table": pinned.table, "version": int(pinned.version), "rows": dict(rows)},
+                      tags={str(k): str(v) for k, v in (tags or {}).items()},
+                      epochs=r0.epochs, stopped_early=r0.stopped_early)
