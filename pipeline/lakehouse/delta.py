@@ -6,7 +6,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 from pipeline.log import get_logger
@@ -81,12 +81,25 @@ class DeltaEngine:
         """A DataFrame of the table at `version` (latest when None) and the version it is pinned to."""
         raise NotImplementedError
 
-    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
-        """Write `df` in one atomic commit (`mode` append|overwrite); return the new version."""
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
+              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
+        """Write `df` in one atomic commit (`mode` append|overwrite); return the new version.
+
+        `commit_metadata` is recorded, as JSON, in the commit's `userMetadata` (what DESCRIBE HISTORY shows).
+        """
         raise NotImplementedError
 
     def history(self, spark, table: str) -> List[dict]:
         raise NotImplementedError
+
+    def commit_metadata(self, spark, table: str, version: Optional[int] = None) -> Dict[str, Any]:
+        """The `commit_metadata` written with `version` (latest when None); {} when the commit has none."""
+        version = self.latest_version(spark, table) if version is None else version
+        for entry in self.history(spark, table):
+            if entry.get("version") == version:
+                text = entry.get("userMetadata")
+                return json.loads(text) if text else {}
+        raise DeltaError(f"Delta table {table} has no commit {version} in its history")
 
     def check_append_schema(self, spark, table: str, df) -> None:
         if not self.exists(spark, table):
@@ -198,14 +211,15 @@ class DeltaRsEngine(DeltaEngine):
             a.get("num_records") is not None for a in actions) else None
         return df, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows)
 
-    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
+              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
         """Executors write Parquet into the table folder; the driver commits those files in one transaction.
 
         Files written by an attempt that does not commit are not in the log: readers never see them.
         """
         import pyarrow.parquet as pq
         from deltalake import DeltaTable, Schema
-        from deltalake.transaction import AddAction, create_table_with_add_actions
+        from deltalake.transaction import AddAction, CommitProperties, create_table_with_add_actions
 
         if mode not in ("append", "overwrite"):
             raise DeltaError(f"write mode {mode!r} is not append or overwrite")
@@ -250,13 +264,14 @@ class DeltaRsEngine(DeltaEngine):
         # The table schema comes from Spark's (with partition columns), not from one file's footer.
         full_schema = to_arrow_schema(df.schema)
         full_schema = pa.schema([f.with_nullable(True) for f in full_schema])
+        props = CommitProperties(custom_metadata={"userMetadata": json.dumps(commit_metadata)}) if commit_metadata else None
         if not exists:
             create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
-                                          partition_by=list(partition_by) or None)
+                                          partition_by=list(partition_by) or None, commit_properties=props)
         else:
             dt = DeltaTable(root)
             dt.create_write_transaction(adds, mode=mode, schema=dt.schema() if mode == "append" else Schema.from_arrow(full_schema),
-                                        partition_by=list(partition_by) or None)
+                                        partition_by=list(partition_by) or None, commit_properties=props)
         version = DeltaTable(root).version()
         log.info("committed %d file(s) to Delta table %s as version %d", len(adds), table, version)
         return version
@@ -293,11 +308,14 @@ class SparkDeltaEngine(DeltaEngine):
         df = spark.read.format("delta").option("versionAsOf", pinned).load(table)
         return df, PinnedTable(table=table, version=pinned, num_files=-1, num_rows=None)
 
-    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = ()) -> int:
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
+              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
         spark = df.sparkSession
         if mode == "append":
             self.check_append_schema(spark, table, df)
         writer = df.write.format("delta").mode(mode)
+        if commit_metadata:
+            writer = writer.option("userMetadata", json.dumps(commit_metadata))
         if partition_by:
             writer = writer.partitionBy(*partition_by)
         writer.save(table)

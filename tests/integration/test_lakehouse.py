@@ -72,8 +72,8 @@ def test_bad_file_skipped_and_listed_or_fails_whole_ingest(spark, digits_dir, tm
     cfg = make_config(tmp_path)
     res = _ingest(spark, cfg, src)
     assert res.rows_written == 20
-    assert [p for p, _ in res.skipped] == [str(bad)]
-    assert "not a decodable image" in res.skipped[0][1]
+    assert [(s.path, s.reason) for s in res.skipped] == [(str(bad), "undecodable")]
+    assert "not a decodable image" in res.skipped[0].detail
     # and with fail, an existing table keeps its version
     with pytest.raises(IngestError):
         _ingest(spark, cfg_fail, src)  # same table path
@@ -94,6 +94,7 @@ def test_cli_ingest_reports_skipped_files(digits_dir, tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["delta_version"] == 0 and result["rows_written"] == 10 and result["skipped"] == 1
     assert result["skipped_files"] == [str(src / "five" / "bad.png")]
+    assert result["skipped_counts"] == {"undecodable": 1} and result["files_found"] == 11
 
 
 def test_schema_mismatched_append_is_refused(spark, digits_table, tmp_path):

@@ -1,0 +1,86 @@
+"""The ingest's own walk of the source: every entry is a file to read (with its label) or skipped with a reason."""
+import os
+
+import pytest
+
+from pipeline.lakehouse.ingest import SKIP_REASONS, label_rule, list_source
+
+EXTS = [".png", ".jpg"]
+
+
+def _touch(path, data=b"x"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return str(path)
+
+
+def _by_path(listing):
+    out = {p: ("read", label) for p, label, _ in listing.candidates}
+    out.update({s.path: ("skipped", s.reason) for s in listing.skipped})
+    assert len(out) == listing.files_found  # nothing counted twice
+    return out
+
+
+@pytest.mark.parametrize("depth, labels", [(1, ("cat", "cat", "dog")), (2, (None, "indoor", None)),
+                                           (-1, ("cat", "indoor", "dog"))])
+def test_label_depth(tmp_path, depth, labels):
+    files = [_touch(tmp_path / "cat" / "a.png"), _touch(tmp_path / "cat" / "indoor" / "b.png"),
+             _touch(tmp_path / "dog" / "c.png")]
+    got = _by_path(list_source(str(tmp_path), EXTS, depth))
+    for path, label in zip(files, labels):
+        assert got[path] == (("read", label) if label else ("skipped", "no_label"))
+
+
+def test_label_rule_says_which_folder():
+    assert "folder 1 under the source" in label_rule(1) and "SOURCE/<label>/.../<file>" in label_rule(1)
+    assert "SOURCE/*/<label>/" in label_rule(2)
+    assert "folder 1 above the file" in label_rule(-1)
+
+
+def test_every_entry_accounted_with_a_reason(tmp_path):
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    good = _touch(src / "cat" / "a.png")
+    paths = {
+        _touch(src / "cat" / "zero.png", b""): "zero_byte",
+        _touch(src / "cat" / "notes.txt"): "unsupported_extension",
+        _touch(src / "cat" / "noext"): "unsupported_extension",
+        _touch(src / "root.png"): "no_label",
+        _touch(src / "cat" / "_x.png"): "hidden_name",
+        _touch(src / "cat" / ".hidden.png"): "hidden_name",
+        _touch(src / ".git" / "objects" / "ab"): "hidden_name",
+        _touch(src / "_tmp" / "cat" / "a.png"): "hidden_name",
+    }
+    _touch(outside / "o.png")
+    for name, target, reason in (("out.png", outside / "o.png", "symlink_outside"),
+                                 ("gone.png", tmp_path / "nothing.png", "broken_symlink")):
+        os.symlink(target, src / "cat" / name)
+        paths[str(src / "cat" / name)] = reason
+    os.symlink(outside, src / "linked_out")
+    paths[str(src / "linked_out")] = "symlink_outside"
+    os.symlink(src / "cat", src / "linked_in")
+    paths[str(src / "linked_in")] = "symlinked_folder"
+    os.mkfifo(src / "cat" / "fifo.png")
+    paths[str(src / "cat" / "fifo.png")] = "not_a_file"
+    os.symlink(src / "cat" / "a.png", src / "cat" / "link_in.png")  # read: its content is deduplicated later
+
+    listing = list_source(str(src), EXTS, 1)
+    got = _by_path(listing)
+    assert got == {good: ("read", "cat"), str(src / "cat" / "link_in.png"): ("read", "cat"),
+                   **{p: ("skipped", r) for p, r in paths.items()}}
+    assert listing.files_found == len(paths) + 2
+    assert [c for c in listing.candidates if c[2]] == [(str(src / "cat" / "link_in.png"), "cat", True)]
+    assert all(s.reason in SKIP_REASONS and s.detail for s in listing.skipped)
+    assert [s.path for s in listing.skipped] == sorted(s.path for s in listing.skipped)
+    detail = {s.path: s.detail for s in listing.skipped}
+    assert ".txt is not one of ingest.extensions" in detail[str(src / "cat" / "notes.txt")]
+    assert "outside" in detail[str(src / "cat" / "out.png")]
+
+
+def test_unreadable_file_is_listed(tmp_path, monkeypatch):
+    """As root every file is readable, so the permission check is exercised through os.access."""
+    locked = _touch(tmp_path / "cat" / "locked.png")
+    fine = _touch(tmp_path / "cat" / "fine.png")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: p != locked and real_access(p, mode))
+    got = _by_path(list_source(str(tmp_path), EXTS, 1))
+    assert got == {locked: ("skipped", "unreadable"), fine: ("read", "cat")}
