@@ -181,7 +181,20 @@ def gpu_problems(gpu: GpuFacts, backend: str, np_: int, ddp_backend: str = "auto
         elif wants_nccl and not gpu.dist_nccl:
             problems.append(f"train.backend=ddp on {gpu.device_count} GPU(s) uses NCCL, but torch {gpu.torch}'s "
                             "torch.distributed has no NCCL")
+    if backend == "fsdp":  # where Lightning's FSDP strategy cannot run (pipeline/distributed/fsdp.py)
+        from pipeline.distributed.devices import fsdp_problems
+
+        problems += fsdp_problems(gpu.torch, gpu.device_count, gpu.dist_nccl, _gloo_available(), np_)
     return problems
+
+
+def _gloo_available() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_gloo_available())
+    except Exception:
+        return False
 
 
 def _no_cuda(gpu: GpuFacts) -> str:

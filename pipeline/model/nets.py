@@ -1,6 +1,8 @@
 """Plain nn.Module image classifiers, chosen by `model.arch`; no training logic here."""
 from __future__ import annotations
 
+from typing import Any, List, Tuple
+
 import torch
 from torch import nn
 
@@ -62,7 +64,43 @@ ARCHS = {"cnn": SmallCNN, "resnet": SmallResNet}
 
 
 def build_network(arch: str, in_channels: int, num_classes: int, width: int = 32) -> nn.Module:
-    """Make the network named by `model.arch`."""
+    """Make the network named by `model.arch` (a timm/<name> one with its input transform at its defaults: loading a
+    state dict of the trained network restores it, so this also rebuilds a served model offline)."""
+    from pipeline.model.timm_backbone import build_timm_network, is_timm_arch
+
+    if is_timm_arch(arch):
+        return build_timm_network(arch, in_channels, num_classes)
     if arch not in ARCHS:
-        raise ValueError(f"config key 'model.arch': {arch!r} is not one of {', '.join(ARCHS)}")
+        raise ValueError(f"config key 'model.arch': {arch!r} is not one of {', '.join(ARCHS)} or timm/<name>")
     return ARCHS[arch](in_channels, num_classes, width)
+
+
+def network_from_config(model_cfg: Any, in_channels: int, num_classes: int) -> nn.Module:
+    """The network for training: `model.arch`, with `model.pretrained` weights and the input transform settings."""
+    from pipeline.model.timm_backbone import build_timm_network, is_timm_arch
+
+    if is_timm_arch(model_cfg.arch):
+        return build_timm_network(model_cfg.arch, in_channels, num_classes, pretrained=model_cfg.pretrained,
+                                  input_size=model_cfg.input_size, mean=model_cfg.mean, std=model_cfg.std,
+                                  interpolation=model_cfg.interpolation)
+    if model_cfg.pretrained:
+        raise ValueError(f"config key 'model.pretrained': loading weights needs model.arch timm/<name>, "
+                         f"not {model_cfg.arch!r}")
+    return build_network(model_cfg.arch, in_channels, num_classes, model_cfg.width)
+
+
+def head_module(network: nn.Module) -> nn.Module:
+    """The classifier head: timm's get_classifier(), the project nets' `head`."""
+    if hasattr(network, "head_module"):
+        return network.head_module()
+    head = getattr(network, "head", None)
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"{type(network).__name__} has no classifier head to tell from its backbone")
+    return head
+
+
+def split_parameters(network: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """(backbone parameters, head parameters) of a network, each in the network's order."""
+    head_ids = {id(p) for p in head_module(network).parameters()}
+    params = list(network.parameters())
+    return [p for p in params if id(p) not in head_ids], [p for p in params if id(p) in head_ids]

@@ -1,0 +1,74 @@
+"""`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo), and its sharded checkpoints."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from pytorch_lightning.strategies import FSDPStrategy
+
+# Modules holding at least this many parameters get their own FSDP unit: each is gathered only while it runs, so a
+# rank holds its shard plus one unit's full weights, not the whole model.
+MIN_UNIT_PARAMS = 100_000
+META_FILE = "meta.pt"  # Lightning's file of the non-tensor state inside a sharded checkpoint folder
+
+
+def fsdp_problem() -> Optional[str]:
+    """Why FSDP cannot run in this process (None: it can): torch's distributed package and its FSDP module."""
+    if not torch.distributed.is_available():
+        return f"torch {torch.__version__} is built without torch.distributed"
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
+    except Exception as exc:  # pragma: no cover - a torch without FSDP
+        return f"torch {torch.__version__} has no FSDP ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available() and not torch.distributed.is_gloo_available():
+        return f"no CUDA and torch {torch.__version__} has no gloo backend: FSDP on CPU needs gloo"
+    return None
+
+
+class LakehouseFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy, also on CPU ranks: Lightning refuses its own class on a CPU accelerator and torch's
+    FSDP asks for an accelerator unless it is given `device_id=cpu`; with gloo, torch >= 2.4 runs it there (used
+    for tests and CPU clusters; GPUs with NCCL are what it is for). Checkpoints are sharded (a folder per
+    checkpoint, each rank writing its shard): `consolidated_state` turns one into a full state dict."""
+
+    def __init__(self, process_group_backend: str, min_unit_params: int = MIN_UNIT_PARAMS, **kw: Any) -> None:
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_unit_params)
+        super().__init__(process_group_backend=process_group_backend, state_dict_type="sharded",
+                         auto_wrap_policy=policy, **kw)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.root_device.type != "cpu":
+            return super()._setup_model(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
+                                        mixed_precision=self.mixed_precision_config,
+                                        sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                        **self.kwargs)
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
+
+
+def checkpoint_meta(path: str) -> Dict[str, Any]:
+    """The non-tensor part of a checkpoint (global_step, callbacks, lineage): a file's whole dict, or a sharded
+    checkpoint folder's meta.pt."""
+    if is_sharded_checkpoint(path):
+        path = os.path.join(path, META_FILE)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
+    """The LightningModule state dict of a checkpoint, in one process and without a process group: a file's
+    `state_dict`, or the full state gathered from a sharded folder's shards."""
+    if not is_sharded_checkpoint(path):
+        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    from lightning_fabric.utilities.load import _load_distributed_checkpoint
+
+    return _load_distributed_checkpoint(Path(path))["model"]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the vision test venv (.venv-vision): torch + a torchvision built for it + timm + Lightning and
+# the project's model-side dependencies (no Spark, no Horovod), for the tests marked `vision` (timm backbones).
+# Why a venv of its own: timm imports torchvision, and no torchvision wheel imports beside the classic profile's
+# torch 2.13.0+cpu (the torchvision 0.28.0 wheel is a CUDA build: "operator torchvision::nms does not exist").
+# A CUDA torch runs on a machine without a GPU, so the CUDA build of torch 2.14.1 with torchvision 0.29.1 does.
+#   VENV=DIR          another venv folder (default .venv-vision)
+#   PYTHON=python3.X  the interpreter (default python3.11)
+#   TORCH=2.14.1 TORCHVISION=0.29.1   a matching pair (pip here is capped at those by /etc/xdg/pip)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-vision}
+PYTHON=${PYTHON:-python3.11}
+TORCH=${TORCH:-2.14.1}
+TORCHVISION=${TORCHVISION:-0.29.1}
+LIGHTNING=$(.venv/bin/python -c "import pytorch_lightning as p; print(p.__version__)" 2>/dev/null || echo 2.6.6)
+quiet() { grep -v "^WARNING: Location" || true; }
+# the wheels lying on this machine's disk (torch's CUDA build and its nvidia-* libraries) are used when present
+EXTRA_INDEX=()
+[ -d /opt/pypi-more/simple ] && EXTRA_INDEX=(--extra-index-url file:///opt/pypi-more/simple)
+
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, torchvision, timm, pytorch_lightning" \
+    >/dev/null 2>&1; then
+  echo "$VENV: $("$VENV/bin/python" -c "import torch, torchvision, timm; print('torch', torch.__version__, \
+'torchvision', torchvision.__version__, 'timm', timm.__version__)") (already set up)"
+  exit 0
+fi
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip 2>&1 | quiet
+"$VENV/bin/pip" install -q "${EXTRA_INDEX[@]}" "torch==$TORCH" "torchvision==$TORCHVISION" timm safetensors \
+  "pytorch-lightning==$LIGHTNING" pyyaml pillow "numpy<2" psutil pytest pytest-timeout 2>&1 | quiet
+"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
+"$VENV/bin/python" -c "import torch, torchvision, timm; print('$VENV: torch', torch.__version__, 'torchvision', \
+torchvision.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"
