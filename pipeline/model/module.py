@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
-from pipeline.model.nets import build_network
+from pipeline.model.nets import network_from_config, split_parameters
 
 
 def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
@@ -30,6 +30,8 @@ def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
 # and the summary's size estimate under mixed precision is only an estimate.
 warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer`")
 warnings.filterwarnings("ignore", message="Precision .* is not supported by the model summary")
+# a frozen backbone's normalisation layers are in eval mode on purpose (model.freeze_backbone)
+warnings.filterwarnings("ignore", message="Found .* module\\(s\\) in eval mode at the start of training")
 
 
 def normalize_pixels(x: torch.Tensor) -> torch.Tensor:
@@ -55,13 +57,48 @@ class ImageClassifier(pl.LightningModule):
         self.save_hyperparameters(ignore=["network", "model_cfg"])
         self.hparams["model"] = dataclasses.asdict(model_cfg)
         self.network = network
+        self._apply_freeze()  # before any strategy wraps the network: DDP/FSDP see which parameters take gradients
         self.loss_fn = nn.CrossEntropyLoss()
         self.last_confusion: Optional[torch.Tensor] = None  # rows = true class, columns = predicted
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, channels: int, num_classes: int, lr: float, **kw: Any):
-        net = build_network(model_cfg.arch, channels, num_classes, model_cfg.width)
+        net = network_from_config(model_cfg, channels, num_classes)
         return cls(net, num_classes, model_cfg, lr, **kw)
+
+    # ------------------------------------------------------------------ fine-tuning: frozen backbone, two rates
+    def backbone_frozen(self, epoch: Optional[int] = None) -> bool:
+        """model.freeze_backbone, until model.unfreeze_at_epoch (if set) is reached."""
+        cfg = self.model_cfg
+        if not cfg.freeze_backbone:
+            return False
+        if epoch is None:
+            epoch = self.current_epoch if self._trainer is not None else 0
+        return cfg.unfreeze_at_epoch is None or epoch < cfg.unfreeze_at_epoch
+
+    def _apply_freeze(self) -> None:
+        """A backbone frozen for good takes no gradients (nothing computed for it); one that thaws later keeps them
+        (every rank's DDP/Horovod/FSDP hooks then stay the same) and its rate is 0 until the epoch it thaws.
+        Frozen or not, its normalisation layers keep their statistics while frozen (eval mode)."""
+        frozen = self.backbone_frozen()
+        backbone, _ = split_parameters(self.network)
+        if self.model_cfg.freeze_backbone and self.model_cfg.unfreeze_at_epoch is None:
+            for p in backbone:
+                p.requires_grad_(False)
+        if frozen and self.training:
+            head = {id(m) for m in _head_of(self.network).modules()}
+            for m in self.network.modules():
+                if id(m) not in head and isinstance(m, nn.modules.batchnorm._NormBase):
+                    m.eval()
+
+    def train(self, mode: bool = True):
+        out = super().train(mode)
+        if mode and getattr(self, "model_cfg", None) is not None:
+            self._apply_freeze()
+        return out
+
+    def on_train_epoch_start(self) -> None:
+        self.train(True)  # the frozen backbone's norm layers back to eval, or thawed at model.unfreeze_at_epoch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -142,30 +179,62 @@ class ImageClassifier(pl.LightningModule):
         self.last_confusion = self.trainer.strategy.reduce(cm.clone(), reduce_op="sum").round().long().reshape(n, n)
         self._confusion = None
 
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """Two groups, backbone then head: the head at the scaled model.lr, the backbone at model.backbone_lr scaled
+        the same way (null: model.lr); one group when they are equal and nothing is frozen."""
+        cfg: ModelConfig = self.model_cfg
+        lr = self.hparams.lr
+        backbone_lr = lr if cfg.backbone_lr is None else lr * cfg.backbone_lr / cfg.lr
+        if backbone_lr == lr and not cfg.freeze_backbone:
+            return [{"params": list(self.parameters()), "lr": lr, "name": "all"}]
+        backbone, head = split_parameters(self.network)
+        known = {id(p) for p in backbone + head}
+        head = head + [p for p in self.parameters() if id(p) not in known]
+        return [{"params": backbone, "lr": backbone_lr, "name": "backbone"}, {"params": head, "lr": lr, "name": "head"}]
+
     def configure_optimizers(self) -> Dict[str, Any]:
         cfg: ModelConfig = self.model_cfg
+        groups = self.param_groups()
         if cfg.optimizer == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=cfg.momentum,
-                                  weight_decay=cfg.weight_decay)
+            opt = torch.optim.SGD(groups, lr=self.hparams.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         elif cfg.optimizer == "adam":
-            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=cfg.weight_decay)
+            opt = torch.optim.Adam(groups, lr=self.hparams.lr, weight_decay=cfg.weight_decay)
         else:
             raise ValueError(f"config key 'model.optimizer': {cfg.optimizer!r} is not sgd or adam")
         warmup_steps = self.hparams.warmup_epochs * self.hparams.steps_per_epoch
         total_steps = max(1, self.hparams.max_epochs * self.hparams.steps_per_epoch)
 
+        steps_per_epoch = max(1, self.hparams.steps_per_epoch)
+
         def factor(step: int) -> float:
-            # Linear warm-up from 1/10 of the scaled rate, then cosine decay to 1/20 of it.
+            # model.schedule=warmup_cosine: linear warm-up from 1/10 of the scaled rate, then cosine decay to 1/20
+            if cfg.schedule == "constant":
+                return 1.0
             if warmup_steps and step < warmup_steps:
                 return 0.1 + 0.9 * step / warmup_steps
             progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
             return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        def backbone_factor(step: int) -> float:  # 0 while the backbone is frozen (until model.unfreeze_at_epoch)
+            return 0.0 if self.backbone_frozen(step // steps_per_epoch) else factor(step)
+
+        factors = [backbone_factor if g.get("name") == "backbone" else factor for g in groups]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factors)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_names: List[str]) -> Dict[str, Any]:
+def _head_of(network: nn.Module) -> nn.Module:
+    from pipeline.model.nets import head_module
+
+    return head_module(network)
+
+
+def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_names: List[str],
+                 network: Optional[nn.Module] = None) -> Dict[str, Any]:
     """What a served model needs to rebuild the network and its input transform."""
-    return {"arch": model_cfg.arch, "width": model_cfg.width, "channels": channels, "image_size": image_size,
+    meta = {"arch": model_cfg.arch, "width": model_cfg.width, "channels": channels, "image_size": image_size,
             "class_names": list(class_names)}
+    if network is not None and hasattr(network, "transform"):  # a timm backbone: the input transform it applies
+        meta["input_transform"] = network.transform  # (also in its state dict: informative, not needed to rebuild)
+        meta["pretrained"] = model_cfg.pretrained  # where its starting weights came from (not read at load time)
+    return meta
