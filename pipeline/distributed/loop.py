@@ -74,7 +74,9 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
     """
     import torch
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    from pipeline.distributed.fsdp import checkpoint_meta
+
+    ckpt = checkpoint_meta(path)  # a file, or the meta.pt of a sharded (FSDP) checkpoint folder
     theirs = ckpt.get("lakehouse") or {}
     if any(theirs.get(k) != v for k, v in lineage.items()):
         msg = (f"checkpoint {path} was trained on {theirs.get('delta_table')} version {theirs.get('delta_version')}, "
@@ -236,11 +238,23 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
+        from pipeline.distributed.fsdp import LakehouseFSDPStrategy, consolidated_state
+
+        sharded = isinstance(strategy, LakehouseFSDPStrategy)
+        if sharded:  # FSDP left the module wrapped and sharded: rank 0 rebuilds it whole from the checkpoint
+            best = best if best and os.path.exists(best) else os.path.join(ckpt_dir, "last.ckpt")
+            model = ImageClassifier(_plain_network(cfg, job), len(job.data.class_names), cfg.model, lr)
         if best and os.path.exists(best):
-            state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-            model.load_state_dict(state)
+            model.load_state_dict(consolidated_state(best))  # FSDP: its shards gathered here, on rank 0
         result.model_uri = tracker.finish(model, job, accounting.history, result)
     return result
+
+
+def _plain_network(cfg: Config, job: TrainJob):
+    """A fresh, unwrapped network of this job's architecture (its weights come from a checkpoint)."""
+    from pipeline.model.nets import build_network
+
+    return build_network(cfg.model.arch, job.data.channels, len(job.data.class_names), cfg.model.width)
 
 
 def _write_failure(job: TrainJob, rank: int, exc: BaseException) -> None:
@@ -286,8 +300,9 @@ def horovod_worker(job: TrainJob) -> RankResult:
         raise
 
 
-def ddp_worker(job: TrainJob) -> RankResult:
-    """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by TorchDistributor."""
+def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
+    """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by TorchDistributor;
+    `sharded`: the FSDP entry (train.backend=fsdp), the same launch with Lightning's FSDP strategy."""
     setup_logging()
     import torch
     from pytorch_lightning.strategies import DDPStrategy
@@ -299,10 +314,21 @@ def ddp_worker(job: TrainJob) -> RankResult:
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
         backend = ddp_backend(torch.cuda.is_available())  # decided in the rank, not on the driver
-        return train(job, rank, size, DDPStrategy(process_group_backend=backend), devices=local,
+        if sharded:
+            from pipeline.distributed.fsdp import LakehouseFSDPStrategy
+
+            strategy = LakehouseFSDPStrategy(process_group_backend=backend)
+        else:
+            strategy = DDPStrategy(process_group_backend=backend)
+        return train(job, rank, size, strategy, devices=local,
                      num_nodes=max(1, size // local), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                      local_world_size=local)
     except BaseException as exc:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         _write_failure(job, rank, exc)
         raise
+
+
+def fsdp_worker(job: TrainJob) -> RankResult:
+    """The FSDP entry (train.backend=fsdp): launched like DDP, the model sharded over the ranks."""
+    return ddp_worker(job, sharded=True)
