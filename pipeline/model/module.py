@@ -64,7 +64,9 @@ class ImageClassifier(pl.LightningModule):
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, channels: int, num_classes: int, lr: float, **kw: Any):
         net = network_from_config(model_cfg, channels, num_classes)
-        return cls(net, num_classes, model_cfg, lr, **kw)
+        model = cls(net, num_classes, model_cfg, lr, **kw)
+        model.hparams["channels"] = channels  # with hparams' model (arch, width): what rebuilds it from a checkpoint
+        return model
 
     # ------------------------------------------------------------------ fine-tuning: frozen backbone, two rates
     def backbone_frozen(self, epoch: Optional[int] = None) -> bool:
@@ -238,3 +240,21 @@ def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_n
         meta["input_transform"] = network.transform  # (also in its state dict: informative, not needed to rebuild)
         meta["pretrained"] = model_cfg.pretrained  # where its starting weights came from (not read at load time)
     return meta
+
+
+def classifier_from_checkpoint(path: str) -> ImageClassifier:
+    """A trained ImageClassifier from its checkpoint alone (a file, or an FSDP checkpoint folder, gathered here):
+    the network from the checkpoint's hyperparameters (model.arch, classes, channels; a model.pretrained file is not
+    read), its weights and a timm backbone's input transform from the state dict. Offline, one process."""
+    from pipeline.distributed.fsdp import checkpoint_meta, consolidated_state
+    from pipeline.model.nets import build_network
+
+    hp = checkpoint_meta(path).get("hyper_parameters") or {}
+    if "model" not in hp or "channels" not in hp:
+        raise ValueError(f"checkpoint {path} has no model hyperparameters (model, channels) to rebuild its network")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in hp["model"].items() if k in fields})
+    net = build_network(model_cfg.arch, hp["channels"], hp["num_classes"], model_cfg.width)
+    model = ImageClassifier(net, hp["num_classes"], model_cfg, hp.get("lr", model_cfg.lr))
+    model.load_state_dict(consolidated_state(path))
+    return model.eval()
