@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import mlflow
 from mlflow import MlflowClient
+from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 
@@ -397,14 +398,20 @@ def git_commit(cwd: Optional[str] = None) -> Optional[str]:
     return commit if out.returncode == 0 and commit else None
 
 
+class PinnedDeltaSource(DeltaDatasetSource):
+    """A Delta table version as an MLflow dataset source; MLflow's own leaves out version 0 (a falsy check)."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**super().to_dict(), "delta_table_version": self._delta_table_version}
+
+
 def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlflow.data.meta_dataset.MetaDataset":
     """The Delta table at `version` as an MLflow dataset (no Spark needed)."""
-    from mlflow.data.delta_dataset_source import DeltaDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
 
     digest = hashlib.sha256(f"{table}@{version}".encode()).hexdigest()[:16]
     ds_name = name or f"{Path(str(table).rstrip('/')).name or table}@v{version}"
-    return MetaDataset(source=DeltaDatasetSource(path=str(table), delta_table_version=int(version)),
+    return MetaDataset(source=PinnedDeltaSource(path=str(table), delta_table_version=int(version)),
                        name=ds_name, digest=digest)
 
 

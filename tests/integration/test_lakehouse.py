@@ -182,6 +182,7 @@ def test_spark_split_matches_python_rule(spark, digits_table, tmp_path):
     val_paths = {r.path for r in val.select("path").collect()}
     train_paths = {r.path for r in train.select("path").collect()}
     assert not val_paths & train_paths and len(val_paths) + len(train_paths) == df.count()
+    assert 0.1 < len(val_paths) / df.count() < 0.3  # both sides hold rows: the checks below are not vacuous
     assert all(is_validation(p, 0.2) for p in val_paths)
     assert not any(is_validation(p, 0.2) for p in train_paths)
 

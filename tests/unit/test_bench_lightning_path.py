@@ -38,7 +38,8 @@ def test_timed_train_stops_once_the_windows_are_complete(tmp_path):
     assert len(out["window_s"]) == 3 and all(w > 0 for w in out["window_s"])
     assert out["steps"] == 5 and out["batch_size"] == 8
     assert out["epochs"] <= 3  # 19 intervals needed: stopped in the third epoch, not at max_epochs
-    assert all(f == 0.0 for f in out["data_wait_fraction_per_epoch"])  # batches from memory: no loader wait
+    waits = out["data_wait_fraction_per_epoch"]
+    assert waits and all(f == 0.0 for f in waits)  # batches from memory: no loader wait
     assert not list(tmp_path.glob("ckpt/*.ckpt"))  # checkpoints went to a temporary folder that is gone
 
 

@@ -42,6 +42,7 @@ def fit(model_cfg, epochs=2, **kw):
 
 
 def _same(a, b):
+    assert a and len(a) == len(b), "compare two non-empty snapshots of the same parameters"  # zip would hide it
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -50,7 +51,8 @@ def test_freeze_backbone_trains_the_head_only_and_keeps_norm_statistics():
     backbone, head = epochs[-1]
     assert _same(backbone0, backbone), "a frozen backbone's parameters changed"
     assert not _same(head0, head), "the head did not train"
-    assert all(not p.requires_grad for p in split_parameters(model.network)[0])
+    frozen = split_parameters(model.network)[0]
+    assert frozen and all(not p.requires_grad for p in frozen)
     bn = model.network.features[0][1]
     assert not bn.training and int(bn.num_batches_tracked) == 0  # frozen BatchNorm: eval mode, statistics kept
 
