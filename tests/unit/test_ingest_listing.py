@@ -84,3 +84,17 @@ def test_unreadable_file_is_listed(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda p, mode: p != locked and real_access(p, mode))
     got = _by_path(list_source(str(tmp_path), EXTS, 1))
     assert got == {locked: ("skipped", "unreadable"), fine: ("read", "cat")}
+
+
+def test_ingest_keys_defaults_and_checks():
+    from pipeline.config import ConfigError, load_config
+    from pipeline.lakehouse.ingest import is_strict
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "base.yaml")
+    cfg = load_config(root)
+    assert (cfg.ingest.strict, cfg.ingest.label_depth, cfg.ingest.on_bad_file) == (False, 1, "skip")
+    assert ".webp" in cfg.ingest.extensions and not is_strict(cfg)
+    assert is_strict(load_config(root, ["ingest.strict=true"]))
+    assert is_strict(load_config(root, ["ingest.on_bad_file=fail"]))  # the older switch, same meaning
+    with pytest.raises(ConfigError, match="ingest.label_depth"):
+        load_config(root, ["ingest.label_depth=0"])
