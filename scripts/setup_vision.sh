@@ -29,6 +29,7 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip 2>&1 | quiet
 "$VENV/bin/pip" install -q "${EXTRA_INDEX[@]}" "torch==$TORCH" "torchvision==$TORCHVISION" timm safetensors \
   "pytorch-lightning==$LIGHTNING" pyyaml pillow "numpy<2" psutil pytest pytest-timeout 2>&1 | quiet
-"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
+# the project itself from this checkout, by path (no egg-info written into the shared tree)
+"$VENV/bin/python" -c "import site, sys; open(site.getsitepackages()[0] + '/lakehouse-checkout.pth', 'w').write(sys.argv[1])" "$PWD"
 "$VENV/bin/python" -c "import torch, torchvision, timm; print('$VENV: torch', torch.__version__, 'torchvision', \
 torchvision.__version__, 'timm', timm.__version__, 'cuda', torch.cuda.is_available())"

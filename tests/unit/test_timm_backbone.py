@@ -108,8 +108,9 @@ def test_head_reinitialised_and_stem_adapted_when_classes_and_channels_differ(tm
     own, theirs = net.model.state_dict(), src.state_dict()
     assert own["fc.weight"].shape == (10, 96)  # fresh head of the table's class count
     torch.manual_seed(7)
-    fresh = _tiny(num_classes=10, in_chans=1)  # what a model built without weights starts from
+    fresh = _net(None, channels=1, classes=10).model  # what the same network built without weights starts from
     assert torch.equal(own["fc.weight"], fresh.state_dict()["fc.weight"])
+    assert not torch.equal(own["layer1.0.conv1.weight"], fresh.state_dict()["layer1.0.conv1.weight"])
     torch.testing.assert_close(own["conv1.0.weight"], theirs["conv1.0.weight"].sum(1, keepdim=True))  # timm's rule
     for key in theirs:
         if key not in ("fc.weight", "fc.bias", "conv1.0.weight"):
@@ -122,11 +123,11 @@ def _fit(model, epochs=1):
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, DataLoader(ds, batch_size=8), DataLoader(ds, batch_size=12))
-    return ds
+    return ds, trainer
 
 
 def test_frozen_timm_backbone_keeps_the_pretrained_weights_and_the_rebuild_predicts_the_same(tmp_path):
-    from pipeline.model.module import ImageClassifier
+    from pipeline.model.module import ImageClassifier, classifier_from_checkpoint
     from pipeline.model.nets import build_network
     from pipeline.model.timm_backbone import save_pretrained
 
@@ -135,7 +136,8 @@ def test_frozen_timm_backbone_keeps_the_pretrained_weights_and_the_rebuild_predi
                       mean=[0.45], std=[0.25])
     model = ImageClassifier.from_config(cfg, 1, 10, cfg.lr, steps_per_epoch=3, max_epochs=2)
     before = {k: v.clone() for k, v in model.network.model.state_dict().items()}
-    ds = _fit(model, epochs=2)
+    ds, trainer = _fit(model, epochs=2)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
     after = model.network.model.state_dict()
     for key, value in before.items():
         if key.startswith("fc."):
@@ -152,6 +154,9 @@ def test_frozen_timm_backbone_keeps_the_pretrained_weights_and_the_rebuild_predi
     x = ds.tensors[0]
     assert rebuilt.transform == model.network.transform and rebuilt.transform["input_size"] == 24
     torch.testing.assert_close(rebuilt(x), model.network(x), rtol=0, atol=0)
+    # the checkpoint alone rebuilds it too (arch, classes, channels in its hyperparameters)
+    from_ckpt = classifier_from_checkpoint(str(tmp_path / "c.ckpt"))
+    torch.testing.assert_close(from_ckpt(x), model(x), rtol=0, atol=0)
     # and the saved network is itself a model.pretrained file carrying its input transform
     path = save_pretrained(model.network, str(tmp_path / "tuned.safetensors"))
     again = _net(path)
