@@ -1,12 +1,12 @@
-"""OOM back-off's pure rules: what counts as an out-of-memory, halving down to 1, the LR rule, the resume step."""
+"""OOM back-off's rules: what counts as an out-of-memory, halving down to 1, the LR rule, a checkpoint restated."""
 import math
 
 import pytest
 import torch
 
 from pipeline.config import ConfigError, DataConfig, load_config
-from pipeline.distributed.backoff import (backs_off, halved, is_out_of_memory, lr_batch_factor, resume_step,
-                                          start_batch_size)
+from pipeline.distributed.backoff import (backs_off, converted_position, halved, is_out_of_memory, lr_batch_factor,
+                                          rescale_checkpoint, start_batch_size)
 
 
 @pytest.mark.parametrize("exc", [
@@ -60,12 +60,41 @@ def test_lr_follows_the_global_batch_by_the_scaling_rule():
     assert lr_batch_factor(64, 64, "linear") == 1.0  # no back-off: today's rate exactly
 
 
-def test_resume_step_keeps_the_epoch_and_the_samples_within_it():
+def test_converted_position_keeps_the_epoch_and_the_samples_within_it():
     # 3 epochs of 10 steps of 64, then 4 steps into the 4th -> 20 steps of 32 per epoch: 3 epochs + 8 steps
-    assert resume_step(34, 10, 64, 20, 32) == 68
-    assert resume_step(30, 10, 64, 21, 32) == 63  # at an epoch's end: the next epoch's start
-    assert resume_step(9, 10, 64, 11, 32) == 10  # never past the epoch's last step
-    assert resume_step(9, 10, 64, 20, 64) == 9
+    assert converted_position(34, 4, 10, 64, 20, 32) == (68, 8)
+    assert converted_position(30, 10, 10, 64, 21, 32) == (63, 21)  # an epoch that had ended stays ended
+    assert converted_position(9, 9, 10, 64, 11, 32) == (10, 10)  # mid-epoch never reaches the epoch's last step
+
+
+def _progress(total, current):
+    return {"total": {"ready": total, "completed": total, "started": total, "processed": total},
+            "current": {"ready": current, "completed": current, "started": current, "processed": current},
+            "is_last_batch": False}
+
+
+def test_rescale_checkpoint_restates_steps_schedule_and_rates(tmp_path):
+    src, dst = str(tmp_path / "last.ckpt"), str(tmp_path / "last-batch32.ckpt")
+    optim = {"optimizer": {"step": _progress(34, 4), "zero_grad": _progress(34, 4)}}
+    torch.save({"global_step": 34, "epoch": 3, "lakehouse": {"delta_version": 0}, "state_dict": {"w": torch.ones(2)},
+                "loops": {"fit_loop": {"state_dict": {"combined_loader": [{"steps_per_epoch": 10}]},
+                                       "epoch_loop.state_dict": {"_batches_that_stepped": 34},
+                                       "epoch_loop.batch_progress": _progress(34, 4),
+                                       "epoch_loop.scheduler_progress": _progress(34, 4),
+                                       "epoch_loop.automatic_optimization.optim_progress": optim,
+                                       "epoch_progress": _progress(3, 3)}},
+                "optimizer_states": [{"param_groups": [{"lr": 0.02, "initial_lr": 0.02, "momentum": 0.9}]}],
+                "lr_schedulers": [{"base_lrs": [0.02], "_last_lr": [0.02], "last_epoch": 34, "_step_count": 35}]}, src)
+    assert rescale_checkpoint(src, dst, 10, 64, 20, 32, 0.5) == 68
+    c = torch.load(dst, weights_only=False)
+    fit = c["loops"]["fit_loop"]
+    assert c["global_step"] == 68 and fit["epoch_loop.state_dict"]["_batches_that_stepped"] == 68
+    assert fit["epoch_loop.batch_progress"] == {**_progress(68, 8), "is_last_batch": False}
+    assert fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"] == _progress(68, 8)
+    assert fit["epoch_progress"] == _progress(3, 3) and fit["state_dict"]["combined_loader"][0]["steps_per_epoch"] == 20
+    assert c["optimizer_states"][0]["param_groups"][0] == {"lr": 0.01, "initial_lr": 0.01, "momentum": 0.9}
+    assert c["lr_schedulers"][0] == {"base_lrs": [0.01], "_last_lr": [0.01], "last_epoch": 68, "_step_count": 69}
+    assert c["lakehouse"] == {"delta_version": 0} and torch.equal(c["state_dict"]["w"], torch.ones(2))
 
 
 def test_auto_batch_size_config(tmp_path):
