@@ -90,32 +90,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_mlflow_server(root: Path, port: int = None):
-    """A real `mlflow server` on 127.0.0.1 (free port unless given), proxying artifacts; returns (proc, uri)."""
-    port = port or free_port()
-    log_path = root / "server.log"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
-           "--workers", "1"]
+def start_server(cmd: List[str], health_url: str, log_path: Path, what: str, timeout_s: float = 90, env=None,
+                 cwd=None) -> subprocess.Popen:
+    """Start `cmd` in its own process group (output to `log_path`); wait until `health_url` answers 200.
+
+    Fails the test (with the log's tail) if the process exits or is not healthy within `timeout_s`; then it is
+    stopped by its process group (`stop_mlflow_server`)."""
     with open(log_path, "ab") as log_fh:
-        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, cwd=cwd or log_path.parent,
+                                env=env or os.environ, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+            with urllib.request.urlopen(health_url, timeout=2) as resp:
                 if resp.status == 200:
-                    return proc, uri
+                    return proc
         except OSError:
             pass
         if time.monotonic() > deadline:
             stop_mlflow_server(proc)
-            pytest.fail(f"mlflow server not healthy after 90 s:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(f"{what} not healthy after {timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.5)
+
+
+def start_mlflow_server(root: Path, port: int = None):
+    """A real `mlflow server` on 127.0.0.1 (free port unless given), proxying artifacts; returns (proc, uri)."""
+    port = port or free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runner: not needed, heavy
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{root}/server.db", "--artifacts-destination", str(root / "artifacts"),
+           "--workers", "1"]
+    uri = f"http://127.0.0.1:{port}"
+    return start_server(cmd, f"{uri}/health", root / "server.log", "mlflow server", 90, env=env, cwd=root), uri
 
 
 def stop_mlflow_server(proc) -> None:

@@ -39,6 +39,7 @@ SERVED_MODULES = (
     "pipeline/log.py",
     "pipeline/data/transforms.py",
     "pipeline/model/nets.py",
+    "pipeline/model/timm_backbone.py",  # nets.build_network imports it (timm itself only for a timm/<name> arch)
     "pipeline/tracking/pyfunc.py",
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -73,8 +73,73 @@ def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str,
     mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags,
                                      await_creation_for=0, model_id=model_id)
     mv = _wait_ready(client, name, mv, wait_s)
+    _describe(client, name, str(mv.version), all_tags, source)
     log.info("registered %s as model %r version %s", model_uri, name, mv.version)
     return str(mv.version)
+
+
+# Metrics a version's description lists (its run's latest values), when the run logged them.
+DESCRIBED_METRICS = ("val_acc", "val_loss", "train_acc", "train_loss")
+
+
+def version_description(name: str, version: str, tags: Dict[str, str], metrics: Dict[str, float],
+                        model_meta: Optional[Dict[str, Any]] = None) -> str:
+    """The registered version's description (Markdown): the data it was trained on, its metrics, how to call it."""
+    uri = f"models:/{name}/{version}"
+    meta = model_meta or {}
+    lines = [f"Image classifier `{uri}`."]
+    if tags.get("delta_table"):
+        lines += ["", f"**Data**: Delta table `{tags['delta_table']}` pinned at version {tags.get('delta_version', '?')}"
+                      f" (validation rows: the `path` CRC-32 split rule, pipeline.lakehouse.partition)."]
+    shown = {k: metrics[k] for k in DESCRIBED_METRICS if k in metrics}
+    if shown:
+        lines += ["", "**Metrics** (its training run): " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items())
+                  + ". The promotion gate's same-rows scores are the version's `gate_*` tags."]
+    if meta:
+        classes = meta.get("class_names") or []
+        lines += ["", f"**Input**: a `content` column of encoded images (PNG/JPEG bytes; in JSON, base64 strings), "
+                      f"decoded to {meta.get('channels', '?')} channel(s) at {meta.get('image_size', '?')} px. "
+                      f"**Output**: label, label_index, probability, probabilities over {len(classes)} classes "
+                      f"({', '.join(map(str, classes[:20]))}{', ...' if len(classes) > 20 else ''})."]
+    lines += [
+        "", "**Use it**:", "",
+        "```",
+        "# batch: a Delta table (path, content) -> a Delta table of predictions, one commit",
+        f"lakehouse predict --model {uri} --table <delta path> --out <delta path>",
+        "# HTTP",
+        f"mlflow models serve -m {uri} --env-manager local -h 127.0.0.1 -p 5000",
+        "curl -s http://127.0.0.1:5000/invocations -H 'Content-Type: application/json' \\",
+        "  -d '{\"dataframe_split\": {\"columns\": [\"content\"], \"data\": [[\"'$(base64 -w0 digit.png)'\"]]}}'",
+        "# Python",
+        f"mlflow.pyfunc.load_model('{uri}').predict(pandas.DataFrame({{'content': [open('digit.png', 'rb').read()]}}))",
+        "# ONNX / TorchScript with the preprocessing contract",
+        f"lakehouse export --model {uri} --format onnx",
+        "```",
+    ]
+    return "\n".join(lines)
+
+
+def _describe(client: MlflowClient, name: str, version: str, tags: Dict[str, str], source: str) -> None:
+    """Write the version's description; a failure is logged, never fatal (the version is registered)."""
+    metrics: Dict[str, float] = {}
+    meta: Dict[str, Any] = {}
+    try:
+        if tags.get("run_id"):
+            metrics = dict(client.get_run(tags["run_id"]).data.metrics)
+    except MlflowException as exc:
+        log.warning("model %r version %s: run %s metrics not read for the description: %s", name, version,
+                    tags.get("run_id"), exc)
+    try:
+        import mlflow.models
+
+        meta = dict(mlflow.models.get_model_info(source).metadata or {})
+    except Exception as exc:  # not a model logged by pipeline.tracking.pyfunc: no input section
+        log.debug("model %r version %s: no model metadata for the description (%s)", name, version, exc)
+    try:
+        client.update_model_version(name, version, description=version_description(name, version, tags, metrics,
+                                                                                    meta))
+    except MlflowException as exc:
+        log.warning("could not write the description of model %r version %s: %s", name, version, exc)
 
 
 def _wait_ready(client: MlflowClient, name: str, mv: ModelVersion, wait_s: float) -> ModelVersion:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, cli, free_port, make_config, stop_mlflow_server
+from conftest import ROOT, cli, free_port, make_config, start_server, stop_mlflow_server
 
 pytestmark = pytest.mark.integration
 
@@ -162,24 +162,8 @@ def _start_server(model_uri: str, tracking_uri: str, log_path: Path):
            "PATH": os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")])}
     cmd = [str(VENV_BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
            "-h", "127.0.0.1", "-p", str(port), "-w", "1"]
-    with open(log_path, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
-                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"mlflow models serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            stop_mlflow_server(proc)
-            raise AssertionError(f"mlflow models serve not up after 120 s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
+    return start_server(cmd, f"{url}/ping", log_path, "mlflow models serve", 120, env=env), url
 
 
 def _post(url: str, body) -> tuple:
@@ -236,6 +220,11 @@ def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(regi
             assert "stack_trace" not in answer and "Traceback" not in json.dumps(answer), (what, answer)
         # the server still answers after the refusals
         assert _post(url, {"instances": [{"content": b64[0]}]})[0] == 200
+        # the request example stored with the model is a request the server takes
+        example = json.loads(Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{NAME}@champion/serving_input_example.json")).read_text())
+        status, answer = _post(url, example)
+        assert status == 200 and answer["predictions"][0]["label"] == pyfunc_out["label"][0], answer
     finally:
         stop_mlflow_server(proc)
     assert proc.poll() is not None
@@ -329,3 +318,112 @@ def test_torchscript_export_runs_without_the_pipeline_package(registered, rows, 
     client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
     assert {Path(a.path).name for a in client.list_artifacts(pinned.run_id, "export/torchscript")} == {
         "model.pt", "contract.json"}
+
+
+# --- the promotion gate and what the registry shows about a version ------------------------------------------------
+
+def _register(cfg, name, network, meta, content, table, logged_val_acc):
+    """Log `network` as a pyfunc in a new run (val_acc metric `logged_val_acc`) and register it with lineage tags."""
+    from pipeline.tracking.pyfunc import log_model
+    from pipeline.tracking.registry import register_model
+    from pipeline.tracking.runs import configure, experiment_id_of
+
+    client = configure(cfg.mlflow)
+    run_id = client.create_run(experiment_id_of(client, cfg.mlflow.experiment)).info.run_id
+    client.log_metric(run_id, "val_acc", logged_val_acc)
+    uri = log_model(network, meta, input_example_content=content, run_id=run_id)
+    client.set_terminated(run_id)
+    return register_model(client, uri, name, run_id, {"delta_table": str(table), "delta_version": "0",
+                                                      "val_acc": str(logged_val_acc)})
+
+
+@pytest.mark.timeout(600)
+def test_gate_scores_both_on_the_same_val_rows_and_a_tie_keeps_the_champion(registered, rows, pyfunc_out,
+                                                                             digits_table):
+    """Logged val_acc says the opposite of the same-rows scores: the gate follows the same-rows scores."""
+    import dataclasses
+
+    import torch
+
+    from mlflow.types import DataType
+
+    from pipeline.lakehouse.partition import is_validation
+    from pipeline.model.nets import build_network
+    from pipeline.serving.models import load_network
+    from pipeline.workflow import promote_version
+
+    cfg, pinned = registered
+    name = "gate_clf"
+    gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name, gate_margin=0.0))
+    client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+    good, meta = load_network(pinned)
+    torch.manual_seed(1)
+    untrained = build_network(meta["arch"], meta["channels"], len(meta["class_names"]), meta["width"]).eval()
+    content = rows.column("content")[0].as_py()
+    val = [is_validation(p, cfg.data.val_fraction) for p in rows.column("path").to_pylist()]
+    truth = rows.column("label").to_pylist()
+    good_acc = float(np.mean([t == p for t, p, v in zip(truth, pyfunc_out["label"], val) if v]))
+
+    v1 = _register(gcfg, name, untrained, meta, content, digits_table, logged_val_acc=0.99)
+    d1 = promote_version(gcfg, v1)
+    assert d1["promoted"] and d1["champion_version"] is None, d1
+    assert d1["rows"] == f"val split of Delta table {digits_table} version 0 ({sum(val)} rows)"
+    bad_acc = float(client.get_model_version(name, v1).tags["gate_val_acc"])
+    assert bad_acc < 0.5 < good_acc
+
+    v2 = _register(gcfg, name, good, meta, content, digits_table, logged_val_acc=0.5)  # logged: worse than 0.99
+    d2 = promote_version(gcfg, v2)
+    assert d2["promoted"] and d2["champion_version"] == v1, d2
+    assert (d2["value"], d2["champion_value"]) == (pytest.approx(good_acc), pytest.approx(bad_acc))
+    tags = client.get_model_version(name, v2).tags
+    assert float(tags["gate_val_acc"]) == pytest.approx(good_acc, abs=1e-5)
+    assert float(tags["gate_champion_val_acc"]) == pytest.approx(bad_acc, abs=1e-5)
+    assert tags["gate_champion_version"] == v1 and tags["gate_decision"] == d2["reason"]
+
+    v3 = _register(gcfg, name, good, meta, content, digits_table, logged_val_acc=1.0)  # logged: better; same rows: tie
+    d3 = promote_version(gcfg, v3)
+    assert not d3["promoted"] and d3["value"] == d3["champion_value"] == pytest.approx(good_acc), d3
+    assert "champion kept" in d3["reason"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v2
+
+    # the registry shows the data version, the metrics and how to call it; the signature is the served contract
+    mv = client.get_model_version(name, v2)
+    for needle in (f"Delta table `{digits_table}` pinned at version 0", "val_acc=0.5", f"models:/{name}/{v2}",
+                   "lakehouse predict --model", "mlflow models serve -m", "curl -s", "dataframe_split",
+                   "lakehouse export"):
+        assert needle in mv.description, (needle, mv.description)
+    info = mlflow.models.get_model_info(f"models:/{name}/{v2}")
+    assert info.signature.inputs.input_names() == ["content"]
+    assert info.signature.inputs.inputs[0].type == DataType.binary
+    assert {p.name for p in info.signature.params} == {"on_error"}
+    example = json.loads(Path(mlflow.artifacts.download_artifacts(
+        artifact_uri=f"models:/{name}/{v2}/serving_input_example.json")).read_text())
+    assert example["dataframe_split"]["columns"] == ["content"]
+    assert base64.b64decode(example["dataframe_split"]["data"][0][0]) == content  # a real image of the table
+
+
+@pytest.mark.timeout(600)
+def test_gate_keeps_a_champion_that_cannot_be_loaded_and_names_it(registered, rows, digits_table):
+    import dataclasses
+
+    from pipeline.serving.models import load_network
+    from pipeline.tracking.registry import register_model
+    from pipeline.workflow import promote_version
+
+    cfg, pinned = registered
+    name = "gate_broken_clf"
+    gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name))
+    client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
+    run = client.create_run(client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id)
+    client.set_terminated(run.info.run_id)
+    empty = mlflow.initialize_logged_model(name="model", source_run_id=run.info.run_id,
+                                           experiment_id=run.info.experiment_id)  # no model files at all
+    v1 = register_model(client, f"models:/{empty.model_id}", name, run.info.run_id, {})
+    client.set_registered_model_alias(name, "champion", v1)
+    good, meta = load_network(pinned)
+    v2 = _register(gcfg, name, good, meta, rows.column("content")[0].as_py(), digits_table, logged_val_acc=0.9)
+    d = promote_version(gcfg, v2)
+    assert not d["promoted"] and f"model {name!r} version {v1}" in d["error"], d
+    assert f"champion version {v1} could not be scored" in d["reason"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v1
+    assert client.get_model_version(name, v2).tags["gate_champion_val_acc"] == "error"
