@@ -1,12 +1,15 @@
 # make demo: set up, render the sample, ingest it to Delta, train with Horovod on 2 processes, register.
-# make test: the classic profile's full suite, then the modern profile's data-path tests (`-m datapath`).
+# make test: the classic profile's full suite, then the modern and dbr-15.4 profiles' data-path tests (`-m datapath`).
 # make setup PROFILE=modern: the second install profile (no Petastorm, pyarrow 25, numpy 2) in .venv-modern.
+# make setup PROFILE=dbr-15.4: Databricks Runtime 15.4 LTS ML's Python, Spark 3.5, Arrow, numpy, pandas and Petastorm
+# in .venv-dbr154 (scripts/databricks/constraints-dbr-15.4-ml.txt).
 PROFILE ?= classic
 VENV_classic := .venv
 VENV_modern := .venv-modern
+VENV_dbr-15.4 := .venv-dbr154
 VENV := $(VENV_$(PROFILE))
 ifeq ($(VENV),)
-$(error PROFILE=$(PROFILE): the install profiles are classic and modern)
+$(error PROFILE=$(PROFILE): the install profiles are classic, modern and dbr-15.4)
 endif
 PY := $(VENV)/bin/python
 SETUP_DEPS := setup.py scripts/setup.sh scripts/build_horovod.sh pipeline/buildinfo.py
@@ -23,19 +26,26 @@ setup: $(VENV)/.installed
 	PROFILE=modern VENV=.venv-modern bash scripts/setup.sh
 	touch $@
 
+.venv-dbr154/.installed: $(SETUP_DEPS) scripts/databricks/constraints-dbr-15.4-ml.txt
+	PROFILE=dbr-15.4 VENV=.venv-dbr154 bash scripts/setup.sh
+	touch $@
+
 demo: setup
 	bash scripts/demo.sh
 
-# Both profiles run even when the first fails; the exit status is the worse of the two. pytest's 5 (no test
-# selected) on the modern run means no test is marked `datapath` yet: said, not failed.
+# Every profile runs even when an earlier one fails; the exit status is the worst of them. pytest's 5 (no test
+# selected) on a data-path run means no test is marked `datapath` yet: said, not failed.
 test: .venv/.installed
 	@status=0; \
 	.venv/bin/python -m pytest tests -ra || status=1; \
-	$(MAKE) --no-print-directory PROFILE=modern setup || status=1; \
-	if [ -x .venv-modern/bin/python ]; then \
-	  .venv-modern/bin/python -m pytest tests -m datapath -ra; rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "modern profile: no test is marked datapath"; elif [ $$rc -ne 0 ]; then status=1; fi; \
-	fi; \
+	for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do \
+	  $(MAKE) --no-print-directory PROFILE=$${p%%:*} setup || status=1; \
+	  if [ -x $${p#*:}/bin/python ]; then \
+	    echo "== $${p%%:*} profile: data-path tests ($${p#*:})"; \
+	    $${p#*:}/bin/python -m pytest tests -m datapath -ra; rc=$$?; \
+	    if [ $$rc -eq 5 ]; then echo "$${p%%:*} profile: no test is marked datapath"; elif [ $$rc -ne 0 ]; then status=1; fi; \
+	  fi; \
+	done; \
 	exit $$status
 
 test-unit: setup

@@ -3,15 +3,20 @@
 # pinned stack (reusing a CUDA torch already there), build/install Horovod.
 #   PROFILE=classic (default; venv .venv)   petastorm 0.12.1, pyarrow 14, numpy 1
 #   PROFILE=modern  (venv .venv-modern)     no petastorm (data.reader=arrow), pyarrow 25, numpy 2
+#   PROFILE=dbr-15.4 (venv .venv-dbr154)    Databricks Runtime 15.4 LTS ML's Python 3.11, Spark 3.5, pyarrow 14.0.1,
+#                                           numpy 1.23, pandas 1.5, petastorm; torch and Horovod as classic
 #   PYTHON=/path/to/python   the interpreter to build the venv from (default: python3.11, else python3.12)
 #   VENV=DIR                 another venv folder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE=${PROFILE:-classic}
+EXTRA=$PROFILE  # setup.py's extra for the profile
+PYTHONS="3.11 3.12"  # the interpreters the profile runs on
 case "$PROFILE" in
   classic) VENV=${VENV:-.venv} ;;
   modern) VENV=${VENV:-.venv-modern} ;;
-  *) echo "PROFILE=$PROFILE: the install profiles are classic and modern" >&2; exit 1 ;;
+  dbr-15.4) VENV=${VENV:-.venv-dbr154}; EXTRA=dbr154; PYTHONS="3.11" ;;
+  *) echo "PROFILE=$PROFILE: the install profiles are classic, modern and dbr-15.4" >&2; exit 1 ;;
 esac
 quiet() { grep -v "^WARNING: Location" || true; }
 
@@ -25,16 +30,18 @@ if [ "${JAVA_MAJOR:-0}" -lt 17 ]; then
   exit 1
 fi
 
-# A candidate counts only if it runs (pyenv's shims exist for versions that are not active) and is 3.11 or 3.12.
-supported() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else 1)' >/dev/null 2>&1; }
+# A candidate counts only if it runs (pyenv's shims exist for versions that are not active) and is one of $PYTHONS.
+supported() { "$1" -c "import sys; sys.exit(0 if '%d.%d' % sys.version_info[:2] in '$PYTHONS'.split() else 1)" >/dev/null 2>&1; }
+WANTED="Python ${PYTHONS// / or }"
 if [ -n "${PYTHON:-}" ]; then
-  supported "$PYTHON" || { echo "PYTHON=$PYTHON is not a working Python 3.11 or 3.12" >&2; exit 1; }
+  supported "$PYTHON" || { echo "PYTHON=$PYTHON is not a working $WANTED (profile $PROFILE)" >&2; exit 1; }
 else
-  for cand in python3.11 python3.12 python3; do
+  CANDS="$(for v in $PYTHONS; do printf 'python%s ' "$v"; done)python3"
+  for cand in $CANDS; do
     if supported "$cand"; then PYTHON=$cand; break; fi
   done
   if [ -z "${PYTHON:-}" ]; then
-    echo "no Python 3.11 or 3.12 found (tried python3.11, python3.12, python3); install one or set PYTHON=/path/to/python" >&2
+    echo "no $WANTED found for profile $PROFILE (tried $CANDS); install one or set PYTHON=/path/to/python" >&2
     exit 1
   fi
 fi
@@ -59,10 +66,10 @@ if [ -z "$BASE_TORCH_CUDA" ]; then
   # torch first, alone, so pip takes the CPU wheel (a CUDA build is several GB); then the rest, pinned.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | quiet
 fi
-"$VENV/bin/python" -m pip install -q -e ".[dev,$PROFILE]" 2>&1 | quiet
+"$VENV/bin/python" -m pip install -q -e ".[dev,$EXTRA]" 2>&1 | quiet
 IMPORTS="import torch, pyarrow, numpy, pandas, deltalake, pyspark, mlflow, pytorch_lightning"
-[ "$PROFILE" = classic ] && IMPORTS="$IMPORTS, petastorm"
+[ "$PROFILE" = modern ] || IMPORTS="$IMPORTS, petastorm"
 "$VENV/bin/python" -c "$IMPORTS"
 PY="$VENV/bin/python" bash scripts/build_horovod.sh
 echo "$PROFILE" > "$VENV/lakehouse-profile"  # what was asked for; `lakehouse doctor` also reads what is installed
-echo "set-up complete ($PROFILE profile in $VENV): $("$VENV/bin/python" -c 'import horovod, torch, pyarrow, numpy; print("python", __import__("platform").python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "pyarrow", pyarrow.__version__, "numpy", numpy.__version__, "horovod", horovod.__version__)')"
+echo "set-up complete ($PROFILE profile in $VENV): $("$VENV/bin/python" -c 'import horovod, torch, pyarrow, numpy; print("python", __import__("platform").python_version(), "pyspark", __import__("pyspark").__version__, "torch", torch.__version__, "cuda", torch.version.cuda, "pyarrow", pyarrow.__version__, "numpy", numpy.__version__, "horovod", horovod.__version__)')"

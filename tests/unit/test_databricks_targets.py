@@ -143,6 +143,21 @@ def test_requirements_add_only_what_the_runtime_lacks(target):
         assert f'"{name}=={version}"' in setup, f"{name}=={version} is not setup.py's pin"
 
 
+def test_the_dbr_15_4_install_profile_has_the_runtime_versions():
+    """`make setup PROFILE=dbr-15.4` (setup.py's dbr154 extra, scripts/setup.sh) builds 15.4 LTS ML's Python, Spark,
+    Arrow, numpy and pandas with Petastorm, so the data-path tests run on them locally."""
+    block = re.search(r'"dbr154": \[([^\]]*)\]', (ROOT / "setup.py").read_text()).group(1)
+    extra = dict(re.findall(r'"([a-z-]+)==([^"]+)"', block))
+    pins = read_constraints(TARGETS["dbr-15.4-ml"].constraints)
+    for name in ("pyspark", "pyarrow", "numpy", "pandas"):
+        assert extra[name] == pins[name], name
+    assert "petastorm" in extra and extra["delta-spark"].startswith("3."), extra  # Delta 3.x is built for Spark 3.5
+    setup_sh = (ROOT / "scripts/setup.sh").read_text()
+    want = f'dbr-15.4) VENV=${{VENV:-.venv-dbr154}}; EXTRA=dbr154; PYTHONS="{TARGETS["dbr-15.4-ml"].python}"'
+    assert want in setup_sh
+    assert "VENV_dbr-15.4 := .venv-dbr154" in (ROOT / "Makefile").read_text()
+
+
 def test_a_bad_constraints_line_is_named_by_file_and_line(tmp_path):
     bad = tmp_path / "c.txt"
     bad.write_text("# fine\npyspark==3.5.0\nnumpy>=1.23\n")
