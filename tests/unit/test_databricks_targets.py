@@ -268,3 +268,96 @@ def test_unapplied_settings_names_what_a_foreign_session_lacks_without_setting_i
     have = {"a": "1", "b": "2"}
     assert unapplied_settings({"a": "1", "b": "3", "c": "x"}, have.get) == {"b": ("3", "2"), "c": ("x", None)}
     assert unapplied_settings({"a": "1"}, have.get) == {}
+
+
+# --- the bundle against the keys the `databricks` CLI documents ---
+# The CLI (Go) is on neither PyPI nor npm, so `databricks bundle validate` cannot run here; these are the keys of its
+# bundle JSON schema (`databricks bundle schema`, bundle/schema/jsonschema.json in databricks/cli, read 2026-11-23),
+# each of whose objects refuses keys it does not list (additionalProperties: false).
+CLI_KEYS = {
+    "root": {"artifacts", "bundle", "environments", "experimental", "include", "permissions", "presets", "python",
+             "resources", "run_as", "scripts", "sync", "targets", "variables", "workspace"},
+    "bundle": {"cluster_id", "compute_id", "databricks_cli_version", "deployment", "engine", "git", "name", "uuid"},
+    "sync": {"exclude", "include", "paths"},
+    "artifact": {"build", "dynamic_version", "executable", "files", "path", "type"},
+    "variable": {"default", "description", "lookup", "type"},
+    "target": {"artifacts", "bundle", "cluster_id", "compute_id", "default", "git", "mode", "permissions", "presets",
+               "resources", "run_as", "sync", "variables", "workspace"},
+}
+CLI_ENUMS = {"artifact.type": {"whl", "jar"}, "target.mode": {"development", "production"}}
+REFERENCE = re.compile(r"\$\{([^}]+)\}")
+
+
+def bundle_errors(doc: dict, folder: Path) -> list:
+    """What the CLI's schema (and its path and variable resolution) would refuse in a databricks.yml, as messages."""
+    errs = []
+
+    def unknown(where, obj, kind):
+        if not isinstance(obj, dict):
+            errs.append(f"{where}: a mapping is expected, got {type(obj).__name__}")
+            return
+        errs.extend(f"{where}.{k}: not a key the CLI knows" for k in sorted(set(obj) - CLI_KEYS[kind]))
+
+    unknown("(root)", doc, "root")
+    unknown("bundle", doc.get("bundle", {}), "bundle")
+    if "name" not in doc.get("bundle", {}):
+        errs.append("bundle.name: required")
+    unknown("sync", doc.get("sync", {}), "sync")
+    for p in doc.get("sync", {}).get("paths", []):
+        if not (folder / p).exists():
+            errs.append(f"sync.paths: {p} does not exist next to databricks.yml")
+    for pattern in doc.get("include", []):
+        if not list(folder.glob(pattern)):
+            errs.append(f"include: {pattern} matches no file")
+    for name, art in (doc.get("artifacts") or {}).items():
+        unknown(f"artifacts.{name}", art, "artifact")
+        if art.get("type") not in CLI_ENUMS["artifact.type"]:
+            errs.append(f"artifacts.{name}.type: {art.get('type')!r} is not whl or jar")
+        if not (folder / art.get("path", ".") / "setup.py").is_file():
+            errs.append(f"artifacts.{name}.path: no setup.py to build a wheel from")
+    declared = set(doc.get("variables") or {})
+    for name, var in (doc.get("variables") or {}).items():
+        unknown(f"variables.{name}", var, "variable")
+    for name, target in (doc.get("targets") or {}).items():
+        unknown(f"targets.{name}", target, "target")
+        if target.get("mode", "development") not in CLI_ENUMS["target.mode"]:
+            errs.append(f"targets.{name}.mode: {target['mode']!r} is not development or production")
+        for var, value in (target.get("variables") or {}).items():
+            if var not in declared:
+                errs.append(f"targets.{name}.variables.{var}: not declared under variables")
+            if isinstance(value, dict):
+                unknown(f"targets.{name}.variables.{var}", value, "variable")
+    texts = [yaml.safe_dump(doc)] + [p.read_text() for pattern in doc.get("include", []) for p in folder.glob(pattern)]
+    for ref in {r for text in texts for r in REFERENCE.findall(text)}:
+        if ref.startswith("var."):
+            if ref[4:] not in declared:
+                errs.append(f"${{{ref}}}: variable {ref[4:]} is not declared")
+        elif ref not in {"bundle.target", "bundle.name", "workspace.file_path", "workspace.root_path",
+                         "workspace.current_user.userName"}:
+            errs.append(f"${{{ref}}}: not a reference this bundle can resolve")
+    return errs
+
+
+def test_the_bundle_uses_only_keys_the_databricks_cli_documents():
+    assert bundle_errors(bundle(), BUNDLE) == []
+
+
+def test_the_bundle_check_refuses_what_the_cli_would():
+    bad = bundle()
+    bad["sync"]["path"] = bad["sync"].pop("paths")
+    bad["artifacts"]["lakehouse"]["type"] = "wheel"
+    bad["targets"]["dbr-15.4-ml"]["mode"] = "dev"
+    bad["targets"]["dbr-15.4-ml"]["variables"]["runtme"] = "15.4"
+    bad["bundle"]["target"] = "x"
+    bad["include"] = ["resources/*.yaml"]
+    errs = "\n".join(bundle_errors(bad, BUNDLE))
+    for expected in ("sync.path: not a key", "artifacts.lakehouse.type: 'wheel'", "targets.dbr-15.4-ml.mode: 'dev'",
+                     "variables.runtme: not declared", "bundle.target: not a key", "include: resources/*.yaml"):
+        assert expected in errs, errs
+
+
+def test_every_task_script_the_job_runs_is_in_the_repo():
+    (job,) = jobs().values()
+    for task in job["tasks"]:
+        script = (BUNDLE / "resources" / task["spark_python_task"]["python_file"]).resolve()
+        assert script.is_file() and script.parent == ROOT / "jobs", (task["task_key"], script)
