@@ -226,7 +226,8 @@ def _cfg_of_project_state(state: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     for prefix in ("", "network.", "model.network."):
         if f"{prefix}input_spec" in state:
             size, interp = state[f"{prefix}input_spec"].tolist()
-            return {"input_size": [0, int(size), int(size)] if size else None,
+            # size 0: the network takes the table's size as it comes (no resize)
+            return {"input_size": [0, int(size), int(size)],
                     "mean": state[f"{prefix}input_mean"].flatten().tolist(),
                     "std": state[f"{prefix}input_std"].flatten().tolist(), "interpolation": INTERPOLATIONS[int(interp)]}
     return {}
@@ -335,8 +336,9 @@ def save_pretrained(network: nn.Module, path: str) -> str:
     meta = {}
     if isinstance(network, TimmClassifier):
         t = network.transform
-        meta[CFG_METADATA_KEY] = json.dumps({"input_size": [0, t["input_size"], t["input_size"]] if t["input_size"]
-                                             else None, "mean": t["mean"], "std": t["std"],
+        # input size 0: the network took its table's size as it came; a fine-tune does the same (no resize)
+        meta[CFG_METADATA_KEY] = json.dumps({"input_size": [0, t["input_size"], t["input_size"]],
+                                             "mean": t["mean"], "std": t["std"],
                                              "interpolation": t["interpolation"]})
     state = {k: v.detach().cpu().contiguous() for k, v in inner.state_dict().items()}
     save_file(state, path, metadata=meta)

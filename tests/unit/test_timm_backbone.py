@@ -163,3 +163,14 @@ def test_frozen_timm_backbone_keeps_the_pretrained_weights_and_the_rebuild_predi
     assert again.transform == model.network.transform
     again.eval()
     torch.testing.assert_close(again(x), model.network(x), rtol=0, atol=0)
+
+
+def test_project_pretrained_file_keeps_the_table_size_not_timms_default(tmp_path):
+    """A backbone the project pretrained at its table's size (no resize) is fine-tuned at that size too, not at
+    the 160 px of timm's default config for the arch."""
+    from pipeline.model.timm_backbone import save_pretrained
+
+    path = save_pretrained(_net(None), str(tmp_path / "own.safetensors"))
+    t = _net(path).transform
+    assert t["input_size"] == 0 and t["mean"] == pytest.approx([0.5]) and t["std"] == pytest.approx([0.5])
+    assert _net(path, input_size=32).transform["input_size"] == 32
