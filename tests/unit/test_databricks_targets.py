@@ -1,8 +1,10 @@
 """The two Databricks targets: bundle and job schema, their profiles, the constraints that keep the runtime's packages, the start-up check and who owns the Spark session."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -361,3 +363,33 @@ def test_every_task_script_the_job_runs_is_in_the_repo():
     for task in job["tasks"]:
         script = (BUNDLE / "resources" / task["spark_python_task"]["python_file"]).resolve()
         assert script.is_file() and script.parent == ROOT / "jobs", (task["task_key"], script)
+
+
+# --- item 5 of the issue: Unity Catalog names and /Volumes paths in each target's defaults ---
+
+@pytest.mark.parametrize("target", sorted(EXPECTED))
+def test_each_target_keeps_its_data_on_a_volume_and_its_model_in_unity_catalog(target):
+    cfg = load_config(str(BUNDLE / f"{target}.yaml"))
+    volume = re.compile(r"^(file://)?/Volumes/[^/]+/[^/]+/[^/]+/.+")  # /Volumes/<catalog>/<schema>/<volume>/...
+    for key in ("delta.table", "data.cache_dir", "train.checkpoint_dir", "mlflow.unended_runs"):
+        value = cfg.flat()[key]
+        assert volume.match(str(value)), f"{target}: {key}={value} is not under a Unity Catalog volume"
+    assert re.fullmatch(r"[a-z_]+\.[a-z_]+\.[a-z_]+", cfg.mlflow.registered_model), cfg.mlflow.registered_model
+    (job,) = jobs().values()
+    (predict,) = [t for t in job["tasks"] if t["task_key"] == "predict"]
+    params = predict["spark_python_task"]["parameters"]
+    assert params[params.index("--model") + 1] == f"models:/{cfg.mlflow.registered_model}@champion"
+    assert params[params.index("--table") + 1] == cfg.delta.table
+
+
+def test_the_databricks_tracking_uri_registers_in_unity_catalog():
+    """mlflow.tracking_uri=databricks: MLflow 3 (3.0.1 on 17.3 too) takes databricks-uc as the registry, so
+    `main.ml.lakehouse_classifier` is a Unity Catalog model; nothing in the profiles points elsewhere."""
+    uris = {load_config(str(BUNDLE / f"{t}.yaml")).mlflow.tracking_uri for t in EXPECTED}
+    assert uris == {"databricks"}
+    code = "import mlflow; mlflow.set_tracking_uri('databricks'); print(mlflow.get_registry_uri())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "databricks-uc"
