@@ -226,7 +226,7 @@ def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, An
                                "continued": continued, "metrics": len(metrics), "model_uri": model_uri,
                                "status": info.get("status", "FINISHED"), "model_version": None, "champion": False,
                                "tracking_uri": cfg.mlflow.tracking_uri}
-    if info.get("register"):
+    if info.get("register") and summary["status"] == "FINISHED":  # nothing registered from a failed run
         from pipeline.workflow import register_and_promote
 
         version, decision = register_and_promote(client, cfg, model_uri, run_id, _Pinned(lineage),

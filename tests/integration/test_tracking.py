@@ -323,3 +323,41 @@ def test_plots_write_png(tmp_path):
         plots.confusion_matrix_png(cm, CLASS_NAMES[:2], tmp_path / "bad.png")
     with pytest.raises(ValueError, match="history is empty"):
         plots.learning_curves_png([], tmp_path / "lc.png")
+
+
+@pytest.mark.timeout(240)
+def test_sync_run_creates_the_run_where_the_server_never_had_it(sqlite_store, tmp_path):
+    """A folder left offline, uploaded to a store that does not have its run: a new run with every epoch (also those
+    the lost server had taken), the tags, artifacts and model, the true status, and a version through the gate."""
+    from pipeline.config import to_yaml
+    from pipeline.tracking.offline import OfflineRun, SyncError, sync_run
+
+    cfg = _cfg(*sqlite_store, f"sync-{tmp_path.name}")
+    cfg.mlflow.registered_model = f"synced_{tmp_path.name}"
+    off = OfflineRun(str(tmp_path / "offline_run"))
+    (tmp_path / "offline_run").mkdir()
+    (tmp_path / "offline_run" / "config.yaml").write_text(to_yaml(cfg))
+    off.write_metrics([(0, {"val_acc": 0.4, "val_loss": 1.2}, 1_700_000_000_000, True),
+                       (1, {"val_acc": 0.6, "val_loss": 0.9}, 1_700_000_001_000, False)])
+    off.log_dict("gone", [{"rank": 0, "host": "h"}], "ranks.json")
+    off.save_model(build_network("cnn", 1, len(CLASS_NAMES), width=4), META, step=2)
+    off.update(run_id="f" * 32, run_name="offline", tracking_uri=sqlite_store[0], status="FINISHED",
+               end_time=1_700_000_002_000, register=True, gate_metrics={"val_acc": 0.6},
+               lineage={"table": "work/delta/images", "version": 3, "rows": {"train": 8, "val": 2}},
+               tags={"precision": "32-true", "rank_0_host": "h"})
+
+    out = sync_run(off.folder)
+    client = configure(cfg.mlflow)
+    run = client.get_run(out["run_id"])
+    assert not out["continued"] and out["run_id"] != "f" * 32 and out["model_version"] == 1
+    assert run.info.status == "FINISHED" and run.info.end_time == 1_700_000_002_000  # the recorded end, kept
+    assert run.data.tags["lakehouse.offline_run_id"] == "f" * 32 and run.data.tags["precision"] == "32-true"
+    assert run.data.tags["delta_version"] == "3" and run.data.params["model.width"] == "4"
+    assert [(m.step, m.value) for m in client.get_metric_history(out["run_id"], "val_acc")] == [(0, 0.4), (1, 0.6)]
+    assert "ranks.json" in {a.path for a in client.list_artifacts(out["run_id"])}
+    mv = client.get_model_version(cfg.mlflow.registered_model, "1")
+    assert mv.run_id == out["run_id"] and mv.tags["delta_version"] == "3"
+    model = mlflow.pyfunc.load_model(f"models:/{cfg.mlflow.registered_model}/1")
+    assert set(model.predict(pd.DataFrame({"content": [_png(1)]}))["label"]) <= set(CLASS_NAMES)
+    with pytest.raises(SyncError, match="uploaded already"):
+        sync_run(off.folder)

@@ -19,8 +19,8 @@ class FlakyClient:
 
 
 def _tracker(tmp_path):
-    tracker = rank_zero.RankZeroTracker.__new__(rank_zero.RankZeroTracker)
-    tracker.run_id, tracker.client, tracker.pending, tracker.local_dir = "r1", FlakyClient(), [], str(tmp_path)
+    tracker = rank_zero.RankZeroTracker(None, "r1", local_dir=str(tmp_path))
+    tracker.client = FlakyClient()
     return tracker
 
 
@@ -48,4 +48,5 @@ def test_metrics_of_a_server_that_never_returns_are_kept_locally(tmp_path, monke
     t.close()
     lines = [json.loads(x) for x in (tmp_path / "unsent_metrics_r1.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3] and lines[3]["metrics"] == {"val_acc": pytest.approx(0.3)}
-    assert t.pending == []
+    assert [s for s, _ in t.pending] == [2, 3]  # still pending: finish() waits for the server, else leaves them offline
+    assert [s for s, _, _ in t.epochs] == [0, 1, 2, 3] and t.sent == set()  # what a run left offline keeps
