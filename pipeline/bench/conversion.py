@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
+from urllib.parse import urlparse
 
 from pipeline.bench.core import Result, Sizes, median
 from pipeline.config import Config
@@ -21,6 +22,29 @@ def _remove(url_or_path: str) -> None:
     path = local_path(url_or_path)
     if path:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def bench_cache_dir(cfg: Config, work_dir: str) -> str:
+    """The bench's own converted-data cache: `<work_dir>/cache` for a local `data.cache_dir`, else
+    `<data.cache_dir>-bench` on the same shared storage (the executors must see it). The bench deletes and rewrites
+    its entries on every repeat, so it never touches the user's cache: an entry there of the same table stays."""
+    import os
+
+    if urlparse(cfg.data.cache_dir).scheme in ("", "file"):
+        return os.path.join(os.path.abspath(work_dir), "cache")
+    return cfg.data.cache_dir.rstrip("/") + "-bench"
+
+
+def with_bench_cache(cfg: Config, work_dir: str) -> Config:
+    """`cfg` converting into the bench's own cache (`bench_cache_dir`)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=bench_cache_dir(cfg, work_dir)))
+
+
+def remove_bench_cache(cfg: Config, work_dir: str) -> None:
+    """Delete the bench's own cache folder (what is left of it once the measurements have deleted their entries)."""
+    from pipeline.data.cache import remove_entry
+
+    remove_entry(bench_cache_dir(cfg, work_dir))  # a whole folder, as for one entry
 
 
 @dataclass
@@ -52,14 +76,18 @@ def replan(data, world: int, batch_size: int = 0):
         val=plan_split("val", plan.val.row_group_rows, world, batch_size or plan.val.batch_size)))
 
 
-def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes) -> Tuple[Prepared, List[Result]]:
+def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
+                       work_dir: str) -> Tuple[Prepared, List[Result]]:
     """Plain Parquet write vs the first conversion vs a second conversion of the same pinned table (a cache hit).
 
     A conversion is convert_for_training (both splits into one content-keyed cache entry); the plain write writes the
     same prepared train and val DataFrames with df.write.parquet. Every repeat rebuilds the DataFrames from the pinned
     table (as a second `train` would), the plain write goes to a scratch folder that is removed, and the cache entry
-    is deleted before each first conversion so that it is a miss (an entry left by an earlier job included).
+    is deleted before each first conversion so that it is a miss (an entry left by an earlier bench included). All of
+    it happens in the bench's own cache (`bench_cache_dir`): the user's cache, and its entry of the same table, are
+    not touched. The returned data lives there too (run_bench deletes it).
     """
+    cfg = with_bench_cache(cfg, work_dir)
     from pipeline.data.cache import root_url
     from pipeline.data.convert import class_names_of, convert_for_training, decoded_frame, split_frame
     from pipeline.lakehouse.delta import get_engine

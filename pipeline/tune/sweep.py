@@ -98,6 +98,55 @@ def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
     return done
 
 
+def _next_trial(study, cfg: Config, space, shared: SharedData, parent, total: int, t0: float,
+                timeout: Optional[float]) -> Optional[TrialOutcome]:
+    """One turn of the sweep: None when no trial is left to start (all `total` counted, or the timeout passed);
+    else ask the study for a trial, train it in its child run, tell the study, log the progress line and the best
+    so far. Returns the trial's outcome (a failure is an outcome; Ctrl-C and SIGTERM propagate)."""
+    from optuna.trial import TrialState
+
+    from pipeline.tracking.runs import Terminated
+
+    name = study.study_name
+    metric = cfg.tune.metric
+    done = counted(study)
+    if done >= total:
+        return None
+    if timeout and time.monotonic() - t0 >= timeout:
+        log.warning("tune timeout of %.0f s reached after %d of %d trial(s); no new trial starts "
+                    "(continue with --resume %s)", timeout, done, total, name)
+        return None
+    trial = study.ask()
+    started = time.monotonic()
+    try:
+        overrides = space.suggest(trial)
+        log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,
+                 ", ".join(f"{k}={v}" for k, v in overrides.items()))
+        outcome = run_trial(trial, cfg, overrides, shared, parent.run_id, name)
+    except (KeyboardInterrupt, Terminated) as exc:
+        record_error(trial, exc)
+        study.tell(trial, state=TrialState.FAIL)
+        log.error("sweep stopped during trial %d (%s); continue it with `lakehouse tune --resume %s`",
+                  trial.number, type(exc).__name__, name)
+        raise
+    except Exception as exc:
+        reason = record_error(trial, exc)
+        study.tell(trial, state=TrialState.FAIL)
+        outcome = TrialOutcome(trial.number, "FAIL", None, trial.user_attrs.get(ATTR_RUN_ID), reason=reason)
+    else:
+        if outcome.state == "PRUNED":
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, outcome.value)
+    _pin_version(study, shared)
+    outcome.elapsed_s = time.monotonic() - started
+    best = best_trial(study)
+    log.info("%s", progress_line(trial.number, counted(study), total, outcome, best, metric,
+                                 time.monotonic() - t0))
+    log_best(parent.client, parent.run_id, best, metric, trial.number)
+    return outcome
+
+
 def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Optional[int] = None,
              timeout_s: Optional[float] = None, resume: Optional[str] = None) -> Dict[str, Any]:
     """Run (or resume) a sweep; returns the summary that `lakehouse tune` prints as its last line of JSON.
@@ -109,7 +158,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     """
     from optuna.trial import TrialState
 
-    from pipeline.tracking.runs import Terminated, configure
+    from pipeline.tracking.runs import configure
     from pipeline.workflow import prepare_data
 
     quiet_optuna()
@@ -128,42 +177,8 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
         if not space.needs_conversion():
             shared.for_config(cfg)  # convert (or hit the cache) once, before the first trial
             _pin_version(study, shared)
-        while True:
-            done = counted(study)
-            if done >= total:
-                break
-            if timeout and time.monotonic() - t0 >= timeout:
-                log.warning("tune timeout of %.0f s reached after %d of %d trial(s); no new trial starts "
-                            "(continue with --resume %s)", timeout, done, total, name)
-                break
-            trial = study.ask()
-            started = time.monotonic()
-            try:
-                overrides = space.suggest(trial)
-                log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,
-                         ", ".join(f"{k}={v}" for k, v in overrides.items()))
-                outcome = run_trial(trial, cfg, overrides, shared, parent.run_id, name)
-            except (KeyboardInterrupt, Terminated) as exc:
-                record_error(trial, exc)
-                study.tell(trial, state=TrialState.FAIL)
-                log.error("sweep stopped during trial %d (%s); continue it with `lakehouse tune --resume %s`",
-                          trial.number, type(exc).__name__, name)
-                raise
-            except Exception as exc:
-                reason = record_error(trial, exc)
-                study.tell(trial, state=TrialState.FAIL)
-                outcome = TrialOutcome(trial.number, "FAIL", None, trial.user_attrs.get(ATTR_RUN_ID), reason=reason)
-            else:
-                if outcome.state == "PRUNED":
-                    study.tell(trial, state=TrialState.PRUNED)
-                else:
-                    study.tell(trial, outcome.value)
-            _pin_version(study, shared)
-            outcome.elapsed_s = time.monotonic() - started
-            best = best_trial(study)
-            log.info("%s", progress_line(trial.number, counted(study), total, outcome, best, metric,
-                                         time.monotonic() - t0))
-            log_best(parent.client, parent.run_id, best, metric, trial.number)
+        while _next_trial(study, cfg, space, shared, parent, total, t0, timeout) is not None:
+            pass
 
         best = best_trial(study)
         registered: Dict[str, Any] = {}

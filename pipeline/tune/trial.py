@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -163,6 +164,8 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
         TrialFailed / any exception: it failed (child run FAILED with tag `error`).
         KeyboardInterrupt, Terminated: the sweep is being stopped (child run KILLED).
     """
+    from mlflow.entities import Metric, RunTag
+
     from pipeline.config import world_size_of
     from pipeline.tracking.runs import tracked_run
     from pipeline.workflow import train_in_run
@@ -185,8 +188,9 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
         r0 = train_in_run(run, tcfg, data, pinned, tags, epoch_gate=gate)
         trial.set_user_attr(ATTR_METRICS, {k: v for k, v in r0.metrics.items() if math.isfinite(v)})
         if gate is not None and gate.pruned_epoch is not None:
-            run.client.set_tag(run.run_id, "pruned", "true")
-            run.client.set_tag(run.run_id, "pruned_at_epoch", str(gate.pruned_epoch))
+            run.client.log_batch(run.run_id, tags=[RunTag("pruned", "true"),
+                                                   RunTag("pruned_at_epoch", str(gate.pruned_epoch))],
+                                 synchronous=True)
             return TrialOutcome(trial.number, "PRUNED", gate.reported.get(gate.pruned_epoch), run.run_id,
                                 reason=gate.reason, epochs=r0.epochs)
         value = best_of(r0.history, metric, cfg.tune.direction)
@@ -197,8 +201,8 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
         if not r0.model_uri:
             raise TrialFailed("rank 0 returned no model")
         trial.set_user_attr(ATTR_MODEL_URI, r0.model_uri)
-        run.client.set_tag(run.run_id, "pruned", "false")
-        run.client.log_metric(run.run_id, f"tune_{metric}", value)
+        run.client.log_batch(run.run_id, metrics=[Metric(f"tune_{metric}", value, int(time.time() * 1000), 0)],
+                             tags=[RunTag("pruned", "false")], synchronous=True)  # one round trip per trial
         return TrialOutcome(trial.number, "COMPLETE", value, run.run_id, epochs=r0.epochs)
 
 

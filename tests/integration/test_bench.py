@@ -2,6 +2,7 @@
 efficiency for every available reader, scaling through the product's train() (no timing asserts)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli
+from conftest import ROOT, cli, make_config
 
 pytestmark = pytest.mark.integration
 
 RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write",
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
-          "checkpoint_overhead", "tracking_overhead"]
+          "checkpoint_overhead", "tracking_overhead", "tune_overhead"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 
 
@@ -70,7 +71,45 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert set(report["loaders"]) == {"sample", "synthetic"}  # side by side: data set -> reader -> cached/uncached
     assert all(set(report["loaders"][d]) == set(readers) for d in report["loaders"])
 
+    tune = next(r for r in report["results"] if r["name"] == "tune_overhead")
+    assert tune["dataset"] == "sample" and tune["target"] == 1.10
+    assert tune["repeats"] == tune["parts"]["timed_pairs"] == 2
+    assert set(tune["parts"]["trial_states"].values()) == {"COMPLETE"} and tune["parts"]["conversions"] == 1
+    assert tune["parts"]["trial_s"] > 0 and tune["parts"]["train_alone_s"] > 0
+    assert tune["parts"]["study_one_off_s"]["register_best"] > 0  # apart from the per-trial figure
+
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
     assert any(p.name.startswith("bench_synthetic_") for p in (tmp_path / "delta").iterdir())
     assert not list((tmp_path / "checkpoints").glob("bench/*/*.ckpt"))  # the bench's checkpoints are removed
+    # the bench converted into its own cache, removed at the end; the user's (data.cache_dir) got nothing
+    assert not (tmp_path / "bench" / "cache").exists() and not (tmp_path / "bench" / "tune").exists()
+    assert not [p for p in (tmp_path / "petastorm_cache").glob("*") if p.is_dir()]
+
+
+@pytest.mark.timeout(600)
+def test_conversion_measurement_leaves_the_users_cache_entry(spark, digits_table, tmp_path: Path):
+    """The bench converts into its own cache: the user's entry of the same table, under the very key the bench
+    deletes and rewrites on every repeat, is still there afterwards, untouched."""
+    from pipeline.bench.conversion import bench_cache_dir, measure_conversion, remove_bench_cache
+    from pipeline.bench.core import QUICK
+    from pipeline.data.cache import list_entries, read_manifest
+    from pipeline.workflow import prepare_data
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", f"data.cache_dir={tmp_path}/user_cache")
+    data, _ = prepare_data(spark, cfg)  # the user's conversion, for 2 ranks as the bench's
+    before = read_manifest(data.entry_url)
+    assert before is not None and [e["key"] for e in list_entries(cfg.data.cache_dir)] == [data.key]
+    work = tmp_path / "bench"
+    prep, results = measure_conversion(spark, cfg, "sample", str(digits_table), dataclasses.replace(QUICK, repeats=1),
+                                       str(work))
+    try:
+        assert prep.data.key == data.key  # the same content key: only the cache folder tells them apart
+        assert prep.data.entry_url.startswith("file://" + bench_cache_dir(cfg, str(work)))
+        assert {r.name for r in results} == {"conversion_vs_plain_write", "conversion_cache_hit"}
+    finally:
+        prep.data.delete()
+        remove_bench_cache(cfg, str(work))
+    assert read_manifest(data.entry_url) == before  # neither deleted nor rewritten
+    assert [e["key"] for e in list_entries(cfg.data.cache_dir)] == [data.key]
+    assert not (work / "cache").exists()
