@@ -213,9 +213,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         os.makedirs(job.job_dir, exist_ok=True)
         with open(os.path.join(job.job_dir, f"rank{rank}.sigterm"), "w") as fh:
             fh.write(stop.reason)
-    result = RankResult(rank=rank, world_size=world_size, lr=lr, **host_and_pid())
+    result = RankResult(rank=rank, world_size=world_size, lr=lr, batch_size=batch, **host_and_pid())
     if trainer.optimizers:  # the rate the optimizer was actually built with (before the schedule)
-        group = trainer.optimizers[0].param_groups[0]
+        groups = trainer.optimizers[0].param_groups  # the head's rate where model.backbone_lr made two groups
+        group = next((g for g in groups if g.get("name") == "head"), groups[0])
         result.lr = float(group.get("initial_lr", group["lr"]))
     result.epochs = trainer.current_epoch
     result.history = accounting.history
