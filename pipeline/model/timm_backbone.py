@@ -52,7 +52,7 @@ def import_timm():
             f"({_torch.__version__}); importing timm failed with {type(exc).__name__}: {exc}. Install them with "
             f"`pip install timm torchvision==<the release matching torch {_torch.__version__.split('+')[0]}>` "
             f"(a GPU image or a Databricks ML runtime has a matching torchvision already; on this project's CPU "
-            f"setup use `make setup PROFILE=vision`)") from None
+            f"setup run scripts/setup_vision.sh for .venv-vision)") from None
     return timm
 
 
