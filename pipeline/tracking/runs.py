@@ -296,13 +296,22 @@ def _end_run(client: MlflowClient, experiment_id: str, run_id: str, status: str,
     return False
 
 
+def http_bounds(cfg_mlflow: MlflowConfig) -> Dict[str, str]:
+    """MLflow's HTTP retries bounded by `mlflow.retries` (its defaults retry for minutes against a dead server, per
+    call); values set in the environment win."""
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(max(0, int(cfg_mlflow.retries))),
+              "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+    return {key: os.environ.get(key, value) for key, value in wanted.items()}
+
+
 @contextlib.contextmanager
 def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict[str, Any]] = None,
                 reopen: Optional[str] = None) -> Iterator[TrackedRun]:
     """Open an MLflow run for the block; end it FINISHED, FAILED (exception) or KILLED (Ctrl-C, SIGTERM).
 
     For the block's duration SIGTERM raises `Terminated` in the main thread, so a killed job still
-    closes its run. The exception is re-raised after the run's status is set. `reopen`: the id of an
+    closes its run, and MLflow's HTTP retries are bounded (`http_bounds`), so a server that goes away costs
+    seconds per call, not minutes. The exception is re-raised after the run's status is set. `reopen`: the id of an
     existing run to continue (RUNNING again; `lakehouse tune --resume` reopens its study's parent run).
     """
     client, experiment_id = _connect(cfg.mlflow)
@@ -328,6 +337,8 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
 
         old_handler = signal.signal(signal.SIGTERM, _on_sigterm)
     status = RunStatus.to_string(RunStatus.FAILED)
+    bounded = contextlib.ExitStack()
+    bounded.enter_context(temporary_env(http_bounds(cfg.mlflow)))
     try:
         yield TrackedRun(run_id=run_id, client=client, experiment_id=experiment_id,
                          tracking_uri=mlflow.get_tracking_uri())
@@ -349,6 +360,7 @@ def tracked_run(cfg: Config, run_name: Optional[str] = None, tags: Optional[Dict
     finally:
         terminating["flag"] = True
         ended = _end_run(client, experiment_id, run_id, status, cfg.mlflow)
+        bounded.close()
         if installed:
             signal.signal(signal.SIGTERM, old_handler if old_handler is not None else signal.SIG_DFL)
         if ended:

@@ -220,6 +220,7 @@ def test_promotion_gate(store, tmp_path):
 def test_tracked_run_statuses(sqlite_store):
     cfg = _cfg(*sqlite_store, "statuses")
     before = signal.getsignal(signal.SIGTERM)
+    env_before = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
 
     ids = {}
     with pytest.raises(RuntimeError, match="boom"):
@@ -241,6 +242,8 @@ def test_tracked_run_statuses(sqlite_store):
             raise KeyboardInterrupt
     with tracked_run(cfg) as run:
         ids["ok"] = run.run_id
+        # MLflow's own retries (minutes against a dead server) bounded by mlflow.retries while the run is open
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == (env_before["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] or "1")
 
     client = configure(cfg.mlflow)
     status = {k: client.get_run(v).info.status for k, v in ids.items()}
@@ -248,6 +251,7 @@ def test_tracked_run_statuses(sqlite_store):
                       "ok": "FINISHED"}
     assert "boom" in client.get_run(ids["failed"]).data.tags["error"]
     assert signal.getsignal(signal.SIGTERM) is before
+    assert {k: os.environ.get(k) for k in env_before} == env_before  # the bounded HTTP retries end with the run
 
 
 def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
