@@ -36,6 +36,7 @@ SKIP_REASONS = {
 }
 _MAX_BINARY_FILE = 2**31 - 1
 _LOGGED_SKIPS = 20
+_COMMIT_SKIPS = 10_000  # skipped files listed in the commit (the counts are always complete): the log stays small
 
 
 class IngestError(RuntimeError):
@@ -101,6 +102,15 @@ def label_rule(depth: int) -> str:
     return f"the label is folder {-depth} above the file ({shape}; ingest.label_depth={depth})"
 
 
+def extension_glob(extensions: Sequence[str]) -> str:
+    """A Hadoop glob matching file names that end with any of `extensions`, in any case ('*{.[pP][nN][gG]}')."""
+    def anycase(ext: str) -> str:
+        return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else ("\\" + c if c in "{}[]*?\\,^" else c)
+                       for c in ext)
+
+    return "*{" + ",".join(anycase(e) for e in extensions) + "}"
+
+
 def _hidden(name: str) -> bool:
     return name.startswith("_") or name.startswith(".")
 
@@ -119,7 +129,9 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int) -> Sourc
     real_root = os.path.realpath(root)
     exts = tuple(e.lower() for e in extensions)
     out = SourceListing(root=root)
-    skip = lambda path, reason, detail: out.skipped.append(SkippedFile(path, reason, detail))  # noqa: E731
+
+    def skip(path: str, reason: str, detail: str) -> None:
+        out.skipped.append(SkippedFile(path, reason, detail))
 
     def unlistable(exc: OSError) -> None:
         skip(exc.filename or root, "unreadable", f"folder cannot be listed: {exc.strerror or exc}")
@@ -128,7 +140,7 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int) -> Sourc
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, root)
         folders = [] if rel_dir == "." else rel_dir.split(os.sep)
-        for name in list(dirnames):
+        for name in dirnames:
             full = os.path.join(dirpath, name)
             if not os.path.islink(full):
                 continue
@@ -264,12 +276,11 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
     try:
         if listing.candidates:
             candidates = spark.createDataFrame(listing.candidates, "path string, label string, is_link boolean")
-            files = (spark.read.format("binaryFile").option("recursiveFileLookup", "true").load("file://" + root)
-                     .withColumn("path", F.regexp_replace("path", "^file:", "")))
-            ext_ok = F.lit(False)
-            for e in cfg.ingest.extensions:  # only image files are read (binaryFile pushes no such filter itself)
-                ext_ok = ext_ok | F.lower(F.col("path")).endswith(e.lower())
-            files = files.filter(ext_ok).select("path", "content")
+            # only image files are read: a large archive beside them is neither read nor fails the scan
+            files = (spark.read.format("binaryFile").option("recursiveFileLookup", "true")
+                     .option("pathGlobFilter", extension_glob(cfg.ingest.extensions)).load("file://" + root)
+                     .filter(F.col("length") <= _MAX_BINARY_FILE)
+                     .select(F.regexp_replace("path", "^file:", "").alias("path"), "content"))
             checked = (candidates.join(files, on="path", how="left")
                        .withColumn("_v", _validate_udf()(F.col("content")))
                        .select("path", "label", "is_link", "content", "_v.width", "_v.height", "_v.mode",
@@ -313,7 +324,9 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
         out = good.join(F.broadcast(mapping), on="label", how="left").select(*TABLE_COLUMNS)
         rows = out.count()
         report = {"source": root, "files_found": listing.files_found, "rows_written": rows, "label_rule": rule,
-                  "skipped_counts": skipped_counts(skipped), "skipped": [s._asdict() for s in skipped]}
+                  "skipped_counts": skipped_counts(skipped), "skipped": [s._asdict() for s in skipped[:_COMMIT_SKIPS]]}
+        if len(skipped) > _COMMIT_SKIPS:
+            report["skipped_not_listed"] = len(skipped) - _COMMIT_SKIPS
         version = engine.write(out, table, mode, commit_metadata={"lakehouse.ingest": report})
         log.info("ingested %d of %d file(s) from %s into %s version %d; skipped %d: %s", rows, listing.files_found,
                  source, table, version, len(skipped), counts)

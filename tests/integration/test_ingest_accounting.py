@@ -21,9 +21,10 @@ EXPECTED_SKIPS = {
     "cat/_x.png": "hidden_name",
     "cat/.hidden.png": "hidden_name",
     "cat/fifo.png": "not_a_file",
+    "cat/huge.png": "too_large",
 }
 EXPECTED_ROWS = {"cat/a.png": "cat", "cat/indoor/b.png": "cat", "cat/indoor/deeper/c.tif": "cat",
-                 "dog/c.png": "dog", "dog/d.webp": "dog", "dog/e.bmp": "dog"}
+                 "dog/c.png": "dog", "dog/d.webp": "dog", "dog/e.BMP": "dog"}
 
 
 def _image(path, shade, fmt=None):
@@ -52,6 +53,8 @@ def messy_source(tmp_path):
     _image(src / "cat" / "_x.png", 220)
     _image(src / "cat" / ".hidden.png", 230)
     os.mkfifo(src / "cat" / "fifo.png")
+    with open(src / "cat" / "huge.png", "wb") as fh:  # sparse: over binaryFile's 2 GiB, no disk used
+        fh.truncate(2**31)
     return src
 
 
@@ -82,7 +85,7 @@ def test_every_file_accounted_in_report_and_commit(spark, tmp_path, messy_source
     summary = res.summary()
     assert summary["skipped_counts"] == {"hidden_name": 2, "symlink_outside": 2, "broken_symlink": 1,
                                          "not_a_file": 1, "unsupported_extension": 1, "zero_byte": 1,
-                                         "no_label": 1, "undecodable": 1, "duplicate": 2}
+                                         "too_large": 1, "no_label": 1, "undecodable": 1, "duplicate": 2}
     assert summary["skipped"] == len(EXPECTED_SKIPS) and len(summary["skipped_files"]) == len(EXPECTED_SKIPS)
     detail = {os.path.relpath(d["path"], messy_source): d["detail"] for d in summary["skipped_detail"]}
     assert detail["dog/copy_of_c.png"] == f"same content as {messy_source / 'dog' / 'c.png'}"
@@ -135,5 +138,5 @@ def test_label_depth_two(spark, tmp_path, messy_source):
     res = _ingest(spark, cfg, messy_source)
     rows = {os.path.relpath(p, messy_source) for p in (s.path for s in res.skipped)}
     assert sorted(res.classes) == ["indoor"] and res.rows_written == 2  # cat/indoor/b.png, .../deeper/c.tif
-    assert {"cat/a.png", "dog/c.png", "dog/d.webp", "dog/e.bmp"} <= rows
+    assert {"cat/a.png", "dog/c.png", "dog/d.webp", "dog/e.BMP"} <= rows
     assert res.files_found == res.rows_written + len(res.skipped)

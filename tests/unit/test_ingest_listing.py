@@ -60,6 +60,9 @@ def test_every_entry_accounted_with_a_reason(tmp_path):
     os.symlink(src / "cat", src / "linked_in")
     paths[str(src / "linked_in")] = "symlinked_folder"
     os.mkfifo(src / "cat" / "fifo.png")
+    with open(src / "cat" / "huge.png", "wb") as fh:  # sparse
+        fh.truncate(2**31)
+    paths[str(src / "cat" / "huge.png")] = "too_large"
     paths[str(src / "cat" / "fifo.png")] = "not_a_file"
     os.symlink(src / "cat" / "a.png", src / "cat" / "link_in.png")  # read: its content is deduplicated later
 
@@ -74,6 +77,13 @@ def test_every_entry_accounted_with_a_reason(tmp_path):
     detail = {s.path: s.detail for s in listing.skipped}
     assert ".txt is not one of ingest.extensions" in detail[str(src / "cat" / "notes.txt")]
     assert "outside" in detail[str(src / "cat" / "out.png")]
+
+
+def test_extension_glob_any_case():
+    from pipeline.lakehouse.ingest import extension_glob
+
+    assert extension_glob([".png", ".tif"]) == "*{.[pP][nN][gG],.[tT][iI][fF]}"
+    assert extension_glob([".a,b"]) == "*{.[aA]\\,[bB]}"
 
 
 def test_unreadable_file_is_listed(tmp_path, monkeypatch):
