@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.datapath, pytest.mark.timeout(300)]
 
 # Each case runs in its own Python: a JVM holds one SparkContext, and the session-wide `spark` fixture must not be
 # the one under test.
