@@ -278,6 +278,10 @@ def run_doctor(cfg: Config) -> int:
         if cfg.delta.engine == "spark" and not any(k in cfg.spark.conf for k in ("spark.jars", "spark.jars.packages")):
             problems.append("config delta.engine=spark but spark.conf sets neither spark.jars nor spark.jars.packages "
                             "(the Delta jars); fine on Databricks, which ships them")
+    if cfg.model.arch.startswith("timm/"):  # a timm backbone needs timm and a torchvision built for this torch
+        from pipeline.model.timm_backbone import timm_problems
+
+        problems += timm_problems()
 
     print("lakehouse doctor")
     if dbr:

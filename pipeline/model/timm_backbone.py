@@ -56,6 +56,15 @@ def import_timm():
     return timm
 
 
+def timm_problems() -> List[str]:
+    """Why a timm/<name> arch cannot be built here (for `lakehouse doctor`), or nothing."""
+    try:
+        import_timm()
+    except ImportError as exc:
+        return [str(exc)]
+    return []
+
+
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
     """Nothing is downloaded while timm builds a model: the Hugging Face hub is told it is offline."""

@@ -99,6 +99,9 @@ def test_a_timm_arch_without_timm_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "timm", None)  # as where timm (or its torchvision) cannot import
     with pytest.raises(ImportError, match=r"config key 'model.arch': timm/<name> needs the timm package"):
         network_from_config(ModelConfig(arch="timm/resnet18"), 3, 10)
+    from pipeline.model.timm_backbone import timm_problems
+
+    assert any("model.arch" in p and "setup_vision.sh" in p for p in timm_problems())  # what `lakehouse doctor` says
 
 
 def test_pretrained_needs_a_timm_arch():
