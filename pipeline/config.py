@@ -5,7 +5,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
@@ -31,13 +31,17 @@ class DeltaConfig:
 
 @dataclass
 class IngestConfig:
-    on_bad_file: str = "skip"  # skip | fail
-    extensions: List[str] = field(default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"])
+    strict: bool = False  # true: any file skipped (listed in the ingest report) fails the ingest, nothing written
+    on_bad_file: str = "skip"  # skip | fail; the older switch: fail is the same as strict: true
+    label_depth: int = 1  # the label is folder N under the source (1: SOURCE/<label>/...); -1: the file's own folder
+    extensions: List[str] = field(
+        default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"])
 
 
 @dataclass
 class DataConfig:
-    batch_size: int = 64
+    batch_size: Union[int, str] = 64  # per rank; auto: from data.auto_batch_start, halved on out-of-memory
+    auto_batch_start: int = 256  # data.batch_size=auto starts here (per rank), down to 1
     val_fraction: float = 0.2
     cache_dir: str = "work/data_cache"  # converted Parquet, content-keyed, kept across jobs (`lakehouse cache`)
     cache_max_gb: float = 20.0  # least recently used entries are evicted above this; 0 = no bound
@@ -55,12 +59,23 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "cnn"  # cnn | resnet
+    arch: str = "cnn"  # cnn | resnet | timm/<name> (any timm model, e.g. timm/resnet18; needs timm)
     lr: float = 0.01
     optimizer: str = "sgd"  # sgd | adam
     momentum: float = 0.9
     weight_decay: float = 0.0
     width: int = 32
+    # a local safetensors file, torch state dict or Hugging Face cache folder (timm archs); nothing is downloaded
+    pretrained: Optional[str] = None
+    # the backbone's input; null: the pretrained config's (with model.pretrained), else the table's size and 0.5/0.5
+    input_size: Optional[int] = None  # resized on the device from data.image_size (images stay decoded once)
+    mean: Optional[List[float]] = None
+    std: Optional[List[float]] = None
+    interpolation: Optional[str] = None  # bilinear | bicubic | nearest
+    freeze_backbone: bool = False  # train the head only ...
+    unfreeze_at_epoch: Optional[int] = None  # ... until this epoch (0-based), then everything
+    backbone_lr: Optional[float] = None  # the backbone's rate (scaled like model.lr); null: model.lr
+    schedule: str = "warmup_cosine"  # warmup_cosine (train.warmup_epochs, then cosine) | constant
 
 
 @dataclass
@@ -82,10 +97,12 @@ class TrainConfig:
     warmup_epochs: int = 0
     seed: int = 42
     checkpoint_dir: str = "work/checkpoints"
-    ckpt_restore: Optional[str] = None  # PATH | last
+    # last | best (this run's own <checkpoint_dir>/<run_id>/ folder) | <run_id>/last | <run_id>/best | PATH
+    ckpt_restore: Optional[str] = None
     ckpt_allow_other_data: bool = False
     checkpoint_every_n_steps: Optional[int] = None  # also checkpoint (last.ckpt) every N steps, mid-epoch
     max_restarts: int = 0  # a rank that dies: relaunch every rank from the last checkpoint, up to N times
+    oom_backoff: bool = False  # a fixed data.batch_size: an out-of-memory halves it and relaunches (auto always does)
     # torch threads per rank; null: 1 when several ranks share a host, torch's default for a rank alone on its host
     threads_per_rank: Optional[int] = None
     # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
@@ -95,6 +112,7 @@ class TrainConfig:
     stall_timeout_s: int = 120
     fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
     fail_rank: Optional[int] = None  # ... on this rank only (None: every rank)
+    fail_with: str = "error"  # ... raising: error (a RuntimeError) | oom (torch.OutOfMemoryError)
     nan_at_step: Optional[int] = None  # fault injection for tests: NaN loss from this global step
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
@@ -108,8 +126,13 @@ class MlflowConfig:
     promote: bool = True
     gate_metric: str = "val_acc"
     gate_mode: str = "max"
+    # promote only if the challenger beats the champion by more than this (same held-out rows; 0: strictly better)
+    gate_margin: float = 0.0
     retries: int = 3
     retry_wait_s: float = 2.0
+    # the server unreachable when training ends: rank 0 waits this long for it, then leaves the run (metrics, plots,
+    # model) in <job dir>/offline_run for `lakehouse sync-run`
+    reconnect_wait_s: float = 120.0
     # runs a job could not end (the server was unreachable) are written here and ended at the next connection
     unended_runs: Optional[str] = "work/mlflow_unended_runs.jsonl"
 
@@ -167,10 +190,11 @@ EPOCH_METRICS = ("val_loss", "val_acc", "train_loss", "train_acc")
 CHOICES = {
     "delta.engine": ("delta-rs", "spark"),
     "ingest.on_bad_file": ("skip", "fail"),
-    "model.arch": ("cnn", "resnet"),
     "model.optimizer": ("sgd", "adam"),
-    "train.backend": ("horovod", "ddp", "single"),
+    "model.schedule": ("warmup_cosine", "constant"),
+    "train.backend": ("horovod", "ddp", "fsdp", "single"),
     "train.lr_scaling": ("linear", "sqrt", "none"),
+    "train.fail_with": ("error", "oom"),
     "train.precision": ("auto", "32-true", "bf16-mixed", "16-mixed"),
     "train.early_stopping.mode": ("min", "max"),
     "mlflow.gate_mode": ("min", "max"),
@@ -191,6 +215,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == len(typing.get_args(tp)):  # Union[int, str]: the first type that takes the value
+            for arg in args[:-1]:
+                try:
+                    return _coerce(key, value, arg)
+                except ConfigError:
+                    pass
+            return _coerce(key, value, args[-1])
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             return None
         return _coerce(key, value, args[0])
@@ -318,7 +349,9 @@ def validate(cfg: Config) -> None:
         if flat.get(key) not in allowed:
             raise ConfigError(f"config key '{key}': value {flat.get(key)!r} is not one of {', '.join(map(str, allowed))}")
     checks = [
-        ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
+        ("data.batch_size", cfg.data.batch_size == "auto" or (isinstance(cfg.data.batch_size, int)
+                                                               and cfg.data.batch_size >= 1), "must be an int >= 1 or auto"),
+        ("data.auto_batch_start", cfg.data.auto_batch_start >= 1, "must be >= 1"),
         ("data.val_fraction", 0.0 < cfg.data.val_fraction < 1.0, "must be between 0 and 1 (exclusive)"),
         ("data.partitions_per_worker", cfg.data.partitions_per_worker >= 1, "must be >= 1"),
         ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
@@ -328,15 +361,28 @@ def validate(cfg: Config) -> None:
         ("data.row_groups_per_rank", cfg.data.row_groups_per_rank >= 1, "must be >= 1"),
         ("data.max_row_group_mb", cfg.data.max_row_group_mb > 0, "must be > 0"),
         ("model.lr", cfg.model.lr > 0, "must be > 0"),
+        ("model.arch", cfg.model.arch in ("cnn", "resnet") or (cfg.model.arch.startswith("timm/")
+                                                              and len(cfg.model.arch) > 5),
+         "is not one of cnn, resnet, timm/<name> (e.g. timm/resnet18)"),
+        ("model.backbone_lr", cfg.model.backbone_lr is None or cfg.model.backbone_lr >= 0, "must be >= 0 or null"),
+        ("model.unfreeze_at_epoch", cfg.model.unfreeze_at_epoch is None or cfg.model.unfreeze_at_epoch >= 0,
+         "must be >= 0 or null"),
+        ("model.input_size", cfg.model.input_size is None or cfg.model.input_size >= 8, "must be >= 8 or null"),
+        ("model.interpolation", cfg.model.interpolation in (None, "bilinear", "bicubic", "nearest"),
+         "must be bilinear, bicubic, nearest or null"),
         ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
         ("train.checkpoint_every_n_steps", (cfg.train.checkpoint_every_n_steps or 1) >= 1, "must be >= 1 or null"),
         ("train.max_restarts", cfg.train.max_restarts >= 0, "must be >= 0"),
+        ("mlflow.reconnect_wait_s", cfg.mlflow.reconnect_wait_s >= 0, "must be >= 0 (0: leave the run offline at once)"),
         ("train.threads_per_rank", cfg.train.threads_per_rank is None or cfg.train.threads_per_rank >= 1,
          "must be >= 1 or null (null: 1 per rank when ranks share a host, else torch's default)"),
         ("train.early_stopping.patience", cfg.train.early_stopping.patience >= 0, "must be >= 0"),
         ("delta.version", cfg.delta.version is None or cfg.delta.version >= 0, "must be >= 0 or null"),
         ("delta.table", bool(cfg.delta.table), "must not be empty"),
+        ("ingest.label_depth", cfg.ingest.label_depth != 0,
+         "must not be 0 (N: folder N under the source, -N: folder N above the file)"),
+        ("mlflow.gate_margin", cfg.mlflow.gate_margin >= 0, "must be >= 0 (0: the challenger must be strictly better)"),
         ("tune.n_trials", cfg.tune.n_trials >= 1, "must be >= 1"),
         ("tune.startup_trials", cfg.tune.startup_trials >= 0, "must be >= 0"),
         ("tune.warmup_epochs", cfg.tune.warmup_epochs >= 0, "must be >= 0"),
@@ -352,7 +398,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': {metric!r} is not a metric training logs; one of "
                               f"{', '.join(EPOCH_METRICS)}")
     if cfg.train.backend == "single" and cfg.train.np != 1:
-        raise ConfigError(f"config key 'train.np': value {cfg.train.np} needs train.backend horovod or ddp; "
+        raise ConfigError(f"config key 'train.np': value {cfg.train.np} needs train.backend horovod, ddp or fsdp; "
                           "train.backend=single runs one process (train.np=1)")
 
 
