@@ -35,6 +35,20 @@ def epoch_timing(client, run_id: str, launch_start: float) -> Tuple[float, float
     return median(values), first.timestamp / 1000.0 - first.value - launch_start, values
 
 
+def attempts(client, run_id: str, launches: List[List[float]]) -> Dict[str, float]:
+    """Where a run with a failure spent its time, from its launches ([start, end] wall clock each) and its epoch
+    metrics: the failed attempt, the driver between the attempts, the relaunch's process start (its call to its
+    first epoch's start) and the rest of the second attempt."""
+    if len(launches) < 2:
+        return {}
+    (s0, e0), (s1, e1) = launches[0], launches[1]
+    after = [m for m in client.get_metric_history(run_id, "epoch_time_s") if m.timestamp / 1000.0 > s1]
+    first = min(after, key=lambda m: m.timestamp) if after else None
+    start = first.timestamp / 1000.0 - first.value - s1 if first else float("nan")
+    return {"failed_attempt_s": e0 - s0, "between_attempts_s": s1 - e0, "relaunch_start_s": start,
+            "second_attempt_s": e1 - s1}
+
+
 def cost_result(whole: List[float], cut: List[float], epoch_s: List[float], start_s: List[float], dataset: str,
                 context: Dict[str, Any]) -> Result:
     """The restart_cost figure: median over the pairs of (cut - whole) / (epoch + start), with the issue's form of
@@ -73,12 +87,15 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
         "train.np": np_, "train.max_epochs": EPOCHS, "train.early_stopping.enabled": False,
         "train.checkpoint_every_n_steps": None, "train.warmup_epochs": 0, "mlflow.registered_model": model,
         "mlflow.promote": False})
-    launches: List[float] = []
+    launches: List[List[float]] = []  # [start, end] of each launch of the run being timed (wall clock)
 
     def launch_timer(original):
         def wrapper(*a, **kw):
-            launches.append(time.time())
-            return original(*a, **kw)
+            launches.append([time.time(), float("nan")])
+            try:
+                return original(*a, **kw)
+            finally:
+                launches[-1][1] = time.time()
         return wrapper
 
     def one(name: str, i: int, fail_step: int = None) -> Dict[str, Any]:
@@ -90,10 +107,12 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
         out = workflow.train(spark, apply_overrides(base, extra), run_name=f"bench-restart-{name}-{i}")
         wall = time.perf_counter() - t0
         client = MlflowClient(out["tracking_uri"])
-        epoch_s, start_s, epochs = epoch_timing(client, out["run_id"], launches[0])
+        epoch_s, start_s, epochs = epoch_timing(client, out["run_id"], launches[0][0])
         restarts = [m.value for m in client.get_metric_history(out["run_id"], "restarts")]
         return {"wall": wall, "epoch_s": epoch_s, "start_s": start_s, "epochs": epochs, "restarts": restarts,
-                "launches": len(launches), "run_id": out["run_id"], "tracking_uri": out["tracking_uri"]}
+                "launches": len(launches), "launch_s": [e - s for s, e in launches],
+                "attempts": attempts(client, out["run_id"], launches), "run_id": out["run_id"],
+                "tracking_uri": out["tracking_uri"]}
 
     whole: List[Dict[str, Any]] = []
     cut: List[Dict[str, Any]] = []
@@ -117,6 +136,9 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
                "fail_rank": FAIL_RANK, "world_size": world_size_of(base), "backend": base.train.backend,
                "batch_size": base.data.batch_size, "restarts_per_run_with_failure": [c["restarts"] for c in cut],
                "epoch_s_per_run": [w["epochs"] for w in whole], "warmup_s": round(warm["wall"], 3),
+               "process_start_s_per_run": [w["start_s"] for w in whole],
+               "uninterrupted_launch_s": [w["launch_s"] for w in whole],
+               "with_failure_attempts_s": [c["attempts"] for c in cut],
                "path": "pipeline.workflow.train with train.max_restarts=1 vs without a failure"}
     result = cost_result([w["wall"] for w in whole], [c["wall"] for c in cut], [w["epoch_s"] for w in whole],
                          [w["start_s"] for w in whole], prep.name, context)

@@ -24,3 +24,15 @@ def test_epoch_timing_from_the_epoch_metric():
     client = SimpleNamespace(get_metric_history=lambda run_id, key: history)
     epoch_s, start_s, epochs = epoch_timing(client, "run", launch_start=1_000_005.0)
     assert epochs == [4.0, 3.0] and epoch_s == 3.5 and start_s == pytest.approx(7.0)  # 1e6+16 - 4 - (1e6+5)
+
+
+def test_attempts_split_a_run_with_a_failure():
+    from pipeline.bench.restart_cost import attempts
+
+    history = [SimpleNamespace(step=0, value=4.0, timestamp=120_000),
+               SimpleNamespace(step=1, value=4.0, timestamp=170_000)]
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: history)
+    parts = attempts(client, "run", [[100.0, 140.0], [141.0, 200.0]])
+    assert parts == {"failed_attempt_s": 40.0, "between_attempts_s": 1.0, "relaunch_start_s": 25.0,
+                     "second_attempt_s": 59.0}
+    assert attempts(client, "run", [[100.0, 200.0]]) == {}
