@@ -50,3 +50,74 @@ def test_metrics_of_a_server_that_never_returns_are_kept_locally(tmp_path, monke
     assert [x["step"] for x in lines] == [0, 1, 2, 3] and lines[3]["metrics"] == {"val_acc": pytest.approx(0.3)}
     assert [s for s, _ in t.pending] == [2, 3]  # still pending: finish() waits for the server, else leaves them offline
     assert [s for s, _, _ in t.epochs] == [0, 1, 2, 3] and t.sent == set()  # what a run left offline keeps
+
+
+class _Job:
+    """What finish() reads of a TrainJob."""
+
+    def __init__(self, tmp_path):
+        from types import SimpleNamespace
+
+        from pipeline.config import Config
+
+        self.cfg = Config()
+        self.cfg.mlflow.reconnect_wait_s, self.cfg.mlflow.retry_wait_s = 0.3, 0.1
+        self.job_dir, self.tracking_uri = str(tmp_path), "http://127.0.0.1:9"
+        self.data = SimpleNamespace(channels=1, image_size=16, class_names=["a", "b"])
+
+
+class _Model:
+    def __init__(self):
+        import torch
+
+        self.network = torch.nn.Linear(2, 2)
+
+    def eval(self):
+        return self
+
+
+def _finishing_tracker(tmp_path, monkeypatch, online):
+    t = _tracker(tmp_path)
+    t.client.get_run = lambda run_id: None if t.client.up else (_ for _ in ()).throw(ConnectionError("down"))
+    monkeypatch.setattr(t, "_finish_online", online)
+    return t
+
+
+def test_finish_leaves_the_run_offline_when_the_server_stays_away(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from pipeline.tracking.offline import left_offline
+
+    t = _finishing_tracker(tmp_path, monkeypatch, lambda *a: pytest.fail("no server: nothing is logged online"))
+    t.log_epoch({"val_loss": 1.0}, 0)
+    t.client.up = False
+    t.log_epoch({"val_loss": 0.5}, 1)
+    t.close()
+    assert t.finish(_Model(), _Job(tmp_path), [], SimpleNamespace(epochs=2)) is None
+    off = left_offline(str(tmp_path))
+    assert off is not None and [(m["step"], m["sent"]) for m in off.metrics()] == [(0, True), (1, False)]
+
+
+def test_finish_sends_what_waited_when_the_server_is_back(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    t = _finishing_tracker(tmp_path, monkeypatch, lambda *a: "models:/m-1")
+    t.client.up = False
+    t.log_epoch({"val_loss": 1.0}, 0)
+    t.close()
+    assert (tmp_path / "unsent_metrics_r1.jsonl").exists()
+    t.client.up = True
+    assert t.finish(_Model(), _Job(tmp_path), [], SimpleNamespace(epochs=1)) == "models:/m-1"
+    assert [s for s, _, _ in t.client.logged] == [0] and not list(tmp_path.iterdir())  # the file went with them
+
+
+def test_finish_raises_a_failure_that_is_not_the_server_being_away(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    def broken(*args):
+        raise ValueError("a real error")
+
+    t = _finishing_tracker(tmp_path, monkeypatch, broken)
+    with pytest.raises(ValueError, match="a real error"):
+        t.finish(_Model(), _Job(tmp_path), [], SimpleNamespace(epochs=1))
+    assert not list(tmp_path.iterdir())
