@@ -21,6 +21,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
 
 def prepare(work: str, rows: int = 4000) -> Dict[str, Any]:
     import glob
@@ -54,7 +58,7 @@ def prepare(work: str, rows: int = 4000) -> Dict[str, Any]:
     return {"file": out, "synthetic_rows": len(syn_y), "digits_rows": len(dig_y)}
 
 
-def _fit(model_cfg, x, y, vx, vy, epochs: int, batch: int = 64, seed: int = 0) -> Dict[str, Any]:
+def _fit(label: str, model_cfg, x, y, vx, vy, epochs: int, batch: int = 64, seed: int = 0) -> Dict[str, Any]:
     import pytorch_lightning as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -67,6 +71,7 @@ def _fit(model_cfg, x, y, vx, vy, epochs: int, batch: int = 64, seed: int = 0) -
 
         def on_train_epoch_end(self, trainer, module) -> None:
             self.val_acc.append(float(trainer.callback_metrics["val_acc"]))
+            log.info("%s epoch %d: val_acc %.4f", label, len(self.val_acc), self.val_acc[-1])  # a curve as it goes
 
     pl.seed_everything(seed, verbose=False)
     steps = -(-len(y) // batch)
@@ -98,11 +103,11 @@ def run(work: str, arch: str = "timm/resnet18", pretrain_epochs: int = 3, epochs
     vx, vy = data["dig_x"][order[:n_val]], data["dig_y"][order[:n_val]]
     x, y = data["dig_x"][order[n_val:]], data["dig_y"][order[n_val:]]
 
-    pre = _fit(ModelConfig(arch=arch, lr=lr), data["syn_x"], data["syn_y"], data["syn_x"][:512], data["syn_y"][:512],
-               pretrain_epochs)
+    syn_x, syn_y = data["syn_x"], data["syn_y"]
+    pre = _fit("pretrain", ModelConfig(arch=arch, lr=lr), syn_x, syn_y, syn_x[:512], syn_y[:512], pretrain_epochs)
     weights = save_pretrained(pre["model"].network, os.path.join(work, f"{arch.replace('/', '_')}_synthetic.safetensors"))
-    tuned = _fit(ModelConfig(arch=arch, lr=lr, pretrained=weights), x, y, vx, vy, epochs)
-    scratch = _fit(ModelConfig(arch=arch, lr=lr), x, y, vx, vy, epochs)
+    tuned = _fit("pretrained", ModelConfig(arch=arch, lr=lr, pretrained=weights), x, y, vx, vy, epochs)
+    scratch = _fit("scratch", ModelConfig(arch=arch, lr=lr), x, y, vx, vy, epochs)
     return {"arch": arch, "pretrain": {"rows": int(len(data["syn_y"])), "epochs": pretrain_epochs,
                                        "val_acc": pre["val_acc"], "seconds": pre["seconds"], "weights": weights},
             "digits": {"train_rows": int(len(y)), "val_rows": int(len(vy))}, "target": target,
