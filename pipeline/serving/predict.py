@@ -50,6 +50,29 @@ def _count_committed(table: str, before: Set[str]) -> Optional[Dict[str, int]]:
     return {"rows": rows, "errors": errors, "files": len(added)}
 
 
+def scoring_partitions(current: int, cores: int, local: bool) -> int:
+    """How many partitions to score: at least one per core (all cores score, even a table of one file); in local
+    mode exactly one per core, since spark_udf loads the model once per task there (no per-process cache as on a
+    cluster): more tasks than cores would mean more model loads and a second, partly idle wave of tasks."""
+    cores = max(1, cores)
+    if current < cores or (local and current > cores):
+        return cores
+    return current
+
+
+def partitions_for_scoring(spark, df):
+    """`df` spread over `scoring_partitions`: repartition to add partitions, coalesce (no shuffle) to merge them."""
+    current = df.rdd.getNumPartitions()
+    cores = spark.sparkContext.defaultParallelism
+    local = str(spark.sparkContext.master).startswith("local")
+    wanted = scoring_partitions(current, cores, local)
+    if wanted > current:
+        return df.repartition(wanted)
+    if wanted < current:
+        return df.coalesce(wanted)
+    return df
+
+
 def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     """`df` (path, content, ...) -> one output row per input row with the model's answer or the row's error."""
     import mlflow.pyfunc
@@ -59,13 +82,12 @@ def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     if missing:
         raise PredictError(f"Delta table {input_table} version {input_version} has no column(s) "
                            f"{', '.join(repr(c) for c in missing)} to score; it has {df.columns}")
-    # env_manager=local: executors use this Python; the model is loaded once per Python worker process
-    # (spark.python.worker.reuse) and fed Arrow batches of rows.
+    # env_manager=local: executors use this Python; on a cluster the model is loaded once per Python worker process
+    # (SparkModelCache, spark.python.worker.reuse), in local mode once per task (see scoring_partitions); it is fed
+    # Arrow batches of rows (spark.sql.execution.arrow.maxRecordsPerBatch).
     udf = mlflow.pyfunc.spark_udf(spark, pinned_model.uri, result_type=UDF_RESULT, env_manager="local",
                                   params={"on_error": "null"})
-    parallelism = spark.sparkContext.defaultParallelism
-    if df.rdd.getNumPartitions() < parallelism:
-        df = df.repartition(parallelism)  # all cores score, even from a table of one file
+    df = partitions_for_scoring(spark, df)
     scored = df.select(F.col(KEY_COLUMN), udf(F.struct(F.col(CONTENT_COLUMN))).alias("_p"))
     return scored.select(
         F.col(KEY_COLUMN),

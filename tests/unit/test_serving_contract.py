@@ -173,3 +173,13 @@ def test_served_code_alone_builds_and_runs_the_model(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["pipeline"].startswith(str(tmp_path / "code"))
     assert out["shapes"] and all(shape == [2, 3] for shape in out["shapes"].values()), out
+
+
+def test_scoring_partitions_one_task_per_core_in_local_mode():
+    from pipeline.serving.predict import scoring_partitions
+
+    assert scoring_partitions(1, 2, local=True) == 2  # a one-file table still uses both cores
+    assert scoring_partitions(57, 2, local=True) == 2  # local: one model load per task, one wave
+    assert scoring_partitions(2, 2, local=True) == 2
+    assert scoring_partitions(1, 8, local=False) == 8
+    assert scoring_partitions(40, 8, local=False) == 40  # a cluster caches the model per worker process
