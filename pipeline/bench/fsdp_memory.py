@@ -116,7 +116,8 @@ def rank_job(strategy_name: str, out_dir: str, width: int, layers: int, steps: i
         json.dump(out, fh)
 
 
-def measure(ranks: int = 2, width: int = 2048, layers: int = 10, steps: int = 4, timeout_s: int = 900) -> Dict[str, Any]:
+def measure(ranks: int = 2, width: int = 2048, layers: int = 10, steps: int = 4,
+            timeout_s: int = 900) -> Dict[str, Any]:
     """Both strategies, one torchrun job each; the worst rank's figures and the FSDP / DDP ratios."""
     results: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsdp-memory-") as out_dir:

@@ -92,7 +92,7 @@ def _epochs_to(curve: List[float], target: float):
 
 
 def run(work: str, arch: str = "timm/resnet18", pretrain_epochs: int = 3, epochs: int = 15, target: float = 0.97,
-        lr: float = 0.05) -> Dict[str, Any]:
+        lr: float = 0.05, reuse: bool = False) -> Dict[str, Any]:
     from pipeline.config import ModelConfig
     from pipeline.model.timm_backbone import save_pretrained
 
@@ -104,8 +104,12 @@ def run(work: str, arch: str = "timm/resnet18", pretrain_epochs: int = 3, epochs
     x, y = data["dig_x"][order[n_val:]], data["dig_y"][order[n_val:]]
 
     syn_x, syn_y = data["syn_x"], data["syn_y"]
-    pre = _fit("pretrain", ModelConfig(arch=arch, lr=lr), syn_x, syn_y, syn_x[:512], syn_y[:512], pretrain_epochs)
-    weights = save_pretrained(pre["model"].network, os.path.join(work, f"{arch.replace('/', '_')}_synthetic.safetensors"))
+    weights = os.path.join(work, f"{arch.replace('/', '_')}_synthetic_{pretrain_epochs}ep.safetensors")
+    if reuse and os.path.exists(weights):  # pretrained by an earlier run (--reuse)
+        pre = {"val_acc": None, "seconds": None}
+    else:
+        pre = _fit("pretrain", ModelConfig(arch=arch, lr=lr), syn_x, syn_y, syn_x[:512], syn_y[:512], pretrain_epochs)
+        save_pretrained(pre["model"].network, weights)
     tuned = _fit("pretrained", ModelConfig(arch=arch, lr=lr, pretrained=weights), x, y, vx, vy, epochs)
     scratch = _fit("scratch", ModelConfig(arch=arch, lr=lr), x, y, vx, vy, epochs)
     return {"arch": arch, "pretrain": {"rows": int(len(data["syn_y"])), "epochs": pretrain_epochs,
@@ -127,11 +131,13 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--target", type=float, default=0.97)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--reuse", action="store_true", help="reuse the pretrained weights an earlier run saved in --work")
     args = p.parse_args(argv)
     if args.step == "prepare":
         print(json.dumps(prepare(args.work, args.rows)))
     else:
-        print(json.dumps(run(args.work, args.arch, args.pretrain_epochs, args.epochs, args.target, args.lr)))
+        print(json.dumps(run(args.work, args.arch, args.pretrain_epochs, args.epochs, args.target, args.lr,
+                             args.reuse)))
 
 
 if __name__ == "__main__":
