@@ -77,6 +77,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert set(tune["parts"]["trial_states"].values()) == {"COMPLETE"} and tune["parts"]["conversions"] == 1
     assert tune["parts"]["trial_s"] > 0 and tune["parts"]["train_alone_s"] > 0
     assert tune["parts"]["study_one_off_s"]["register_best"] > 0  # apart from the per-trial figure
+    assert "tune_overhead/sample/from_parts" in report["ratios"]  # the same ratio from the directly measured parts
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()

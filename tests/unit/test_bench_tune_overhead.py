@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.tune_overhead import EPOCHS, Pair, Spans, breakdown, overhead_result, sweep_space
+from pipeline.bench.tune_overhead import (EPOCHS, Pair, Spans, breakdown, from_parts_result, overhead_result,
+                                          sweep_space)
 from pipeline.config import Config
 from pipeline.tune.space import space_from_text
 
@@ -67,6 +68,14 @@ def test_overhead_result_median_spread_verdict_and_parts():
     assert r.parts["order"] == ["trial first", "alone first", "trial first"]
     slow = overhead_result([_pair(30.0, 22.0)], "sample", study, {})
     assert not slow.passed and slow.ratio == pytest.approx(1.5)
+    assert "overhead from parts" in slow.note  # a miss says what the trial's own work was
+
+
+def test_from_parts_variant_has_its_own_key_and_verdict():
+    r = from_parts_result([_pair(21.0, 22.0), _pair(30.0, 22.0)], "sample")
+    assert r.key == "tune_overhead/sample/from_parts" and r.target == 1.10
+    assert r.per_repeat == pytest.approx([0.99, 0.99]) and r.passed  # the ranks' 8 s gap is not the trial's work
+    assert r.parts["per_trial_extra_s"] == pytest.approx(-0.2)
 
 
 def test_breakdown_splits_each_wall_into_its_parts():
