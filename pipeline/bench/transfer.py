@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -92,7 +92,7 @@ def _epochs_to(curve: List[float], target: float):
 
 
 def run(work: str, arch: str = "timm/resnet18", pretrain_epochs: int = 3, epochs: int = 15, target: float = 0.97,
-        lr: float = 0.05, reuse: bool = False) -> Dict[str, Any]:
+        lr: float = 0.05, reuse: bool = False, only: Optional[str] = None) -> Dict[str, Any]:
     from pipeline.config import ModelConfig
     from pipeline.model.timm_backbone import save_pretrained
 
@@ -110,8 +110,10 @@ def run(work: str, arch: str = "timm/resnet18", pretrain_epochs: int = 3, epochs
     else:
         pre = _fit("pretrain", ModelConfig(arch=arch, lr=lr), syn_x, syn_y, syn_x[:512], syn_y[:512], pretrain_epochs)
         save_pretrained(pre["model"].network, weights)
-    tuned = _fit("pretrained", ModelConfig(arch=arch, lr=lr, pretrained=weights), x, y, vx, vy, epochs)
-    scratch = _fit("scratch", ModelConfig(arch=arch, lr=lr), x, y, vx, vy, epochs)
+    none = {"val_acc": [], "seconds": None}
+    tuned = (_fit("pretrained", ModelConfig(arch=arch, lr=lr, pretrained=weights), x, y, vx, vy, epochs)
+             if only in (None, "pretrained") else none)
+    scratch = _fit("scratch", ModelConfig(arch=arch, lr=lr), x, y, vx, vy, epochs) if only in (None, "scratch") else none
     return {"arch": arch, "pretrain": {"rows": int(len(data["syn_y"])), "epochs": pretrain_epochs,
                                        "val_acc": pre["val_acc"], "seconds": pre["seconds"], "weights": weights},
             "digits": {"train_rows": int(len(y)), "val_rows": int(len(vy))}, "target": target,
@@ -131,13 +133,14 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--target", type=float, default=0.97)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--only", choices=("pretrained", "scratch"), help="one of the two fine-tunes (run both in parallel)")
     p.add_argument("--reuse", action="store_true", help="reuse the pretrained weights an earlier run saved in --work")
     args = p.parse_args(argv)
     if args.step == "prepare":
         print(json.dumps(prepare(args.work, args.rows)))
     else:
         print(json.dumps(run(args.work, args.arch, args.pretrain_epochs, args.epochs, args.target, args.lr,
-                             args.reuse)))
+                             args.reuse, args.only)))
 
 
 if __name__ == "__main__":
