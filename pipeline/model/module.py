@@ -82,9 +82,11 @@ class ImageClassifier(pl.LightningModule):
         """A backbone frozen for good takes no gradients (nothing computed for it); one that thaws later keeps them
         (every rank's DDP/Horovod/FSDP hooks then stay the same) and its rate is 0 until the epoch it thaws.
         Frozen or not, its normalisation layers keep their statistics while frozen (eval mode)."""
+        if not self.model_cfg.freeze_backbone:  # nothing to do (and any network, with a head or not, trains)
+            return
         frozen = self.backbone_frozen()
         backbone, _ = split_parameters(self.network)
-        if self.model_cfg.freeze_backbone and self.model_cfg.unfreeze_at_epoch is None:
+        if self.model_cfg.unfreeze_at_epoch is None:
             for p in backbone:
                 p.requires_grad_(False)
         if frozen and self.training:
