@@ -32,7 +32,10 @@ class TrainJob:
     # a folder where rank 0 hands each epoch's metrics to the driver and reads its verdict (callbacks.DriverVerdict)
     epoch_gate_dir: Optional[str] = None
     epoch_gate_timeout_s: float = 30.0
-    attempt: int = 0  # 0 = the first launch; n = the n-th restart (train.max_restarts)
+    attempt: int = 0  # 0 = the first launch; n = the n-th relaunch (train.max_restarts, OOM back-off)
+    # OOM back-off (pipeline/distributed/backoff.py): the per-rank batch the job started with (model.lr's batch);
+    # None: the plan's batch was never halved
+    start_batch_size: Optional[int] = None
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -54,6 +57,7 @@ class RankResult:
     best_checkpoint: Optional[str] = None
     lr: float = 0.0
     final_weights_digest: Optional[str] = None
+    batch_size: int = 0  # per rank, as trained (data.batch_size, or what an OOM back-off left)
 
 
 def resolve_checkpoint(cfg: Config) -> Optional[str]:
@@ -122,6 +126,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     import torch
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
+    from pipeline.distributed.backoff import lr_batch_factor
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, LineageCheckpoint,
                                                 RngCheckpoint, StopSignals, host_and_pid)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
@@ -142,19 +147,24 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     precision = resolve_precision(cfg.train.precision, cuda, capability)
     pl.seed_everything(cfg.train.seed, workers=True, verbose=False)
     is_zero = rank == 0
-    lr = scaled_lr(cfg.model.lr, world_size, cfg.train.lr_scaling)
+    plan = job.data.plan
+    # model.lr is for the starting per-rank batch; an OOM back-off's smaller batch scales it by the same rule
+    batch = plan.train.batch_size
+    start = job.start_batch_size or batch
+    lr = scaled_lr(cfg.model.lr, world_size, cfg.train.lr_scaling) * lr_batch_factor(batch, start, cfg.train.lr_scaling)
     if is_zero:
-        log.info("training on %d rank(s), lr %.4g (%s scaling of %.4g), %s, precision %s, %s torch threads per rank",
-                 world_size, lr, cfg.train.lr_scaling, cfg.model.lr, f"GPU (capability {capability})" if cuda else "CPU",
+        log.info("training on %d rank(s), batch %d per rank%s, lr %.4g (%s scaling of %.4g), %s, precision %s, "
+                 "%s torch threads per rank", world_size, batch, "" if batch == start else f" (backed off from {start})",
+                 lr, cfg.train.lr_scaling, cfg.model.lr, f"GPU (capability {capability})" if cuda else "CPU",
                  precision, threads if threads is not None else f"{torch.get_num_threads()} (torch's default)")
 
     dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
-    plan = job.data.plan
     model = ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
         steps_per_epoch=plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs,
         nan_at_step=cfg.train.nan_at_step, fail_rank=cfg.train.fail_rank,
-        fail_at_step=cfg.train.fail_at_step if job.attempt == 0 else None)  # injected faults hit the first attempt
+        fail_at_step=cfg.train.fail_at_step if job.attempt == 0 else None,  # injected faults hit the first attempt
+        fail_with=cfg.train.fail_with)
 
     tracker = None
     if is_zero and job.run_id:

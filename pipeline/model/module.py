@@ -50,7 +50,7 @@ class ImageClassifier(pl.LightningModule):
     def __init__(self, network: nn.Module, num_classes: int, model_cfg: ModelConfig, lr: float,
                  warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1,
                  nan_at_step: Optional[int] = None, fail_at_step: Optional[int] = None,
-                 fail_rank: Optional[int] = None) -> None:
+                 fail_rank: Optional[int] = None, fail_with: str = "error") -> None:
         super().__init__()
         # Only plain values in hparams, so checkpoints load with torch's weights_only=True.
         self.model_cfg = model_cfg
@@ -152,8 +152,10 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         if (hp.fail_at_step is not None and self.global_step >= hp.fail_at_step
                 and hp.fail_rank in (None, self.global_rank)):
-            raise RuntimeError(f"injected failure at step {self.global_step} on rank {self.global_rank} "
-                               f"(train.fail_at_step)")
+            what = f"injected failure at step {self.global_step} on rank {self.global_rank} (train.fail_at_step)"
+            if hp.fail_with == "oom":  # what a CUDA out-of-memory raises (train.fail_with=oom)
+                raise torch.OutOfMemoryError(f"CUDA out of memory: {what}")
+            raise RuntimeError(what)
         if hp.nan_at_step is not None and self.global_step >= hp.nan_at_step:
             loss = loss * float("nan")
         self._accumulate("train", loss, logits, y)
