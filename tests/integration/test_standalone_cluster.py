@@ -1,4 +1,5 @@
-"""A standalone Spark cluster on 127.0.0.1 (one master, two 1-core workers): ingest and train through spark-submit jobs/*.py."""
+"""A standalone Spark cluster on 127.0.0.1 (one master, two 1-core workers): ingest, train and predict through
+spark-submit jobs/*.py."""
 from __future__ import annotations
 
 import json
@@ -180,7 +181,7 @@ def _last_json(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
-def test_train_on_standalone_cluster_runs_ranks_in_two_executors(tmp_path, digits_dir):
+def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tmp_path, digits_dir):
     from mlflow import MlflowClient
 
     paths = [
@@ -201,6 +202,13 @@ def test_train_on_standalone_cluster_runs_ranks_in_two_executors(tmp_path, digit
         done = _submit(cluster, tmp_path, "train.py",
                        [*conf, *master, "train.np=2", "train.max_epochs=1", *paths], "train")
         summary = _last_json(done.stdout)
+        assert summary["champion"], summary  # the first version: no champion to beat
+        # the champion scores the table on the same cluster (spark_udf in the executors): one row per input row
+        predicted = _last_json(_submit(cluster, tmp_path, "predict.py",
+                                       ["--model", f"models:/{summary['model_name']}@champion",
+                                        "--table", f"{tmp_path}/delta/digits", "--version", "0",
+                                        "--out", f"{tmp_path}/delta/predictions", *conf, *master, *paths],
+                                       "predict").stdout)
 
     assert summary["world_size"] == 2, summary
     assert summary["delta_version"] == 0, summary
@@ -215,3 +223,15 @@ def test_train_on_standalone_cluster_runs_ranks_in_two_executors(tmp_path, digit
     versions = client.search_model_versions(f"name='{summary['model_name']}'")
     assert len(versions) == 1 and versions[0].tags.get("delta_version") == "0", [v.tags for v in versions]
     assert str(versions[0].version) == str(summary["model_version"])
+
+    from deltalake import DeltaTable
+
+    assert (predicted["rows"], predicted["errors"], predicted["input_version"]) == (600, 0, 0), predicted
+    assert predicted["model_version"] == str(summary["model_version"]), predicted
+    out = DeltaTable(str(tmp_path / "delta" / "predictions"))
+    assert out.version() == 0  # one commit
+    got = out.to_pyarrow_table(columns=["path", "label", "error", "model_version"]).to_pydict()
+    inputs = DeltaTable(str(tmp_path / "delta" / "digits")).to_pyarrow_table(columns=["path"]).column("path")
+    assert sorted(got["path"]) == sorted(inputs.to_pylist())  # one output row per input row, none twice
+    assert all(label is not None for label in got["label"]) and not any(got["error"])
+    assert set(got["model_version"]) == {int(summary["model_version"])}
