@@ -39,6 +39,11 @@ def prepare_data(spark, cfg: Config):
     if problem:
         raise ConfigError(problem)
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
+    if cfg.data.batch_size == "auto":  # planned for data.auto_batch_start; an out-of-memory halves it (launcher)
+        from pipeline.config import apply_overrides
+        from pipeline.distributed.backoff import start_batch_size
+
+        cfg = apply_overrides(cfg, {"data.batch_size": start_batch_size(cfg.data)})
     df, pinned = read_pinned(spark, cfg)
     log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
     class_names = class_names_of(df)
@@ -147,6 +152,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
                 {"train": rows_train, "val": rows_val}, extra_tags=tags)
     run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
                         "shard_plan.json")
+    run.client.set_tag(run.run_id, "batch_size_used", data.plan.train.batch_size)  # per rank; OOM back-off halves it
     job_dir = job_dir_of(cfg, run.run_id)
     cfg = _in_run_folder(cfg, run.run_id)
     run.client.set_tag(run.run_id, "checkpoint_dir", cfg.train.checkpoint_dir)
@@ -159,7 +165,8 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
     t0 = time.time()
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
-        results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause))
+        results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause),
+                                       on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause))
     log.info("training finished in %.1f s", time.time() - t0)
     from pipeline.tracking.offline import left_offline
 
@@ -175,11 +182,12 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
 def register_and_promote(client, cfg: Config, model_uri: str, run_id: str, pinned, metrics: Dict[str, float],
                          extra_tags: Optional[Dict[str, Any]] = None):
     """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
-    lineage and gate metric; then, if `mlflow.promote`, the promotion gate decides the champion alias.
+    lineage and logged gate metric; then, if `mlflow.promote`, the promotion gate (`gate`) decides the champion
+    alias. A gate that cannot judge the version (RegistryError) is logged as an error: the version stays unpromoted.
 
     Returns (version, PromotionDecision or None).
     """
-    from pipeline.tracking.registry import promote, register_model
+    from pipeline.tracking.registry import PromotionDecision, RegistryError, register_model
 
     metric = cfg.mlflow.gate_metric
     value = metrics.get(metric)
@@ -189,9 +197,23 @@ def register_and_promote(client, cfg: Config, model_uri: str, run_id: str, pinne
     version = register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)
     decision = None
     if cfg.mlflow.promote:
-        decision = promote(client, cfg.mlflow.registered_model, version, metric, cfg.mlflow.gate_mode)
+        try:
+            decision = gate(client, cfg, version)
+        except RegistryError as exc:  # registered, but the gate could not judge it: visible, never promoted
+            log.error("promotion gate: %s; version %s is registered but not promoted", exc, version)
+            decision = PromotionDecision(False, str(version), metric, None, None, None,
+                                         f"not promoted: {exc}", cfg.mlflow.gate_margin, error=str(exc))
         log.info("promotion: %s", decision.reason)
     return version, decision
+
+
+def gate(client, cfg: Config, version: str):
+    """The promotion gate on `version` with the config's metric, mode and margin (pipeline.tracking.registry.promote):
+    the challenger and the champion scored on the same held-out rows of the challenger's pinned Delta version."""
+    from pipeline.tracking.registry import promote
+
+    return promote(client, cfg.mlflow.registered_model, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode,
+                   margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction)
 
 
 def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
@@ -234,6 +256,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
             "val_loss": r0.metrics.get("val_loss"),
             "val_acc": r0.metrics.get("val_acc"),
             "epochs": r0.epochs,
+            "batch_size_used": r0.batch_size,
             "stopped_early": r0.stopped_early,
             "champion": bool(decision and decision.promoted),
             "tracking_uri": run.tracking_uri,
@@ -242,8 +265,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
 
 
 def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
-    """Gate a registered version (latest when None) against the current champion."""
-    from pipeline.tracking.registry import promote
+    """Gate a registered version (latest when None) against the current champion, on the same held-out rows."""
     from pipeline.tracking.runs import configure
 
     client = configure(cfg.mlflow)
@@ -253,5 +275,4 @@ def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any
         if not versions:
             raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
         version = str(max(int(v.version) for v in versions))
-    decision = promote(client, name, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode)
-    return dict(decision.__dict__)
+    return dict(gate(client, cfg, str(version)).__dict__)

@@ -1,8 +1,8 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
-One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu), the
-references they are compared with (reference), the product's train() timed step by step (lightning_path) and in
-Horovod ranks (jobs); this runner assembles them into one report.
+One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
+restart_cost), the references they are compared with (reference), the product's train() timed step by step
+(lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     The MLflow run (experiment `<mlflow.experiment>-bench`) receives the per-epoch metrics of the tracking
     measurement and, unless `quick`, the report as `bench.json` and the ratios as metrics.
     """
-    from pipeline.bench import conversion, gpu, input_bound, loader, overheads, scaling, shard_balance
+    from pipeline.bench import (conversion, gpu, input_bound, loader, overheads, predict_throughput, restart_cost,
+                                scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
     from pipeline.lakehouse.spark import spark_session
@@ -72,7 +73,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         preps: List[Any] = []
         try:
             for name, table in (("sample", cfg.delta.table), ("synthetic", synth["table"])):
-                prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes)
+                prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes, work_dir)
                 preps.append(prep)
                 results.extend(conv_results)
                 datasets[name] = prep.info()
@@ -91,9 +92,13 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.append(res)
                     per_device[prep.name] = dev
                     results.append(shard_balance.measure_shard_balance(cfg, prep))
+                    results.append(predict_throughput.measure_predict_throughput(spark, bench_cfg, prep.name,
+                                                                                 prep.table, sizes, work_dir))
                 # Checkpoint and tracking cost a fixed time per epoch, so the sample's short epochs are the worst
                 # case; the synthetic table's epochs are ~30x longer.
                 results.extend(overheads.measure_train_overheads(cfg, preps[0], sizes, run))
+                results.extend(tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes, work_dir))
+                results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
                 results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
                 gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
                 results.extend(gpu_results)
@@ -114,6 +119,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         finally:
             for prep in preps:
                 prep.data.delete()
+            conversion.remove_bench_cache(cfg, work_dir)
     report["out"] = out
     with open(out, "w") as fh:
         json.dump(report, fh, indent=2, default=str)

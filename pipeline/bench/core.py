@@ -34,6 +34,15 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "checkpoint_overhead": ("<=", 0.05, "time saving checkpoints / epoch time (the project's train loop)"),
     "tracking_overhead": ("<=", 1.03, "epoch (step) time with RankZeroTracker.log_epoch into a SQLite-store run / "
                                       "the same without the time spent in it"),
+    "tune_overhead": ("<=", 1.10, "wall time of one `lakehouse tune` trial (Optuna ask/tell, MLflow child run, pruning "
+                                  "gate, the ranks) / the same `train` with the same overrides run alone (its cache-hit "
+                                  "data preparation included, its model registration not: a trial registers nothing)"),
+    "restart_cost": ("<=", 1.0, "(wall time of a `train` whose rank 1 fails once at an epoch's last step, with "
+                                "train.max_restarts=1 - the same run uninterrupted) / (one epoch + process start): the "
+                                "issue's wall(failure) / wall(uninterrupted) <= 1 + (epoch + process start) / total"),
+    "predict_throughput": (">=", 0.8, "rows/s of `lakehouse predict` (predict_table in a warm local[2] session: pinned "
+                                      "Delta read, mlflow.pyfunc.spark_udf, Delta write and commit) / rows/s of the "
+                                      "same registered pyfunc called directly in one process on the same rows"),
     "gpu_lightning_over_plain": (">=", 0.8, "images/s of the product's train() (Lightning, HorovodStrategy) on "
                                             "GPU-resident batches / a plain PyTorch loop on the same batches, same "
                                             "model, batch and precision, one GPU"),
@@ -126,6 +135,23 @@ def patched(owner: Any, attr: str, make: Callable[[Callable], Callable]) -> Iter
         yield
     finally:
         setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def discarded(folder: str, mlflow_cfg: Any, registered_model: str) -> Iterator[None]:
+    """The block's scratch `folder` and the bench's own registered model are deleted when it ends, however it ends."""
+    import shutil
+
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            from pipeline.tracking.runs import configure
+
+            configure(mlflow_cfg).delete_registered_model(registered_model)
+        except Exception as exc:
+            log.warning("could not delete the bench's registered model %r: %s", registered_model, exc)
 
 
 @contextlib.contextmanager

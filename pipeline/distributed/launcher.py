@@ -7,9 +7,9 @@ import shutil
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
-from pipeline.distributed.loop import RankResult, TrainJob, ddp_worker, horovod_worker, train
+from pipeline.distributed.loop import RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_worker, train
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -202,42 +202,101 @@ def _restartable(exc: BaseException) -> bool:
                                 KeyboardInterrupt))
 
 
-def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
-    """`launch`, and when a rank dies or a collective times out, stop every rank and relaunch all of them from the
-    last checkpoint this job wrote (same run, pinned version and plan), up to `train.max_restarts` times.
+def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
+                         on_batch: Optional[Callable[[int, Any, str], None]] = None) -> List[RankResult]:
+    """`launch`, and when it fails, stop every rank and relaunch all of them (same run, pinned version and data):
 
-    `on_restart(n, cause)` is told of each restart (the driver records it in MLflow).
+    - a rank died or a collective timed out: from the last checkpoint this job wrote, up to `train.max_restarts`
+      times;
+    - a rank ran out of memory with `data.batch_size: auto` or `train.oom_backoff: true` (pipeline/distributed/
+      backoff.py): with half the per-rank batch, the plan re-made for equal steps, from where the job started when it
+      had written no checkpoint yet (not a restart), else from the last checkpoint (a restart, within
+      `train.max_restarts`).
+
+    `on_restart(n, cause)` is told of each restart and `on_batch(n, plan, cause)` of each back-off, with the new
+    shard plan (the driver records them in MLflow).
 
     Raises:
         DistributedTrainingError: the failure that spent the last restart (with how many were made).
+        ConfigError: out of memory at 1 sample per rank (`data.batch_size`).
     """
     import dataclasses
     import time
 
+    from pipeline.data.convert import plan_data
+    from pipeline.distributed.backoff import backs_off, halved, is_out_of_memory
+
     limit = max(0, job.cfg.train.max_restarts)
     last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
+    restore_first = job.cfg.train.ckpt_restore
     started = time.time()
-    attempt = 0
+    attempt = restarts = backoffs = 0
+    batch = job.data.plan.train.batch_size
+    launches = [(started, batch)]  # when each launch began, with its per-rank batch: what a checkpoint was trained with
     while True:
         try:
             return launch(job)
         except Exception as exc:
-            if attempt >= limit or not _restartable(exc):
-                if attempt:
-                    raise DistributedTrainingError(f"{exc} (after {attempt} restart(s) of train.max_restarts="
-                                                   f"{limit})") from exc
-                raise
-            attempt += 1
             cause = f"{type(exc).__name__}: {exc}"
             # only a checkpoint this job wrote; an older last.ckpt in the folder belongs to another job
             fresh = os.path.exists(last) and os.path.getmtime(last) >= started
-            restore = last if fresh else job.cfg.train.ckpt_restore
-            log.warning("restart %d of %d (train.max_restarts) from %s after: %s", attempt, limit,
-                        restore or "the start", cause)
-            if on_restart is not None:
-                on_restart(attempt, cause)
+            oom = _restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
+            if oom:
+                smaller = halved(batch, cause)  # ConfigError at 1 per rank
+            if fresh or not oom:  # a relaunch from a checkpoint (or after a non-OOM failure) is a restart
+                if restarts >= limit or not _restartable(exc):
+                    if restarts:
+                        raise DistributedTrainingError(f"{exc} (after {restarts} restart(s) of train.max_restarts="
+                                                       f"{limit})") from exc
+                    if oom:
+                        raise DistributedTrainingError(
+                            f"{exc} (out of memory after this job's first checkpoint: restarting from it with half "
+                            f"the batch is a restart, and train.max_restarts={limit})") from exc
+                    raise
+                restarts += 1
+                if on_restart is not None:
+                    on_restart(restarts, cause)
+            attempt += 1
+            restore = last if fresh else restore_first
+            data = job.data
+            if oom:
+                backoffs += 1
+                batch = smaller
+                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, data.plan.train.world_size,
+                                                                batch))
+            if fresh:  # a checkpoint trained with a batch since halved: its steps, schedule and rates restated
+                trained_with = max(b for t, b in launches if t <= os.path.getmtime(last))
+                if trained_with != batch:
+                    restore = _rescaled(last, job, data.plan, trained_with)
+            if oom:
+                log.warning("out of memory: relaunching every rank with %d samples per rank (was %d) from %s: %s",
+                            batch, launches[-1][1], restore or "the start", cause)
+                if on_batch is not None:
+                    on_batch(backoffs, data.plan, cause)
+            else:
+                log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
+                            restore or "the start", cause)
             cfg = dataclasses.replace(job.cfg, train=dataclasses.replace(job.cfg.train, ckpt_restore=restore))
-            job = dataclasses.replace(job, cfg=cfg, attempt=attempt)
+            job = dataclasses.replace(job, cfg=cfg, data=data, attempt=attempt, start_batch_size=launches[0][1])
+            launches.append((time.time(), batch))
+
+
+def _rescaled(last: str, job: TrainJob, plan, trained_with: int) -> str:
+    """`last` (trained with `trained_with` samples per rank) restated for `plan`'s smaller batch, beside it."""
+    from pipeline.distributed.backoff import lr_batch_factor, rescale_checkpoint
+    from pipeline.lakehouse.partition import plan_split
+
+    if not os.path.isfile(last):
+        raise DistributedTrainingError(f"out of memory after checkpoint {last}: a sharded checkpoint cannot be resumed "
+                                       f"with a smaller batch; set a smaller data.batch_size")
+    new = plan.train
+    old = plan_split("train", new.row_group_rows, new.world_size, trained_with)
+    dst = os.path.join(os.path.dirname(last), f"last-batch{new.batch_size}.ckpt")
+    step = rescale_checkpoint(last, dst, old.steps_per_epoch, trained_with, new.steps_per_epoch, new.batch_size,
+                              lr_batch_factor(new.batch_size, trained_with, job.cfg.train.lr_scaling))
+    log.info("checkpoint %s (%d per rank) restated for %d per rank at step %d: %s", last, trained_with,
+             new.batch_size, step, dst)
+    return dst
 
 
 def _launch(job: TrainJob) -> List[RankResult]:
@@ -261,13 +320,13 @@ def _launch(job: TrainJob) -> List[RankResult]:
         return list(horovod.spark.run(horovod_worker, args=(job,), num_proc=np_, use_gloo=True,
                                       start_timeout=cfg.train.start_timeout_s,
                                       env=executor_env(dict(os.environ)), verbose=0))
-    if backend == "ddp":
+    if backend in ("ddp", "fsdp"):
         from pyspark.ml.torch.distributor import TorchDistributor
 
-        log.info("launching %d DDP processes (%s) with TorchDistributor", abs(np_),
+        log.info("launching %d %s processes (%s) with TorchDistributor", abs(np_), backend.upper(),
                  "on this machine" if np_ < 0 else "on the Spark cluster")
         # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
         dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=spark_schedules_gpus(np_ < 0))
-        result = dist.run(ddp_worker, job)
+        result = dist.run(fsdp_worker if backend == "fsdp" else ddp_worker, job)
         return [result]
-    raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp or single")
+    raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp, fsdp or single")
