@@ -28,7 +28,9 @@ def autocast_dtype(precision: Optional[str]):
 
 
 def gpu_batch_size(cfg: Config) -> int:
-    return max(MIN_BATCH, cfg.data.batch_size)
+    from pipeline.distributed.backoff import start_batch_size
+
+    return max(MIN_BATCH, start_batch_size(cfg.data))  # data.batch_size may be `auto`
 
 
 def gpu_results(dataset: str, figures: Dict[str, Dict[str, List[float]]]) -> Tuple[List[Result], Dict[str, Any]]:
