@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from pipeline.log import get_logger
+from pipeline.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
@@ -136,6 +136,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=("pretrained", "scratch"), help="one of the two fine-tunes (run both in parallel)")
     p.add_argument("--reuse", action="store_true", help="reuse the pretrained weights an earlier run saved in --work")
     args = p.parse_args(argv)
+    setup_logging()
     if args.step == "prepare":
         print(json.dumps(prepare(args.work, args.rows)))
     else:
