@@ -1,9 +1,10 @@
 """Batch scoring: a pinned Delta table version scored by a registered model through `mlflow.pyfunc.spark_udf`, written as one Delta commit."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, Iterator, Optional, Set
 
 from pipeline.log import get_logger
 
@@ -18,8 +19,32 @@ OUTPUT_COLUMNS = ("path", "label", "probability", "probabilities", "error", "mod
                   "input_table", "input_version")
 
 
+# Rows per Arrow batch sent to the scoring Python workers while predict runs (the session's value is put back after).
+# Spark's default (10,000) hands a task's rows over in one batch, so the JVM's read and the Parquet write wait
+# for the whole batch to be scored; batches of the pyfunc's own chunk size (pyfunc.PREDICT_BATCH_SIZE) overlap
+# them with scoring, and bound a worker's memory whatever the image size.
+ARROW_BATCH_ROWS = 256
+ARROW_BATCH_KEY = "spark.sql.execution.arrow.maxRecordsPerBatch"
+
+
 class PredictError(RuntimeError):
     """Batch scoring cannot run as asked; the message names the table, column or model."""
+
+
+@contextlib.contextmanager
+def session_conf(spark, settings: Dict[str, str]) -> Iterator[None]:
+    """Set runtime SQL settings for the block; put the session's own values back (or unset them) afterwards."""
+    before = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
 
 
 def _table_files(table: str) -> Set[str]:
@@ -127,7 +152,8 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
              pinned_model.name, pinned_model.version)
     scored = scored_frame(spark, df, pinned_model, table, pinned.version)
     before = _table_files(out) if mode == "append" else set()
-    out_version = engine.write(scored, out, mode)
+    with session_conf(spark, {ARROW_BATCH_KEY: str(ARROW_BATCH_ROWS)}):
+        out_version = engine.write(scored, out, mode)
     counts = _count_committed(out, before)
     if counts is not None and counts["rows"] != rows_in:
         raise PredictError(f"predictions for Delta table {table} version {pinned.version}: {counts['rows']} rows "
