@@ -183,3 +183,30 @@ def test_scoring_partitions_one_task_per_core_in_local_mode():
     assert scoring_partitions(2, 2, local=True) == 2
     assert scoring_partitions(1, 8, local=False) == 8
     assert scoring_partitions(40, 8, local=False) == 40  # a cluster caches the model per worker process
+
+
+def test_session_conf_puts_the_sessions_values_back():
+    from pipeline.serving.predict import session_conf
+
+    class Conf:
+        def __init__(self, values):
+            self.values = dict(values)
+
+        def get(self, key, default=None):
+            return self.values.get(key, default)
+
+        def set(self, key, value):
+            self.values[key] = value
+
+        def unset(self, key):
+            self.values.pop(key, None)
+
+    class Session:
+        conf = Conf({"a": "1"})
+
+    spark = Session()
+    with pytest.raises(RuntimeError):
+        with session_conf(spark, {"a": "2", "b": "3"}):
+            assert spark.conf.values == {"a": "2", "b": "3"}
+            raise RuntimeError("the write failed")
+    assert spark.conf.values == {"a": "1"}  # a's value back, b unset again
