@@ -1,5 +1,6 @@
 # make demo: set up, render the sample, ingest it to Delta, train with Horovod on 2 processes, register.
-# make test: the classic profile's full suite, then the modern and dbr-15.4 profiles' data-path tests (`-m datapath`).
+# make test: the classic profile's full suite, then the modern and dbr-15.4 profiles' data-path tests (`-m datapath`),
+# then the vision tier (timm) in .venv-vision.
 # make setup PROFILE=modern: the second install profile (no Petastorm, pyarrow 25, numpy 2) in .venv-modern.
 # make setup PROFILE=dbr-15.4: Databricks Runtime 15.4 LTS ML's Python, Spark 3.5, Arrow, numpy, pandas and Petastorm
 # in .venv-dbr154 (scripts/databricks/constraints-dbr-15.4-ml.txt).
@@ -14,7 +15,7 @@ endif
 PY := $(VENV)/bin/python
 SETUP_DEPS := setup.py scripts/setup.sh scripts/build_horovod.sh pipeline/buildinfo.py
 
-.PHONY: setup demo test test-unit test-gpu bench doctor clean
+.PHONY: setup demo test test-unit test-gpu test-vision bench doctor clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +29,11 @@ setup: $(VENV)/.installed
 
 .venv-dbr154/.installed: $(SETUP_DEPS) scripts/databricks/constraints-dbr-15.4-ml.txt
 	PROFILE=dbr-15.4 VENV=.venv-dbr154 bash scripts/setup.sh
+	touch $@
+
+# The vision tier's venv: timm needs a torchvision built for its torch, which no wheel offers beside torch 2.13 CPU.
+.venv-vision/.installed: scripts/setup_vision.sh
+	bash scripts/setup_vision.sh
 	touch $@
 
 demo: setup
@@ -46,7 +52,17 @@ test: .venv/.installed
 	    if [ $$rc -eq 5 ]; then echo "$${p%%:*} profile: no test is marked datapath"; elif [ $$rc -ne 0 ]; then status=1; fi; \
 	  fi; \
 	done; \
+	$(MAKE) --no-print-directory .venv-vision/.installed || status=1; \
+	if [ -x .venv-vision/bin/python ]; then \
+	  echo "== vision tier: timm backbones (.venv-vision)"; \
+	  .venv-vision/bin/python -m pytest $(VISION_TESTS) -ra || status=1; \
+	fi; \
 	exit $$status
+
+# The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning.
+VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py
+test-vision: .venv-vision/.installed
+	.venv-vision/bin/python -m pytest $(VISION_TESTS) -ra
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -ra

@@ -27,8 +27,8 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, torchvision
 fi
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip 2>&1 | quiet
-"$VENV/bin/pip" install -q "${EXTRA_INDEX[@]}" "torch==$TORCH" "torchvision==$TORCHVISION" timm safetensors \
-  "pytorch-lightning==$LIGHTNING" pyyaml pillow "numpy<2" psutil pytest pytest-timeout 2>&1 | quiet
+"$VENV/bin/pip" install -q "${EXTRA_INDEX[@]}" "torch==$TORCH" "torchvision==$TORCHVISION" "timm==1.0.31" "safetensors==0.8.0" \
+  "pytorch-lightning==$LIGHTNING" pyyaml pillow "numpy==1.26.4" psutil pytest pytest-timeout 2>&1 | quiet
 # the project itself from this checkout, by path (no egg-info written into the shared tree)
 "$VENV/bin/python" -c "import site, sys; open(site.getsitepackages()[0] + '/lakehouse-checkout.pth', 'w').write(sys.argv[1])" "$PWD"
 "$VENV/bin/python" -c "import torch, torchvision, timm; print('$VENV: torch', torch.__version__, 'torchvision', \
