@@ -160,6 +160,26 @@ def _solo_worker(cfg: Config, data, warmup: int, steps: int, windows: int, barri
     results.put(out)
 
 
+def _collect(results, workers, timeout_s: float) -> List[Dict[str, Any]]:
+    """One result per worker process; a worker that dies first (or the bound passing) is an error, not a wait."""
+    import queue
+
+    outs, deadline = [], time.monotonic() + timeout_s
+    while len(outs) < len(workers):
+        try:
+            outs.append(results.get(timeout=2))
+            continue
+        except queue.Empty:
+            pass
+        dead = [w for w in workers if w.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"bench control process pid {dead[0].pid} exited with code {dead[0].exitcode} before "
+                               f"reporting (its error is in the log above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench control processes: {len(outs)} of {len(workers)} reported within {timeout_s:.0f} s")
+    return outs
+
+
 def solo_run(cfg: Config, data, procs: int, sizes: Sizes) -> Dict[str, Any]:
     """`procs` independent plain processes at once (their timed windows start together): samples/s per window."""
     import multiprocessing as mp
@@ -171,7 +191,7 @@ def solo_run(cfg: Config, data, procs: int, sizes: Sizes) -> Dict[str, Any]:
     for w in workers:
         w.start()
     try:
-        outs = [results.get(timeout=cfg.train.start_timeout_s + 600) for _ in workers]
+        outs = _collect(results, workers, cfg.train.start_timeout_s + 600)
     finally:
         for w in workers:
             w.join(timeout=30)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from pipeline.config import Config, apply_overrides
+from pipeline.distributed.backoff import start_batch_size
 from pipeline.log import get_logger
 from pipeline.tune.space import conversion_settings
 from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
@@ -56,8 +57,9 @@ class SharedData:
             log.info("converted data for the sweep (conversion %d): %s version %d", self.conversions, pinned.table,
                      pinned.version)
         data, pinned = self._converted[key]
-        if data.plan.train.batch_size != cfg.data.batch_size:
-            data = replace(data, plan=replan(data.plan, cfg.data.batch_size))
+        batch = start_batch_size(cfg.data)  # data.batch_size may be `auto`: its starting size
+        if data.plan.train.batch_size != batch:
+            data = replace(data, plan=replan(data.plan, batch))
         return data, pinned
 
 

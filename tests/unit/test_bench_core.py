@@ -101,3 +101,25 @@ def test_memory_batches_gather_rows_across_small_row_groups(tmp_path):
     assert tuple(batches[0][0].shape) == (16, 1, 2, 2) and batches[0][0].dtype == torch.float32
     with pytest.raises(ValueError, match="full batch of 64"):
         memory_batch_list(data, batch_size=64)
+
+
+def _exit_with(code):
+    import sys
+
+    sys.exit(code)
+
+
+def test_control_processes_that_die_are_an_error_not_a_wait():
+    import multiprocessing as mp
+    import time
+
+    from pipeline.bench.reference import _collect
+
+    ctx = mp.get_context("spawn")
+    worker = ctx.Process(target=_exit_with, args=(3,))
+    worker.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"pid {worker.pid} exited with code 3"):
+        _collect(ctx.Queue(), [worker], timeout_s=600)
+    assert time.monotonic() - t0 < 60
+    worker.join()

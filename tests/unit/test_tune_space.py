@@ -114,6 +114,26 @@ def test_replan_keeps_row_groups_changes_steps():
     assert again.val.batch_size == 32 and again.val.steps_per_epoch == 1
 
 
+def test_trial_data_plans_auto_batch_at_its_start_size():
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from pipeline.config import apply_overrides
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+    from pipeline.tune.trial import SharedData
+
+    plan = ShardPlan(train=plan_split("train", [400, 400], 2, 64), val=plan_split("val", [100, 100], 2, 64))
+    @dataclass
+    class Data:  # what replan touches of a ConvertedData
+        plan: ShardPlan
+
+    data = Data(plan)
+    shared = SharedData(lambda cfg: (data, SimpleNamespace(table="t", version=0)))
+    cfg = apply_overrides(Config(), {"data.batch_size": "auto", "data.auto_batch_start": 100})
+    got, _ = shared.for_config(cfg)
+    assert got.plan.train.batch_size == 100 and got.plan.train.steps_per_epoch == 4
+
+
 def _wait_for(path, timeout=10.0):
     import time
 
