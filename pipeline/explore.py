@@ -268,11 +268,11 @@ def predictions_frame(rows: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFra
 def predict_rows(spark, cfg: Config, n: int = 8, alias: str = "champion",
                  version: Optional[int] = None) -> pd.DataFrame:
     """Load `models:/<registered_model>@<alias>` with mlflow.pyfunc and predict on `n` rows of the table."""
-    import mlflow.pyfunc
+    from pipeline.tracking.pyfunc import load_pyfunc
 
     _client(cfg)  # also points this process's MLflow (and registry) at `mlflow.tracking_uri`
     uri = f"models:/{cfg.mlflow.registered_model}@{alias}"
-    model = mlflow.pyfunc.load_model(uri)
+    model = load_pyfunc(uri)
     rows = sample_rows(spark, cfg, n, version, columns=("path", "label", "content"))
     predicted = model.predict(rows[["content"]])
     log.info("predicted %d row(s) with %s", len(rows), uri)

@@ -54,7 +54,7 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
     The untimed first predict_table is the cold start a fresh `lakehouse predict` process pays (Python workers
     importing torch and mlflow); it is reported as `cold_rows_per_s`, not in the ratio.
     """
-    import mlflow.pyfunc
+    from pipeline.tracking.pyfunc import load_pyfunc
     import pandas as pd
 
     from pipeline.serving.predict import predict_table
@@ -67,7 +67,7 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
                              "cores": spark.sparkContext.defaultParallelism, "load_before": load()}
     with discarded(out, cfg.mlflow, name):
         model_uri = register_bench_model(cfg, classes)
-        model = mlflow.pyfunc.load_model(model_uri)
+        model = load_pyfunc(model_uri)
         model.predict(frame.head(64), params={"on_error": "null"})  # warm-up: first-call allocations
 
         def direct() -> float:

@@ -82,7 +82,9 @@ def load_network(pinned: PinnedModel) -> Tuple[Any, Dict[str, Any]]:
     """The version's eval-mode torch network and its meta, loaded through the logged pyfunc."""
     import mlflow.pyfunc
 
-    model = mlflow.pyfunc.load_model(pinned.uri).unwrap_python_model()
+    from pipeline.tracking.pyfunc import load_pyfunc
+
+    model = load_pyfunc(pinned.uri).unwrap_python_model()
     if not hasattr(model, "network") or not hasattr(model, "meta"):
         raise ModelNotFound(f"model {pinned.name!r} version {pinned.version} is not an image classifier logged by "
                             f"pipeline.tracking.pyfunc.log_model (its python model is {type(model).__name__})")

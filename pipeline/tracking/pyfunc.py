@@ -23,6 +23,20 @@ from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
+def load_pyfunc(model_uri: str):
+    """`mlflow.pyfunc.load_model(model_uri)` in a process that goes on working: MLflow prepends the model's code
+    folder (a partial copy of `pipeline`) to sys.path for good, so processes spawned afterwards (Horovod ranks, the
+    bench's controls) would import that copy and miss the rest of the package. The modules the model needs are
+    imported while it loads, so sys.path is put back once it has."""
+    import sys
+
+    path = list(sys.path)
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    finally:
+        sys.path[:] = path
+
+
 CONTENT_COLUMN = "content"
 OUTPUT_COLUMNS = ("label", "label_index", "probability", "probabilities")
 ERROR_COLUMN = "error"

@@ -275,11 +275,12 @@ def score_on_rows(model_uri: str, rows: HeldOutRows, metric: str) -> float:
     The model is the one users serve: loaded with mlflow.pyfunc, called on the `content` column with
     on_error=null. An undecodable row counts as wrong and adds no loss.
     """
-    import mlflow.pyfunc
     import numpy as np
     import pandas as pd
 
-    model = mlflow.pyfunc.load_model(model_uri)
+    from pipeline.tracking.pyfunc import load_pyfunc
+
+    model = load_pyfunc(model_uri)
     out = model.predict(pd.DataFrame({"content": rows.contents}), params={"on_error": "null"})
     if metric.endswith("_acc"):
         return float(np.mean([p is not None and p == t for p, t in zip(out["label"], rows.labels)]))
