@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure loader, conversion, scaling and overhead ratios")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (proves it runs)")
     p.add_argument("--out", default="work/bench/bench.json")
+    p.add_argument("--only", default=None, metavar="M[,M...]",
+                   help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
+                        "overheads, tune_overhead, restart_cost, scaling, gpu); the conversion always runs")
     _add_conf(p)
     return parser
 
@@ -126,7 +129,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "bench":
             from pipeline.bench import run_bench
 
-            print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out)))
+            print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out,
+                                       only=args.only.split(",") if args.only else None)))
             return 0
         from pipeline.lakehouse.spark import spark_session
 

@@ -10,10 +10,10 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 from pipeline.bench.core import FULL, QUICK, TARGETS, Result, Sizes, load, machine
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger, quiet_third_party_warnings
 
 quiet_third_party_warnings()
@@ -32,12 +32,26 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
     return table
 
 
-def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json") -> Dict[str, Any]:
+MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
+                "restart_cost", "scaling", "gpu")  # what `--only` picks from (conversion always runs: it prepares)
+
+
+def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
+              only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run every measurement on the ingested sample and a synthetic table; write `out` (JSON) and return it.
 
     The MLflow run (experiment `<mlflow.experiment>-bench`) receives the per-epoch metrics of the tracking
-    measurement and, unless `quick`, the report as `bench.json` and the ratios as metrics.
+    measurement and, unless `quick`, the report as `bench.json` and the ratios as metrics. `only`: run just these of
+    MEASUREMENTS (the conversion, which prepares both data sets, always runs).
     """
+    unknown = sorted(set(only or ()) - set(MEASUREMENTS))
+    if unknown:
+        raise ConfigError(f"bench --only: unknown measurement(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(MEASUREMENTS)}")
+
+    def want(name: str) -> bool:
+        return not only or name in only
+
     from pipeline.bench import (conversion, gpu, input_bound, loader, overheads, predict_throughput, restart_cost,
                                 scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
@@ -60,6 +74,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "load": {"before": load()},
         "sizes": dataclasses.asdict(sizes), "config": {k: v for k, v in cfg.flat().items() if k.startswith("data.")},
         "readers": {"configured": loader.configured_reader(cfg), "measured": readers},
+        "only": sorted(only) if only else None,
     }
     results: List[Result] = []
     datasets: Dict[str, Any] = {}
@@ -83,27 +98,37 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                 one_rank = {}
                 for prep in preps:
                     log.info("measuring on %s (%d rows)", prep.name, prep.rows)
-                    for reader in readers:
-                        results.append(loader.measure_loader(cfg, prep, sizes, reader))
-                        if results[-1].parts["kept_in_memory"]:
-                            results.append(loader.measure_loader(cfg, prep, sizes, reader, uncached=True))
-                    one_rank[prep.name] = input_bound.one_rank_job(cfg, prep, sizes)
-                    res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
-                    results.append(res)
-                    per_device[prep.name] = dev
-                    results.append(shard_balance.measure_shard_balance(cfg, prep))
-                    results.append(predict_throughput.measure_predict_throughput(spark, bench_cfg, prep.name,
-                                                                                 prep.table, sizes, work_dir))
+                    if want("loader"):
+                        for reader in readers:
+                            results.append(loader.measure_loader(cfg, prep, sizes, reader))
+                            if results[-1].parts["kept_in_memory"]:
+                                results.append(loader.measure_loader(cfg, prep, sizes, reader, uncached=True))
+                    if want("input_bound") or (want("scaling") and prep is preps[-1]):
+                        one_rank[prep.name] = input_bound.one_rank_job(cfg, prep, sizes)
+                    if want("input_bound"):
+                        res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
+                        results.append(res)
+                        per_device[prep.name] = dev
+                    if want("shard_balance"):
+                        results.append(shard_balance.measure_shard_balance(cfg, prep))
+                    if want("predict_throughput"):
+                        results.append(predict_throughput.measure_predict_throughput(spark, bench_cfg, prep.name,
+                                                                                     prep.table, sizes, work_dir))
                 # Checkpoint and tracking cost a fixed time per epoch, so the sample's short epochs are the worst
                 # case; the synthetic table's epochs are ~30x longer.
-                results.extend(overheads.measure_train_overheads(cfg, preps[0], sizes, run))
-                results.extend(tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes, work_dir))
-                results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
-                results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
-                gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
-                results.extend(gpu_results)
-                if gpu_dev:
-                    per_device["gpu_per_precision"] = gpu_dev
+                if want("overheads"):
+                    results.extend(overheads.measure_train_overheads(cfg, preps[0], sizes, run))
+                if want("tune_overhead"):
+                    results.extend(tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes, work_dir))
+                if want("restart_cost"):
+                    results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
+                if want("scaling"):
+                    results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
+                if want("gpu"):
+                    gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
+                    results.extend(gpu_results)
+                    if gpu_dev:
+                        per_device["gpu_per_precision"] = gpu_dev
                 report["load"]["after"] = load()
                 report["datasets"] = datasets
                 report["throughput"] = per_device

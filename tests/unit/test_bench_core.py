@@ -123,3 +123,12 @@ def test_control_processes_that_die_are_an_error_not_a_wait():
         _collect(ctx.Queue(), [worker], timeout_s=600)
     assert time.monotonic() - t0 < 60
     worker.join()
+
+
+def test_bench_only_names_unknown_measurements_before_any_work():
+    from pipeline.bench import MEASUREMENTS, run_bench
+    from pipeline.config import Config, ConfigError
+
+    assert "loader" in MEASUREMENTS and "restart_cost" in MEASUREMENTS
+    with pytest.raises(ConfigError, match="unknown measurement.*loaders.*choose from loader"):
+        run_bench(Config(), only=["loaders"], out="/nonexistent/bench.json")
