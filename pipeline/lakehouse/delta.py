@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,11 +37,25 @@ class PinnedTable:
 
 
 def local_path(table: str) -> Optional[str]:
-    """The local filesystem path of a table URI, or None when it lives elsewhere (s3://, dbfs:/, ...)."""
+    """The local filesystem path of a table URI, or None when it lives elsewhere (s3://, dbfs:/, a catalog name)."""
+    if catalog_name(table):
+        return None
     parsed = urlparse(table)
     if parsed.scheme in ("", "file"):
         return os.path.abspath(parsed.path if parsed.scheme else table)
     return None
+
+
+_NAME_PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|`[^`]+`)"
+_CATALOG_NAME = re.compile(rf"^{_NAME_PART}\.{_NAME_PART}\.{_NAME_PART}$")
+
+
+def catalog_name(table: str) -> Optional[str]:
+    """`table` when it is a three-level catalog name (`catalog.schema.table`, Unity Catalog) rather than a path:
+    no scheme, no slash, three identifiers, and no such folder here."""
+    if "/" in table or urlparse(table).scheme or not _CATALOG_NAME.match(table) or os.path.exists(table):
+        return None
+    return table
 
 
 def table_uri(table: str) -> str:
@@ -111,6 +126,13 @@ class DeltaEngine:
                                       f"The table was left at version {self.latest_version(spark, table)}.")
 
 
+def refuse_catalog_name(table: str, engine: str) -> None:
+    if catalog_name(table):
+        raise DeltaError(f"config key 'delta.table': {table!r} is a catalog table name (catalog.schema.table), which "
+                         f"delta.engine={engine} cannot resolve; use delta.engine=spark (the catalog's own Spark "
+                         f"session, e.g. on Databricks) or give the table's path (e.g. /Volumes/<catalog>/<schema>/...)")
+
+
 class DeltaRsEngine(DeltaEngine):
     """delta-rs (no JVM jars): the log is read and committed by `deltalake`, the Parquet files by Spark."""
 
@@ -120,6 +142,7 @@ class DeltaRsEngine(DeltaEngine):
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
+        refuse_catalog_name(table, self.name)
         try:
             return DeltaTable(table_uri(table), version=version) if version is not None else DeltaTable(table_uri(table))
         except TableNotFoundError:
@@ -141,6 +164,7 @@ class DeltaRsEngine(DeltaEngine):
     def exists(self, spark, table: str) -> bool:
         from deltalake import DeltaTable
 
+        refuse_catalog_name(table, self.name)
         return DeltaTable.is_deltatable(table_uri(table))
 
     def latest_version(self, spark, table: str) -> int:
@@ -282,22 +306,27 @@ class SparkDeltaEngine(DeltaEngine):
 
     name = "spark"
 
+    @staticmethod
+    def _table(spark, table: str):
+        """delta-spark's DeltaTable for a path or a catalog name (`catalog.schema.table`)."""
+        from delta.tables import DeltaTable
+
+        return DeltaTable.forName(spark, table) if catalog_name(table) else DeltaTable.forPath(spark, table)
+
     def exists(self, spark, table: str) -> bool:
         from delta.tables import DeltaTable
 
+        if catalog_name(table):
+            return bool(spark.catalog.tableExists(table))
         return DeltaTable.isDeltaTable(spark, table)
 
     def latest_version(self, spark, table: str) -> int:
-        from delta.tables import DeltaTable
-
         if not self.exists(spark, table):
             raise DeltaError(f"Delta table {table} does not exist (config key 'delta.table')")
-        return int(DeltaTable.forPath(spark, table).history(1).collect()[0]["version"])
+        return int(self._table(spark, table).history(1).collect()[0]["version"])
 
     def history(self, spark, table: str) -> List[dict]:
-        from delta.tables import DeltaTable
-
-        return [r.asDict() for r in DeltaTable.forPath(spark, table).history().collect()]
+        return [r.asDict() for r in self._table(spark, table).history().collect()]
 
     def read(self, spark, table: str, version: Optional[int] = None):
         latest = self.latest_version(spark, table)
@@ -305,7 +334,8 @@ class SparkDeltaEngine(DeltaEngine):
             raise DeltaError(f"Delta table {table} has no version {version} (config key 'delta.version'); "
                              f"versions run from 0 to {latest}")
         pinned = latest if version is None else version
-        df = spark.read.format("delta").option("versionAsOf", pinned).load(table)
+        reader = spark.read.format("delta").option("versionAsOf", pinned)
+        df = reader.table(table) if catalog_name(table) else reader.load(table)
         return df, PinnedTable(table=table, version=pinned, num_files=-1, num_rows=None)
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
@@ -318,7 +348,10 @@ class SparkDeltaEngine(DeltaEngine):
             writer = writer.option("userMetadata", json.dumps(commit_metadata))
         if partition_by:
             writer = writer.partitionBy(*partition_by)
-        writer.save(table)
+        if catalog_name(table):
+            writer.saveAsTable(table)
+        else:
+            writer.save(table)
         return self.latest_version(spark, table)
 
 

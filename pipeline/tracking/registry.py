@@ -239,22 +239,52 @@ def split_of(metric: str) -> str:
     return "train" if metric.startswith("train_") else "val"
 
 
+def _catalog_table_rows(table: str, version: int):
+    """A catalog-named table (catalog.schema.table) at `version`, read through the active Spark session (the
+    catalog's: delta-rs cannot resolve the name), as an in-memory pyarrow dataset of the gate's columns."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    from pipeline.lakehouse.delta import SparkDeltaEngine
+
+    try:
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.getActiveSession()
+    except ImportError:
+        spark = None
+    if spark is None:
+        raise RegistryError(f"promotion gate: Delta table {table} is a catalog name; scoring its held-out rows needs "
+                            f"the catalog's Spark session: run the gate where one is active (a Databricks job or "
+                            f"notebook, `lakehouse train`)")
+    df, _ = SparkDeltaEngine().read(spark, table, version)
+    missing = [c for c in ("path", "content", "label") if c not in df.columns]
+    if missing:
+        raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
+                            f"{', '.join(missing)}; it has {df.columns}")
+    pdf = df.select("path", "content", "label").toPandas()
+    return ds.dataset(pa.Table.from_pandas(pdf, preserve_index=False))
+
+
 def held_out_rows(table: str, version: int, val_fraction: float, split: str = "val") -> HeldOutRows:
-    """Read `split` of Delta `table` at `version` with delta-rs (no Spark): the training split rule on `path`.
+    """Read `split` of Delta `table` at `version` with delta-rs (no Spark; a catalog name through the active Spark
+    session): the training split rule on `path`.
 
     Raises:
         RegistryError: the table, version or a needed column is missing, or the split has no rows.
     """
     import pyarrow.compute as pc
 
-    from pipeline.lakehouse.delta import DeltaError, DeltaRsEngine
+    from pipeline.lakehouse.delta import DeltaError, DeltaRsEngine, catalog_name
     from pipeline.lakehouse.partition import is_validation
 
     try:
-        dt = DeltaRsEngine()._open(table, int(version))
+        if catalog_name(table):
+            dataset = _catalog_table_rows(table, int(version))
+        else:
+            dataset = DeltaRsEngine()._open(table, int(version)).to_pyarrow_dataset()
     except DeltaError as exc:
         raise RegistryError(f"promotion gate: {exc}") from None
-    dataset = dt.to_pyarrow_dataset()
     missing = [c for c in ("path", "content", "label") if c not in dataset.schema.names]
     if missing:
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
