@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write",
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
-          "checkpoint_overhead", "tracking_overhead", "tune_overhead"]
+          "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 
 
@@ -78,6 +78,15 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert tune["parts"]["trial_s"] > 0 and tune["parts"]["train_alone_s"] > 0
     assert tune["parts"]["study_one_off_s"]["register_best"] > 0  # apart from the per-trial figure
     assert "tune_overhead/sample/from_parts" in report["ratios"]  # the same ratio from the directly measured parts
+
+    restart = next(r for r in report["results"] if r["name"] == "restart_cost")
+    assert restart["dataset"] == "sample" and [h[-1] for h in restart["parts"]["restarts_per_run_with_failure"]] == [1, 1]
+    assert restart["parts"]["with_failure_s"] > 0 and restart["parts"]["epoch_s"] > 0
+    assert restart["parts"]["process_start_s"] > 0
+    predict = {r["dataset"]: r["parts"] for r in report["results"] if r["name"] == "predict_throughput"}
+    assert set(predict) == {"sample", "synthetic"}
+    assert predict["synthetic"]["rows"] == 2000 and predict["sample"]["rows"] == report["datasets"]["sample"]["rows"]
+    assert all(p["predict_rows_per_s"] > 0 and p["pyfunc_rows_per_s"] > 0 for p in predict.values())
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
