@@ -52,6 +52,16 @@ def make_config(tmp: Path, *overrides: str, profile: str = "conf/local.yaml"):
     return load_config(str(ROOT / profile), base + list(overrides))
 
 
+@pytest.fixture(autouse=True)
+def _sys_path_kept():
+    """A test that loads a model with mlflow.pyfunc.load_model gets the model's code folder (a partial copy of
+    `pipeline`) put first on sys.path for good; later tests that spawn processes would import that copy. Each test
+    leaves sys.path as it found it."""
+    path = list(sys.path)
+    yield
+    sys.path[:] = path
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pipeline.config import load_config

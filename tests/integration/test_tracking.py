@@ -55,6 +55,48 @@ def _jpeg(seed: int) -> bytes:
     return buf.getvalue()
 
 
+def _label_of(i: int) -> str:
+    return CLASS_NAMES[0] if i % 6 < 3 else CLASS_NAMES[1] if i % 6 < 5 else CLASS_NAMES[2]
+
+
+@pytest.fixture(scope="module")
+def gate_table(tmp_path_factory) -> str:
+    """A real Delta table (delta-rs, version 0) of 90 labelled PNGs with the columns the gate scores: path, label,
+    content. Labels 1/2 circle, 1/3 square, 1/6 triangle, so a network that always answers one class has a known
+    accuracy on any split."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    root = tmp_path_factory.mktemp("gate_table") / "shapes"
+    paths = [f"/data/shapes/{_label_of(i)}/{i:03d}.png" for i in range(90)]
+    write_deltalake(str(root), pa.table({"path": paths, "label": [_label_of(i) for i in range(90)],
+                                         "content": [_png(100 + i) for i in range(90)]}))
+    return str(root)
+
+
+def _always(cls: int):
+    """A real network of the META shape whose answer is class `cls` whatever the image (zero weights, one bias)."""
+    import torch
+
+    net = build_network("cnn", 1, len(CLASS_NAMES), width=4)
+    last = [m for m in net.modules() if isinstance(m, torch.nn.Linear)][-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.copy_(torch.tensor([10.0 if k == cls else 0.0 for k in range(len(CLASS_NAMES))]))
+    return net
+
+
+def _val_share(table: str, label: str) -> float:
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.partition import is_validation
+
+    rows = DeltaTable(table).to_pyarrow_table(columns=["path", "label"]).to_pylist()
+    val = [r["label"] for r in rows if is_validation(r["path"], 0.2)]
+    assert val, "the gate table has no validation rows"
+    return sum(v == label for v in val) / len(val)
+
+
 @pytest.fixture(scope="module")
 def sqlite_store(tmp_path_factory):
     """(tracking_uri, artifact_location) of one SQLite store shared by this module (each test uses its own
@@ -88,7 +130,7 @@ def _cfg(uri: str, artifact_location, experiment: str) -> Config:
 
 
 @pytest.mark.timeout(240)
-def test_tracked_run_model_and_registry(store, tmp_path):
+def test_tracked_run_model_and_registry(store, tmp_path, gate_table):
     kind, uri, artifacts = store
     cfg = _cfg(uri, artifacts, f"flow-{kind}-{tmp_path.name}")
     name = f"clf_{kind}_{tmp_path.name}"
@@ -108,9 +150,9 @@ def test_tracked_run_model_and_registry(store, tmp_path):
         model_uri = log_model(net, META, input_example_content=_png(0), run_id=run_id, step=1)
         assert client.get_run(run_id).info.status == "RUNNING"  # logging the model did not end the run
         version = register_model(client, model_uri, name, run_id,
-                                 {"delta_table": "work/delta/images", "delta_version": "3", "val_acc": "0.55"})
-        decision = promote(client, name, version)
-        assert decision.promoted
+                                 {"delta_table": gate_table, "delta_version": "0", "val_acc": "0.55"})
+        decision = promote(client, name, version)  # scored on the val rows of the real table it names
+        assert decision.promoted and decision.champion_version is None and "val split" in decision.rows
 
     r = client.get_run(run_id)
     assert r.info.status == "FINISHED"
@@ -126,7 +168,7 @@ def test_tracked_run_model_and_registry(store, tmp_path):
     config_text = mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml")
     assert "image_size: 16" in config_text
     mv = client.get_model_version(name, version)
-    assert mv.tags["run_id"] == run_id and mv.tags["delta_version"] == "3"
+    assert mv.tags["run_id"] == run_id and mv.tags["delta_version"] == "0" and mv.tags["delta_table"] == gate_table
     assert str(client.get_model_version_by_alias(name, "champion").version) == version
 
     images = [_png(1), _png(2, size=40), _jpeg(3), _png(4, mode="RGB")]
@@ -188,31 +230,42 @@ def _load_in_fresh_process(tracking_uri: str, model_uri: str, tmp_path: Path) ->
     assert not answer["pipeline"].startswith(repo), answer
 
 
-@pytest.mark.timeout(180)
-def test_promotion_gate(store, tmp_path):
+@pytest.mark.timeout(300)
+def test_promotion_gate(store, tmp_path, gate_table):
+    """The gate on real registered versions and a real Delta table: each scored by its pyfunc on the same val rows,
+    the alias moves only to a better one; a version without lineage cannot be judged and moves nothing."""
+    from pipeline.tracking.registry import RegistryError
+
     kind, uri, artifacts = store
     cfg = _cfg(uri, artifacts, f"gate-{kind}-{tmp_path.name}")
     client = configure(cfg.mlflow)
-    exp_id = client.get_experiment_by_name(cfg.mlflow.experiment).experiment_id
     name = f"gate_{kind}_{tmp_path.name}"
+    share = {c: _val_share(gate_table, c) for c in CLASS_NAMES}
+    low, mid, high = sorted(CLASS_NAMES, key=share.get)
+    assert share[low] < share[mid] < share[high], share
 
-    def candidate(val_acc: float) -> str:
-        run_id = client.create_run(exp_id).info.run_id
-        log_epoch_metrics(client, run_id, {"val_acc": val_acc}, step=0)
-        client.set_terminated(run_id)
-        model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
-        return register_model(client, f"models:/{model.model_id}", name, run_id, {"val_acc": str(val_acc)})
+    def candidate(label: str, lineage: bool = True) -> str:
+        with tracked_run(cfg, run_name=f"always-{label}") as run:
+            model_uri = log_model(_always(CLASS_NAMES.index(label)), META, input_example_content=_png(0),
+                                  run_id=run.run_id)
+            tags = {"delta_table": gate_table, "delta_version": "0"} if lineage else {}
+            return register_model(run.client, model_uri, name, run.run_id, tags)
 
-    v1 = candidate(0.8)
-    assert promote(client, name, v1).promoted
-    v2 = candidate(0.7)
+    v1 = candidate(mid)
+    d1 = promote(client, name, v1)
+    assert d1.promoted and d1.value == pytest.approx(share[mid])
+    v2 = candidate(low)
     d2 = promote(client, name, v2)
     assert not d2.promoted and d2.champion_version == v1
-    assert "0.7" in d2.reason and "0.8" in d2.reason
+    assert (d2.value, d2.champion_value) == (pytest.approx(share[low]), pytest.approx(share[mid]))
     assert str(client.get_model_version_by_alias(name, "champion").version) == v1
-    v3 = candidate(0.9)
+    v3 = candidate(high)
     d3 = promote(client, name, v3)
-    assert d3.promoted and d3.champion_version == v1
+    assert d3.promoted and d3.champion_version == v1 and d3.value == pytest.approx(share[high])
+    assert str(client.get_model_version_by_alias(name, "champion").version) == v3
+    v4 = candidate(high, lineage=False)
+    with pytest.raises(RegistryError, match=f"version {v4} has no tag.*delta_table"):
+        promote(client, name, v4)
     assert str(client.get_model_version_by_alias(name, "champion").version) == v3
 
 
