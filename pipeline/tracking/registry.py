@@ -257,7 +257,11 @@ def _catalog_table_rows(table: str, version: int):
         raise RegistryError(f"promotion gate: Delta table {table} is a catalog name; scoring its held-out rows needs "
                             f"the catalog's Spark session: run the gate where one is active (a Databricks job or "
                             f"notebook, `lakehouse train`)")
-    df, _ = SparkDeltaEngine().read(spark, table, version)
+    try:
+        df, _ = SparkDeltaEngine().read(spark, table, version)
+    except Exception as exc:  # the catalog or delta-spark answers with its own exception types
+        raise RegistryError(f"promotion gate: Delta table {table} version {version} cannot be read through the "
+                            f"Spark session's catalog: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
     missing = [c for c in ("path", "content", "label") if c not in df.columns]
     if missing:
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
