@@ -112,7 +112,8 @@ class TrainConfig:
     stall_timeout_s: int = 120
     fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
     fail_rank: Optional[int] = None  # ... on this rank only (None: every rank)
-    fail_with: str = "error"  # ... raising: error (a RuntimeError) | oom (torch.OutOfMemoryError)
+    # ... error (a RuntimeError) | oom (torch.OutOfMemoryError) | hang (the rank stops answering, alive)
+    fail_with: str = "error"
     nan_at_step: Optional[int] = None  # fault injection for tests: NaN loss from this global step
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
@@ -194,7 +195,7 @@ CHOICES = {
     "model.schedule": ("warmup_cosine", "constant"),
     "train.backend": ("horovod", "ddp", "fsdp", "single"),
     "train.lr_scaling": ("linear", "sqrt", "none"),
-    "train.fail_with": ("error", "oom"),
+    "train.fail_with": ("error", "oom", "hang"),
     "train.precision": ("auto", "32-true", "bf16-mixed", "16-mixed"),
     "train.early_stopping.mode": ("min", "max"),
     "mlflow.gate_mode": ("min", "max"),

@@ -177,7 +177,8 @@ class ShardLoader:
     """Iterable of (features, labels) batches for one rank.
 
     Train: one endless stream of the shard's row groups; each pass yields exactly `steps` full batches, the same
-    on every rank. Val: every validation row of the shard once per pass. `reader` picks how the converted Parquet is
+    on every rank. Val: every validation row of the shard once per pass, in `plan.eval_steps` batches on every rank
+(the last ones empty on a rank with fewer rows). `reader` picks how the converted Parquet is
     read: `petastorm` (Petastorm's reader) or `arrow` (pyarrow directly, row groups in a (seed, pass)-seeded order).
     A shard of at most `memory_cache_mb` is read once and then served from memory (see `_row_groups`). The rows read
     in the last pass are kept in `rows_read` (and their row ids in `ids_read` with `track_ids`).
@@ -289,7 +290,7 @@ class ShardLoader:
     def __len__(self) -> int:
         if self.endless:
             return self.plan.steps_per_epoch
-        return -(-self.plan.rows_per_rank[self.rank] // self.plan.batch_size)
+        return self.plan.eval_steps
 
     def _take(self, it) -> Tuple[torch.Tensor, torch.Tensor]:
         import time
@@ -322,15 +323,21 @@ class ShardLoader:
             return
         source = self._row_groups(1)
         it = iter(self._assembler(source, 0))
+        steps, batch = 0, None
         try:
             while True:
                 try:
                     batch = self._take(it)
                 except StopIteration:
                     break
+                steps += 1
                 yield batch
         finally:
             source.close()  # stops a reader left mid-pass
+        if batch is not None:  # the same number of batches as the rank with the most rows (plan.eval_steps)
+            x, y = batch
+            for _ in range(self.plan.eval_steps - steps):
+                yield x[:0], y[:0]
 
     def resume_at(self, batches: int) -> None:
         """Continue the train stream after `batches` batches were trained (a checkpoint's global step): with the

@@ -136,12 +136,19 @@ def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
         signal.signal(signal.SIGTERM, old)
 
 
+# How a collective that ran past the process group's timeout reads (gloo; NCCL's watchdog)
+COLLECTIVE_TIMEOUT_MARKS = ("Timed out waiting", "Watchdog caught collective operation timeout")
+
+
 def _failures(job: TrainJob) -> str:
     parts = []
     for path in sorted(glob.glob(os.path.join(job.job_dir, "rank*.error"))):
         rank = os.path.basename(path)[4:-6]
         with open(path) as fh:
             first = fh.readline().strip()
+        if any(mark in first for mark in COLLECTIVE_TIMEOUT_MARKS):
+            first += (f" (a collective did not finish within train.stall_timeout_s={job.cfg.train.stall_timeout_s} s:"
+                      " another rank is stuck or far slower)")
         parts.append(f"rank {rank}: {first}")
     return "; ".join(parts)
 

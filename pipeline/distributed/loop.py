@@ -5,6 +5,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config
@@ -325,12 +326,14 @@ def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
         backend = ddp_backend(torch.cuda.is_available())  # decided in the rank, not on the driver
+        # a collective that a rank cannot finish within train.stall_timeout_s raises there (torch's default: 30 min)
+        timeout = timedelta(seconds=job.cfg.train.stall_timeout_s)
         if sharded:
             from pipeline.distributed.fsdp import LakehouseFSDPStrategy
 
-            strategy = LakehouseFSDPStrategy(process_group_backend=backend)
+            strategy = LakehouseFSDPStrategy(process_group_backend=backend, timeout=timeout)
         else:
-            strategy = DDPStrategy(process_group_backend=backend)
+            strategy = DDPStrategy(process_group_backend=backend, timeout=timeout)
         return train(job, rank, size, strategy, devices=local,
                      num_nodes=max(1, size // local), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                      local_world_size=local)

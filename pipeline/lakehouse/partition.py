@@ -49,6 +49,13 @@ class SplitPlan:
     def rows_per_epoch_per_rank(self) -> int:
         return self.steps_per_epoch * self.batch_size
 
+    @property
+    def eval_steps(self) -> int:
+        """Batches of a full pass (validation) on EVERY rank: the most any rank needs. A rank with fewer rows pads
+        its pass with empty batches, so all ranks run the same forwards: a sharded model (FSDP) gathers its
+        parameters in each forward, a collective that every rank must join."""
+        return max(-(-n // self.batch_size) for n in self.rows_per_rank) if self.rows_per_rank else 0
+
     def balance(self) -> float:
         """Most ÷ fewest rows per rank (1.0 is perfectly even)."""
         return max(self.rows_per_rank) / max(1, min(self.rows_per_rank))

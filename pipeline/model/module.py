@@ -12,7 +12,10 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
+from pipeline.log import get_logger
 from pipeline.model.nets import network_from_config, split_parameters
+
+log = get_logger(__name__)
 
 
 def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
@@ -155,6 +158,13 @@ class ImageClassifier(pl.LightningModule):
             what = f"injected failure at step {self.global_step} on rank {self.global_rank} (train.fail_at_step)"
             if hp.fail_with == "oom":  # what a CUDA out-of-memory raises (train.fail_with=oom)
                 raise torch.OutOfMemoryError(f"CUDA out of memory: {what}")
+            if hp.fail_with == "hang":  # a stuck rank (a deadlock, a hung kernel): alive, never reaching a collective
+                import time
+
+                log.warning("%s: this rank stops answering (train.fail_with=hang)", what)
+                deadline = time.monotonic() + 3600
+                while time.monotonic() < deadline:
+                    time.sleep(1)
             raise RuntimeError(what)
         if hp.nan_at_step is not None and self.global_step >= hp.nan_at_step:
             loss = loss * float("nan")
@@ -163,7 +173,9 @@ class ImageClassifier(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
-        logits = self(x)
+        logits = self(x)  # also for an empty batch (a rank with fewer rows): a sharded model gathers in forward
+        if len(y) == 0:
+            return
         loss = self.loss_fn(logits, y)
         self._accumulate("val", loss, logits, y)
         n = self.hparams.num_classes

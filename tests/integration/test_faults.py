@@ -356,3 +356,29 @@ def test_mlflow_down_mid_run_is_bounded_kept_offline_and_registers_nothing(table
         assert not journal.exists()
     finally:
         stop_mlflow_server(server)
+
+
+def test_a_stuck_ddp_rank_fails_the_job_within_the_stall_timeout(table, tmp_path):
+    """A rank that stays alive but stops answering (a deadlock, a hung kernel) must not hold the job for torch's
+    30-minute default: the other rank's collective times out after train.stall_timeout_s, the job fails with the
+    rank named, the run ends FAILED and no process is left behind."""
+    stall = 20
+    proc = _start_train(tmp_path, table, "train.backend=ddp", "train.max_epochs=3",
+                        "train.fail_at_step=3", "train.fail_rank=1", "train.fail_with=hang",
+                        f"train.stall_timeout_s={stall}")
+    try:
+        _wait_for(lambda: "Started local training" in _log(tmp_path), 400, "the ranks", proc, tmp_path)
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()  # the rank gets stuck a few steps later
+        proc.wait(timeout=stall + 180)
+        elapsed = time.monotonic() - t0
+    finally:
+        _kill_group(proc)
+    log = _log(tmp_path)
+    assert proc.returncode not in (0, None), log
+    assert elapsed < stall + 120, f"the job took {elapsed:.0f} s to fail after its ranks started:\n{log}"
+    assert "rank 0: RuntimeError" in log and f"train.stall_timeout_s={stall} s" in log, log
+    time.sleep(2)
+    assert _alive(everything) == [], "processes left behind"
+    _, runs, versions = _runs(tmp_path)
+    assert [r.info.status for r in runs] == ["FAILED"] and versions == []

@@ -201,7 +201,7 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
     try:
         assert data.plan.train.total_rows + data.plan.val.total_rows == 600
         assert data.plan.train.balance() <= 1.05  # row groups sized by the plan
-        steps, val_rows, labels = [], [], set()
+        steps, val_rows, val_batches, labels = [], [], [], set()
         for rank in range(2):
             dm = make_datamodule(data, rank, 2, DataConfig(reader_workers=1, memory_cache_mb=0, reader=reader))  # files each pass
             try:
@@ -213,15 +213,25 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
                         n += 1
                     steps.append(n)
                     dm.train_loader.check_rows()
-                seen = 0
+                seen, sizes = 0, []
                 for x, y in dm.val_dataloader():
                     seen += len(y)
+                    sizes.append(len(y))
+                    assert x.shape[1:] == (1, 32, 32) and len(x) == len(y)
                 dm.val_loader.check_rows()
+                assert len(dm.val_dataloader()) == len(sizes)
                 val_rows.append(seen)
+                val_batches.append(sizes)
             finally:
                 dm.teardown("fit")
         assert len(set(steps)) == 1 and steps[0] == data.plan.train.steps_per_epoch
         assert val_rows == data.plan.val.rows_per_rank and sum(val_rows) == data.plan.val.total_rows
+        # every rank runs the same validation steps (FSDP gathers parameters in each forward); the rank with fewer
+        # rows ends its pass with empty batches, and only there
+        assert [len(b) for b in val_batches] == [data.plan.val.eval_steps] * 2, val_batches
+        for sizes in val_batches:
+            full = [n for n in sizes if n]
+            assert all(n == 16 for n in full[:-1]) and sizes[:len(full)] == full
         assert labels <= set(range(10)) and len(labels) == 10
     finally:
         data.delete()

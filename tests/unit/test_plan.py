@@ -41,6 +41,13 @@ def test_plan_equal_steps_even_when_uneven():
     assert plan.steps_per_epoch == 2  # the smaller shard decides for everyone
 
 
+def test_a_full_pass_has_the_same_batches_on_every_rank():
+    # validation reads every row: the rank with the most rows sets the batches, the others pad with empty ones
+    assert plan_split("val", [65, 64], world_size=2, batch_size=16).eval_steps == 5
+    assert plan_split("val", [1000, 10], world_size=2, batch_size=4).eval_steps == 250
+    assert plan_split("val", [32, 32], world_size=2, batch_size=16).eval_steps == 2
+
+
 def test_plan_small_shard_still_gets_one_step():
     plan = plan_split("train", [3, 3], world_size=2, batch_size=64)
     assert plan.steps_per_epoch == 1
