@@ -256,6 +256,18 @@ class ShardLoader:
     def _arrow_row_groups(self, passes: Optional[int]) -> Iterator:
         reader = ArrowShardReader(self.split, self.rank, self.world_size, self.workers)
         planned = self.plan.rows_per_rank[self.rank]
+        if not self.keeps_in_memory:  # every pass from the files, through one read-ahead that spans the passes
+            tagged = ((p, i) for p in (itertools.count() if passes is None else range(passes))
+                      for i in pass_order(len(reader), self.seed, p, self.endless))
+            current, rows = 0, 0
+            for p, _, group in reader.iter_tagged(tagged):
+                if p != current:
+                    self._check_pass(rows, planned)
+                    current, rows = p, 0
+                rows += len(group.label_index)
+                yield group
+            self._check_pass(rows, planned)
+            return
         for p in (itertools.count() if passes is None else range(passes)):
             order = pass_order(len(reader), self.seed, p, self.endless)
             if self._kept is not None:

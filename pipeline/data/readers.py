@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -95,20 +95,27 @@ class ArrowShardReader:
 
     def iter_groups(self, order: Sequence[int]) -> Iterator[Tuple[int, RowGroup]]:
         """(local index, row group) in `order`, read ahead on a small thread pool; stops cleanly when closed."""
+        for _, i, group in self.iter_tagged((None, i) for i in order):
+            yield i, group
+
+    def iter_tagged(self, items: Iterable[Tuple[Any, int]]) -> Iterator[Tuple[Any, int, RowGroup]]:
+        """(tag, local index, row group) for each (tag, local index) of `items`, which may be endless (the passes
+        of a train stream, tagged with their pass): `workers` + 1 row groups are read ahead on one thread pool,
+        across pass boundaries, so a pass never starts by waiting for its first read. Stops cleanly when closed."""
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix=f"arrow-{self.split.name}")
         pending: deque = deque()
-        it = iter(order)
+        it = iter(items)
         try:
-            for i in it:
-                pending.append((i, pool.submit(self.read, int(i))))
+            for tag, i in it:
+                pending.append((tag, int(i), pool.submit(self.read, int(i))))
                 if len(pending) > self.workers:
                     break
             while pending:
-                i, future = pending.popleft()
+                tag, i, future = pending.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.append((nxt, pool.submit(self.read, int(nxt))))
-                yield int(i), future.result()
+                    pending.append((nxt[0], int(nxt[1]), pool.submit(self.read, int(nxt[1]))))
+                yield tag, i, future.result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 

@@ -268,9 +268,10 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path, read
         next(iter(val))  # a pass cut short, as by Lightning's sanity check: nothing is kept from it
         first_val = _row_keys(val)
         val.check_rows()
-        # Lightning takes exactly len(loader) batches and never asks for the end; with a pass that ends on a full
-        # batch the reader is still open at that point, and the shard must be kept all the same
-        whole = dataclasses.replace(data.plan.val, batch_size=data.plan.val.rows_per_rank[1])
+        # Lightning takes exactly len(loader) batches and never asks for the end; with a pass that ends on its
+        # last batch the reader is still open at that point, and the shard must be kept all the same (one batch
+        # holds the largest shard, so every rank's pass is one batch)
+        whole = dataclasses.replace(data.plan.val, batch_size=max(data.plan.val.rows_per_rank))
         one_batch = ShardLoader(data.val, whole, rank=1, world_size=2, channels=data.channels,
                                 image_size=data.image_size, endless=False, workers=1, shuffle_buffer=0, seed=7,
                                 memory_cache_mb=64, reader=reader)
@@ -311,3 +312,35 @@ def test_too_few_row_groups_fails_before_training(spark, digits_dir, tmp_path):
         convert_for_training(spark, df, cfg, 4, class_names_of(df))
     msg = str(err.value)
     assert "4 ranks" in msg and "row group" in msg and "train.np" in msg
+
+
+def test_arrow_train_stream_is_the_same_from_files_and_from_memory(spark, digits_table, tmp_path):
+    """The arrow reader's train stream is a function of the seed alone: read from the files every pass (one
+    read-ahead spanning the passes) or kept in memory after the first, it yields the same rows in the same order,
+    pass after pass, and each pass is checked against the plan."""
+    from pipeline.config import DataConfig
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.data.datamodule import make_datamodule
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16", "data.reader=arrow")
+    df, _ = _read(spark, cfg)
+    data = convert_for_training(spark, df, cfg, 2, class_names_of(df))
+    streams = {}
+    try:
+        for cache_mb in (0, 64):
+            dm = make_datamodule(data, 1, 2, DataConfig(reader_workers=2, memory_cache_mb=cache_mb, shuffle_buffer=64,
+                                                        reader="arrow", seed=3))
+            try:
+                train = dm.train_dataloader()
+                assert train.keeps_in_memory == (cache_mb > 0)
+                stream = []
+                for _ in range(4):
+                    stream.append(_row_keys(train))
+                    train.check_rows()
+                streams[cache_mb] = stream
+            finally:
+                dm.teardown("fit")
+    finally:
+        data.delete()
+    assert streams[0] == streams[64]
+    assert len({tuple(epoch) for epoch in streams[0]}) == 4  # a new order every epoch
