@@ -48,6 +48,7 @@ class DataConfig:
     reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
     row_groups_per_rank: int = 32  # the converter sizes row groups so each rank gets about this many
     max_row_group_mb: float = 32.0
+    min_row_group_mb: float = 1.0  # ... and none smaller, down to one row group per partition (0 = no floor)
     partitions_per_worker: int = 2
     image_size: int = 32
     channels: int = 1  # 1 = greyscale, 3 = RGB
@@ -361,6 +362,8 @@ def validate(cfg: Config) -> None:
         ("data.cache_max_gb", cfg.data.cache_max_gb >= 0, "must be >= 0 (0: no bound)"),
         ("data.row_groups_per_rank", cfg.data.row_groups_per_rank >= 1, "must be >= 1"),
         ("data.max_row_group_mb", cfg.data.max_row_group_mb > 0, "must be > 0"),
+        ("data.min_row_group_mb", 0 <= cfg.data.min_row_group_mb <= cfg.data.max_row_group_mb,
+         "must be >= 0 and <= data.max_row_group_mb"),
         ("model.lr", cfg.model.lr > 0, "must be > 0"),
         ("model.arch", cfg.model.arch in ("cnn", "resnet") or (cfg.model.arch.startswith("timm/")
                                                               and len(cfg.model.arch) > 5),
