@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import yaml
 
-from pipeline.bench.core import Result, Sizes, median, patched, ratio
+from pipeline.bench.core import Result, Sizes, discarded, median, patched, ratio
 from pipeline.config import Config, apply_overrides, world_size_of
 from pipeline.log import get_logger
 
@@ -196,7 +196,7 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
     from pipeline import workflow
     from pipeline.bench.conversion import bench_cache_dir
     from pipeline.distributed import launcher
-    from pipeline.tracking.runs import configure, temporary_env
+    from pipeline.tracking.runs import temporary_env
     from pipeline.tune import sweep
     from pipeline.tune import trial as tune_trial
 
@@ -270,17 +270,11 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
             stack.enter_context(patched(owner, attr, spans.timer(name)))
         stack.enter_context(patched(sweep, "_next_trial", next_trial))
         stack.enter_context(patched(tune_trial.PruningGate, "_answer", answer))
-        try:
-            alone(0)  # warm-up: the driver's imports, the experiment, the registered model, the cache entry
-            t_start = time.perf_counter()
-            summary = sweep.run_tune(spark, tcfg, space_path, n_trials=n + 1)
-            t_end = time.perf_counter()
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-            try:
-                configure(tcfg.mlflow).delete_registered_model(model)
-            except Exception as exc:
-                log.warning("could not delete the bench's registered model %r: %s", model, exc)
+        stack.enter_context(discarded(root, tcfg.mlflow, model))
+        alone(0)  # warm-up: the driver's imports, the experiment, the registered model, the cache entry
+        t_start = time.perf_counter()
+        summary = sweep.run_tune(spark, tcfg, space_path, n_trials=n + 1)
+        t_end = time.perf_counter()
 
     def trial_parts(s: float, e: float) -> Dict[str, float]:
         parts = {k: spans.within(k, s, e) for k in ("run_trial", "train_in_run", "ranks", "ask", "tell", "log_best")}
