@@ -178,7 +178,8 @@ class ShardLoader:
 
     Train: one endless stream of the shard's row groups; each pass yields exactly `steps` full batches, the same
     on every rank. Val: every validation row of the shard once per pass, in `plan.eval_steps` batches on every
-    rank (the last ones empty on a rank with fewer rows). `reader` picks how the converted Parquet is read: `petastorm` (Petastorm's reader) or `arrow` (pyarrow directly, row groups in a (seed, pass)-seeded order).
+    rank (the last ones empty on a rank with fewer rows). `reader` picks how the converted Parquet is read:
+    `petastorm` (Petastorm's reader) or `arrow` (pyarrow directly, row groups in a (seed, pass)-seeded order).
     A shard of at most `memory_cache_mb` is read once and then served from memory (see `_row_groups`). The rows read
     in the last pass are kept in `rows_read` (and their row ids in `ids_read` with `track_ids`).
 
