@@ -48,9 +48,8 @@ class DataConfig:
     reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
     row_groups_per_rank: int = 32  # the converter sizes row groups so each rank gets about this many
     max_row_group_mb: float = 32.0
-    # ... and none smaller, down to one row group per partition. 0 (no floor) by default: with one group per
-    # partition, a partition larger than the converter's estimate is cut in two and the shards lose their balance
-    min_row_group_mb: float = 0.0
+    # ... and none smaller, down to one row group per partition (a reader pays a fixed cost per row group)
+    min_row_group_mb: float = 1.0
     partitions_per_worker: int = 2
     image_size: int = 32
     channels: int = 1  # 1 = greyscale, 3 = RGB

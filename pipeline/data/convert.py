@@ -51,8 +51,8 @@ def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: 
     spread evenly, whatever the partitions' sizes), none below `min_group_mb` unless a whole partition is smaller
     (a reader pays a fixed cost per row group: Petastorm's ~0.9 ms made 22-row groups 4x slower per row than
     700-row ones), none above `max_group_mb`, and a partition of the expected size (`rows / partitions`, Spark's
-    round-robin repartition) split into groups of equal size: the last group of each file is then (nearly) full,
-    and no rank collects the short ones."""
+    round-robin repartition) split into groups of equal size; the writer sizes each file's last groups evenly
+    (`groups_to_write`), so no rank collects short ones."""
     target = math.ceil(max(1, rows) / max(1, world_size * groups_per_rank))
     target = max(target, int(min_group_mb * 2 ** 20 // max(1, row_bytes)))
     target = max(1, min(target, int(max_group_mb * 2 ** 20 // max(1, row_bytes))))
@@ -61,8 +61,43 @@ def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: 
     return max(1, math.ceil(per_partition / groups))
 
 
-def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
-    """The executor side of `write_split`: decode, then write this partition's file in row groups of `group_rows`."""
+LAST_GROUP_SLACK = 0.25  # a file's last row groups may have this much more than `group_rows`
+TAIL_BUFFER_MB = 256  # at most this much of a partition is held back to size its last row groups evenly
+
+
+def tail_groups_for(world_size: int, group_rows: int, row_bytes: int) -> int:
+    """How many row groups end each file evenly sized: one per rank (so every rank gets one of them whatever the file
+    holds), at least two, and no more than `TAIL_BUFFER_MB` of rows held back by a writer."""
+    fits = int(TAIL_BUFFER_MB * 2 ** 20 // max(1, group_rows * row_bytes * (1 + LAST_GROUP_SLACK)))
+    return max(2, min(world_size, fits))
+
+
+def groups_to_write(pending: int, group_rows: int, final: bool, tail_groups: int = 2) -> List[int]:
+    """Sizes of the row groups a partition's writer writes now from `pending` buffered rows.
+
+    Groups of `group_rows` while more than `tail_groups` groups' rows (and the slack) wait. At the end the rest is cut
+    into the number of groups nearest its size, all equal, none more than a quarter above `group_rows`. So no file
+    ends on a short group, and a partition a little larger or smaller than the converter's estimate (the split by
+    path hash and the repartition are not exact) keeps the number of groups it was sized for. Before, the last rows
+    were cut in two halves when they exceeded one group: on a small table sized for one group per partition some files
+    got one group and others two halves, and an odd count of groups gave one rank a whole group more (shard balance
+    1.65 in a CI run); and with as many groups per file as ranks, the short last groups all landed on the same rank.
+    """
+    sizes, rest = [], pending
+    while rest > tail_groups * group_rows * (1 + LAST_GROUP_SLACK):
+        sizes.append(group_rows)
+        rest -= group_rows
+    if final and rest:
+        m = max(1, round(rest / group_rows))
+        while rest > m * group_rows * (1 + LAST_GROUP_SLACK):
+            m += 1
+        sizes += [rest // m + (1 if i < rest % m else 0) for i in range(m)]
+    return sizes
+
+
+def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int):
+    """The executor side of `write_split`: decode, then write this partition's file in row groups of `group_rows`
+    (its last `tail_groups` evenly sized, see `groups_to_write`)."""
 
     def write(batches):
         import pyarrow as pa
@@ -87,23 +122,13 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int):
             groups.append(len(part))
 
         def flush(tables, final):
-            """Write whole groups, keeping at least one group's rows back until the end, where the last
-            `group_rows`..2*`group_rows` rows become two halves: no file ends on a short group."""
+            """Write the groups `groups_to_write` asks for; keep the rest for the next batch."""
             table = pa.concat_tables(tables) if tables else schema.empty_table()
             start = 0
-            while len(table) - start >= 2 * group_rows:
-                write(table.slice(start, group_rows))
-                start += group_rows
-            rest = len(table) - start
-            if final and rest:
-                if rest > group_rows:
-                    half = (rest + 1) // 2
-                    write(table.slice(start, half))
-                    write(table.slice(start + half))
-                else:
-                    write(table.slice(start))
-                return []
-            return [table.slice(start)] if rest else []
+            for size in groups_to_write(len(table), group_rows, final, tail_groups):
+                write(table.slice(start, size))
+                start += size
+            return [table.slice(start)] if start < len(table) else []
 
         try:
             for batch in batches:
@@ -153,12 +178,13 @@ def decoded_frame(df, cfg: Config, world_size: int):
     return prepared.select(decode(F.col("content")).alias(PIXELS), F.col(LABEL), F.col(ROW_ID))
 
 
-def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int) -> List[Dict[str, Any]]:
+def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int,
+                tail_groups: int = 2) -> List[Dict[str, Any]]:
     """Convert `df` (columns content, label_index, row_id) into Parquet files under `split_url`, one per non-empty
     partition; returns each file's name, size and row groups, sorted by name (the order every reader uses)."""
     fs, folder = cache.filesystem(split_url)
     fs.create_dir(folder, recursive=True)
-    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows),
+    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows, tail_groups),
                         "file string, bytes long, groups array<long>").collect()
     return sorted(({"name": r["file"], "bytes": int(r["bytes"]), "row_groups": [int(g) for g in r["groups"]]}
                    for r in out), key=lambda f: f["name"])
@@ -233,7 +259,7 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
                                                                               world_size),
                                     cfg.data.min_row_group_mb)
         files = write_split(prepare_split(frame, cfg, world_size), f"{url}/{run}/{name}", cfg.data.image_size,
-                            cfg.data.channels, group_rows)
+                            cfg.data.channels, group_rows, tail_groups_for(world_size, group_rows, row_bytes))
         splits[name] = {"folder": f"{run}/{name}", "rows": sum(sum(f["row_groups"]) for f in files),
                         "group_rows": group_rows, "files": files}
     now = time.time()
