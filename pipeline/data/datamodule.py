@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 
 from pipeline.config import DataConfig
-from pipeline.data.readers import ArrowShardReader, open_petastorm, pass_order, require_reader
+from pipeline.data.readers import ArrowShardReader, load_reader, open_petastorm, pass_order, require_reader
 from pipeline.data.shards import ConvertedData, ConvertedSplit
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 from pipeline.lakehouse.partition import SplitPlan
@@ -404,6 +404,7 @@ class LakehouseDataModule(pl.LightningDataModule):
             raise ValueError(f"the shard plan was made for {data.plan.train.world_size} rank(s), "
                              f"this job has {world_size}")
         c = data_cfg or DataConfig()
+        load_reader(c.reader)
         self.data = data
         self.rank = rank
         self.world_size = world_size

@@ -9,7 +9,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional
 
-from pipeline.distributed.loop import RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_worker, train
+from pipeline.distributed.loop import (RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_rank_process,
+                                      horovod_worker, train)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -318,7 +319,7 @@ def _launch(job: TrainJob) -> List[RankResult]:
             import horovod
 
             log.info("launching %d Horovod processes on this machine (gloo)", -np_)
-            return list(horovod.run(horovod_worker, args=(job,), num_proc=-np_, use_gloo=True,
+            return list(horovod.run(horovod_rank_process, args=(job,), num_proc=-np_, use_gloo=True,
                                     start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
                                     verbose=0))
         import horovod.spark

@@ -87,6 +87,9 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert set(predict) == {"sample", "synthetic"}
     assert predict["synthetic"]["rows"] == 2000 and predict["sample"]["rows"] == report["datasets"]["sample"]["rows"]
     assert all(p["predict_rows_per_s"] > 0 and p["pyfunc_rows_per_s"] > 0 for p in predict.values())
+    # the Spark job that scores nothing is a part of predict's time, measured on the same rows
+    assert all(0 < p["spark_job_floor_s"] for p in predict.values())
+    assert not list((tmp_path / "bench").glob("predict_*"))  # its scratch tables are removed
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
