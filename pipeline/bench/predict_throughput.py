@@ -6,6 +6,8 @@ import os
 import time
 from typing import Any, Dict, List, Tuple
 
+import pandas as pd  # at module level: the pandas UDF's type hints (strings here) are resolved in this module
+
 from pipeline.bench.core import Result, Sizes, discarded, interleaved, load, median, ratio
 from pipeline.config import Config
 from pipeline.log import get_logger
@@ -50,7 +52,6 @@ def spark_job_floor(spark, cfg: Config, table: str, out: str) -> float:
     """Seconds of a Spark job with predict's shape that scores nothing: the pinned Delta read, `content` through an
     Arrow pandas UDF that returns its length (the same transfer to and from the Python workers, on the same tasks),
     and a Parquet write. What every `lakehouse predict` call pays whatever the model and however few the rows."""
-    import pandas as pd
     from pyspark.sql import functions as F
     from pyspark.sql.functions import pandas_udf
 
@@ -78,7 +79,6 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
     median of `repeats` runs of `spark_job_floor` on the same table: the part of a predict call no model can save.
     """
     from pipeline.tracking.pyfunc import load_pyfunc
-    import pandas as pd
 
     from pipeline.serving.predict import predict_table
 
