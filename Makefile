@@ -39,24 +39,23 @@ setup: $(VENV)/.installed
 demo: setup
 	bash scripts/demo.sh
 
-# Every profile runs even when an earlier one fails; the exit status is the worst of them. pytest's 5 (no test
+# Every profile runs even when an earlier one fails; the exit status is the worst of them. A tier whose set-up failed
+# is said and not run (a half-built venv gives only import errors). pytest's 5 (no test
 # selected) on a data-path run means no test is marked `datapath` yet: said, not failed.
 test: .venv/.installed
 	@status=0; \
 	.venv/bin/python -m pytest tests -ra || status=1; \
 	for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do \
-	  $(MAKE) --no-print-directory PROFILE=$${p%%:*} setup || status=1; \
-	  if [ -x $${p#*:}/bin/python ]; then \
+	  if $(MAKE) --no-print-directory PROFILE=$${p%%:*} setup; then \
 	    echo "== $${p%%:*} profile: data-path tests ($${p#*:})"; \
 	    $${p#*:}/bin/python -m pytest tests -m datapath -ra; rc=$$?; \
 	    if [ $$rc -eq 5 ]; then echo "$${p%%:*} profile: no test is marked datapath"; elif [ $$rc -ne 0 ]; then status=1; fi; \
-	  fi; \
+	  else status=1; echo "== $${p%%:*} profile: set-up failed (above), its tests not run"; fi; \
 	done; \
-	$(MAKE) --no-print-directory .venv-vision/.installed || status=1; \
-	if [ -x .venv-vision/bin/python ]; then \
+	if $(MAKE) --no-print-directory .venv-vision/.installed; then \
 	  echo "== vision tier: timm backbones (.venv-vision)"; \
 	  .venv-vision/bin/python -m pytest $(VISION_TESTS) -ra || status=1; \
-	fi; \
+	else status=1; echo "== vision tier: set-up failed (above), its tests not run"; fi; \
 	exit $$status
 
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning.

@@ -19,6 +19,7 @@ case "$PROFILE" in
   *) echo "PROFILE=$PROFILE: the install profiles are classic, modern and dbr-15.4" >&2; exit 1 ;;
 esac
 quiet() { grep -v "^WARNING: Location" || true; }
+. scripts/need_disk.sh
 
 if ! command -v java >/dev/null 2>&1; then
   echo "Java 17 is required by Spark 4.0 and was not found on PATH (Debian: apt-get install openjdk-17-jre-headless)" >&2
@@ -60,6 +61,8 @@ if [ -x "$VENV/bin/python" ] && [ -n "$BASE_TORCH_CUDA" ] && ! grep -q "include-
   echo "$VENV exists without the system site packages, so it cannot see the CUDA torch; remove it and re-run" >&2
   exit 1
 fi
+# the pinned stack (~2.7 GiB in the venv) and the Horovod build
+[ -f "$VENV/.installed" ] || need_disk 5 . "the $PROFILE profile's venv ($VENV)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "${VENV_ARGS[@]}" "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | quiet
 if [ -z "$BASE_TORCH_CUDA" ]; then
