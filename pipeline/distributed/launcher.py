@@ -325,7 +325,7 @@ def _launch(job: TrainJob) -> List[RankResult]:
         import horovod.spark
 
         log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
-        return list(horovod.spark.run(horovod_worker, args=(job,), num_proc=np_, use_gloo=True,
+        return list(horovod.spark.run(horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
                                       start_timeout=cfg.train.start_timeout_s,
                                       env=executor_env(dict(os.environ)), verbose=0))
     if backend in ("ddp", "fsdp"):

@@ -313,7 +313,8 @@ def horovod_worker(job: TrainJob) -> RankResult:
 
 
 def horovod_rank_process(job: TrainJob) -> RankResult:
-    """`horovod_worker` in a rank process of its own (started by horovod.run): a rank that failed exits at once, its
+    """`horovod_worker` in a rank process of its own (horovod.run on this machine; on a Spark cluster each Horovod
+    task starts its rank as a process, horovod.spark.task.gloo_exec_fn): a rank that failed exits at once, its
     error written (`_write_failure`), its traceback printed and its output flushed, without the interpreter's
     teardown of torch, Horovod and reader threads. That teardown kept a failed rank alive ~1 s after its error
     (measured with timestamps: the error, atexit done 3 ms later, the process still there 0.4 s later with no Python

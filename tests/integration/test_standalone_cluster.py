@@ -235,3 +235,41 @@ def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tm
     assert sorted(got["path"]) == sorted(inputs.to_pylist())  # one output row per input row, none twice
     assert all(label is not None for label in got["label"]) and not any(got["error"])
     assert set(got["model_version"]) == {int(summary["model_version"])}
+
+
+def test_a_rank_that_dies_on_the_cluster_is_relaunched_from_the_checkpoint_in_the_same_run(tmp_path, digits_dir):
+    """train.np=2 on the cluster with train.max_restarts=1: rank 1 (a Horovod task in an executor) fails mid-epoch 2 on
+    the first attempt; the launcher stops the ranks and relaunches both on the executors from the last checkpoint,
+    in the same MLflow run, which ends FINISHED with one restart recorded and one model version registered."""
+    from mlflow import MlflowClient
+
+    paths = [
+        f"delta.table={tmp_path}/delta/digits",
+        f"data.cache_dir={tmp_path}/cache",
+        f"train.checkpoint_dir={tmp_path}/checkpoints",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"mlflow.artifact_location={tmp_path}/mlartifacts",
+    ]
+    conf = ["--conf", str(ROOT / "conf/local.yaml")]
+    # 480 training rows, 2 ranks of batch 16: 15 steps per epoch; a checkpoint every 2 steps, the failure at step 21
+    fault = ["data.reader=arrow", "data.batch_size=16", "train.max_epochs=2", "train.warmup_epochs=0",
+             "train.checkpoint_every_n_steps=2", "train.max_restarts=1", "train.fail_at_step=21", "train.fail_rank=1"]
+    with standalone_cluster(tmp_path / "cluster") as cluster:
+        master = [f"spark.master={cluster['url']}"]
+        _submit(cluster, tmp_path, "ingest.py", ["--source", str(digits_dir), "--mode", "overwrite", *conf, *master,
+                                                 *paths], "ingest")
+        done = _submit(cluster, tmp_path, "train.py", [*conf, *master, "train.np=2", *fault, *paths], "train")
+        summary = _last_json(done.stdout)
+
+    assert summary["world_size"] == 2 and summary["epochs"] == 2, summary
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "restarts")] == [1]
+    cause = run.data.tags["restart_1_cause"]
+    assert "injected failure at step 21" in cause and "rank 1" in cause, cause
+    # both epochs' metrics, the second one trained after the relaunch
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_loss")) == [0, 1]
+    assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [summary["run_id"]]
+    versions = client.search_model_versions(f"name='{summary['model_name']}'")
+    assert len(versions) == 1 and versions[0].run_id == summary["run_id"]
