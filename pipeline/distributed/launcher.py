@@ -7,7 +7,7 @@ import shutil
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from pipeline.distributed.loop import (RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_rank_process,
                                       horovod_worker, train)
@@ -141,15 +141,34 @@ def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
 COLLECTIVE_TIMEOUT_MARKS = ("Timed out waiting", "Watchdog caught collective operation timeout")
 
 
+# A rank that started and left neither an error nor a result (loop.rank_record)
+SILENT_RANK = ("ended without reporting an error: killed by a signal (SIGKILL, the kernel's OOM killer, a lost "
+               "node) or stopped by the launcher after another rank failed")
+
+
 def _failures(job: TrainJob) -> str:
+    """Each rank's account of the attempt, in rank order: its error's first line, or that it ended without one."""
+    def ranks_with(what: str) -> Dict[int, str]:
+        found = {}
+        for path in glob.glob(os.path.join(job.job_dir, f"rank*.{what}")):
+            name = os.path.basename(path)[4:-len(what) - 1]
+            if name.isdigit():
+                found[int(name)] = path
+        return found
+
+    errors, done = ranks_with("error"), ranks_with("done")
     parts = []
-    for path in sorted(glob.glob(os.path.join(job.job_dir, "rank*.error"))):
-        rank = os.path.basename(path)[4:-6]
-        with open(path) as fh:
-            first = fh.readline().strip()
-        if any(mark in first for mark in COLLECTIVE_TIMEOUT_MARKS):
-            first += (f" (a collective did not finish within train.stall_timeout_s={job.cfg.train.stall_timeout_s} s:"
-                      " another rank is stuck or far slower)")
+    for rank in sorted(set(errors) | set(ranks_with("started"))):
+        if rank in errors:
+            with open(errors[rank]) as fh:
+                first = fh.readline().strip()
+            if any(mark in first for mark in COLLECTIVE_TIMEOUT_MARKS):
+                first += (f" (a collective did not finish within train.stall_timeout_s="
+                          f"{job.cfg.train.stall_timeout_s} s: another rank is stuck or far slower)")
+        elif rank not in done:
+            first = SILENT_RANK
+        else:
+            continue
         parts.append(f"rank {rank}: {first}")
     return "; ".join(parts)
 

@@ -1,12 +1,13 @@
 """The super train loop: one `train()` for a single process, wrapped by the Horovod and DDP rank entries."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from pipeline.config import Config
 from pipeline.data.shards import ConvertedData
@@ -269,13 +270,28 @@ def _plain_network(cfg: Config, job: TrainJob):
     return build_network(cfg.model.arch, job.data.channels, len(job.data.class_names), cfg.model.width)
 
 
-def _write_failure(job: TrainJob, rank: int, exc: BaseException) -> None:
+def _write_marker(job: TrainJob, rank: int, what: str, text: str = "") -> None:
     try:
         os.makedirs(job.job_dir, exist_ok=True)
-        with open(os.path.join(job.job_dir, f"rank{rank}.error"), "w") as fh:
-            fh.write(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        with open(os.path.join(job.job_dir, f"rank{rank}.{what}"), "w") as fh:
+            fh.write(text)
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def rank_record(job: TrainJob, rank: int) -> Iterator[None]:
+    """What the launcher learns of a rank whatever becomes of it, in the job folder: `rank<r>.started` when it starts,
+    `rank<r>.error` (its exception and traceback) when it fails, `rank<r>.done` when it returns. A rank that left
+    only `.started` ended without a word: killed (`launcher._failures` says so)."""
+    _write_marker(job, rank, "started")
+    try:
+        yield
+    except BaseException as exc:
+        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
+        _write_marker(job, rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        raise
+    _write_marker(job, rank, "done")
 
 
 def repair_horovod_env() -> None:
@@ -303,19 +319,15 @@ def horovod_worker(job: TrainJob) -> RankResult:
     repair_horovod_env()
     hvd.init()
     rank = hvd.rank()
-    try:
+    with rank_record(job, rank):
         return train(job, rank, hvd.size(), HorovodStrategy(), local_rank=hvd.local_rank(),
                      local_world_size=hvd.local_size())
-    except BaseException as exc:
-        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
-        _write_failure(job, rank, exc)
-        raise
 
 
 def horovod_rank_process(job: TrainJob) -> RankResult:
     """`horovod_worker` in a rank process of its own (horovod.run on this machine; on a Spark cluster each Horovod
     task starts its rank as a process, horovod.spark.task.gloo_exec_fn): a rank that failed exits at once, its
-    error written (`_write_failure`), its traceback printed and its output flushed, without the interpreter's
+    error written (`rank_record`), its traceback printed and its output flushed, without the interpreter's
     teardown of torch, Horovod and reader threads. That teardown kept a failed rank alive ~1 s after its error
     (measured with timestamps: the error, atexit done 3 ms later, the process still there 0.4 s later with no Python
     frame), while the launcher waited to stop the other ranks and relaunch them (`train.max_restarts`)."""
@@ -356,7 +368,7 @@ def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
 
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
+    with rank_record(job, rank):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
         backend = ddp_backend(torch.cuda.is_available())  # decided in the rank, not on the driver
         # a collective that a rank cannot finish within train.stall_timeout_s raises there (torch's default: 30 min)
@@ -370,10 +382,6 @@ def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
         return train(job, rank, size, strategy, devices=local,
                      num_nodes=max(1, size // local), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                      local_world_size=local)
-    except BaseException as exc:
-        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
-        _write_failure(job, rank, exc)
-        raise
 
 
 def fsdp_worker(job: TrainJob) -> RankResult:

@@ -63,3 +63,41 @@ def test_exit_now_flushes_and_ends_the_process_with_its_code():
             "sys.stdout.write('unflushed line')\nexit_now(3)\nprint('never')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 3 and out.stdout == "unflushed line"
+
+
+def _job(tmp_path):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(job_dir=str(tmp_path / "job"), cfg=SimpleNamespace(train=SimpleNamespace(stall_timeout_s=60)))
+
+
+def test_rank_record_leaves_started_then_done_or_the_error(tmp_path):
+    job = _job(tmp_path)
+    with loop.rank_record(job, 0):
+        pass
+    with pytest.raises(ValueError):
+        with loop.rank_record(job, 1):
+            raise ValueError("bad shard")
+    files = sorted(p.name for p in (tmp_path / "job").iterdir())
+    assert files == ["rank0.done", "rank0.started", "rank1.error", "rank1.started"]
+    assert (tmp_path / "job" / "rank1.error").read_text().startswith("ValueError: bad shard\n")
+
+
+def test_a_rank_that_ended_without_a_word_is_named_beside_the_ranks_errors(tmp_path):
+    """Rank 1 SIGKILLed: it started and left nothing; rank 0 reported the collective's failure; rank 2 finished."""
+    from pipeline.distributed.launcher import SILENT_RANK, _failures
+
+    job = _job(tmp_path)
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for name, text in {"rank0.started": "", "rank0.error": "HorovodInternalError: Horovod has been shut down\n\ntb",
+                       "rank1.started": "", "rank2.started": "", "rank2.done": "", "rank10.started": "",
+                       "rank10.error": "RuntimeError: Timed out waiting 60000ms\n"}.items():
+        (folder / name).write_text(text)
+    assert _failures(job) == ("rank 0: HorovodInternalError: Horovod has been shut down; "
+                              f"rank 1: {SILENT_RANK}; "
+                              "rank 10: RuntimeError: Timed out waiting 60000ms (a collective did not finish within "
+                              "train.stall_timeout_s=60 s: another rank is stuck or far slower)")
+    for name in ("rank0.started", "rank0.error", "rank1.started", "rank10.started", "rank10.error"):
+        (folder / name).unlink()
+    assert _failures(job) == ""  # every rank that started also finished
