@@ -191,33 +191,33 @@ def _last_json(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _job_settings(tmp: Path) -> List[str]:
+    """The jobs' config: conf/local.yaml with the table, cache, checkpoints and MLflow store under `tmp`."""
+    return ["--conf", str(ROOT / "conf/local.yaml"), f"delta.table={tmp}/delta/digits", f"data.cache_dir={tmp}/cache",
+            f"train.checkpoint_dir={tmp}/checkpoints", f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
+            f"mlflow.artifact_location={tmp}/mlartifacts"]
+
+
 def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tmp_path, digits_dir):
     from mlflow import MlflowClient
 
-    paths = [
-        f"delta.table={tmp_path}/delta/digits",
-        f"data.cache_dir={tmp_path}/petastorm_cache",
-        f"train.checkpoint_dir={tmp_path}/checkpoints",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-        f"mlflow.artifact_location={tmp_path}/mlartifacts",
-    ]
-    conf = ["--conf", str(ROOT / "conf/local.yaml")]
+    settings = _job_settings(tmp_path)
     with standalone_cluster(tmp_path / "cluster") as cluster:
         master = [f"spark.master={cluster['url']}"]
         ingested = _last_json(_submit(cluster, tmp_path, "ingest.py",
-                                      ["--source", str(digits_dir), "--mode", "overwrite", *conf, *master, *paths],
+                                      ["--source", str(digits_dir), "--mode", "overwrite", *settings, *master],
                                       "ingest").stdout)
         assert ingested["delta_version"] == 0 and ingested["rows_written"] == 600, ingested
 
         done = _submit(cluster, tmp_path, "train.py",
-                       [*conf, *master, "train.np=2", "train.max_epochs=1", *paths], "train")
+                       [*settings, *master, "train.np=2", "train.max_epochs=1"], "train")
         summary = _last_json(done.stdout)
         assert summary["champion"], summary  # the first version: no champion to beat
         # the champion scores the table on the same cluster (spark_udf in the executors): one row per input row
         predicted = _last_json(_submit(cluster, tmp_path, "predict.py",
                                        ["--model", f"models:/{summary['model_name']}@champion",
                                         "--table", f"{tmp_path}/delta/digits", "--version", "0",
-                                        "--out", f"{tmp_path}/delta/predictions", *conf, *master, *paths],
+                                        "--out", f"{tmp_path}/delta/predictions", *settings, *master],
                                        "predict").stdout)
 
     assert summary["world_size"] == 2, summary
@@ -273,21 +273,14 @@ def test_a_rank_killed_on_the_cluster_is_relaunched_from_the_checkpoint_in_the_s
     epoch's metrics and one model version registered."""
     from mlflow import MlflowClient
 
-    paths = [
-        f"delta.table={tmp_path}/delta/digits",
-        f"data.cache_dir={tmp_path}/cache",
-        f"train.checkpoint_dir={tmp_path}/checkpoints",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-        f"mlflow.artifact_location={tmp_path}/mlartifacts",
-    ]
-    conf = ["--conf", str(ROOT / "conf/local.yaml")]
+    settings = _job_settings(tmp_path)
     restartable = ["data.reader=arrow", "data.batch_size=16", "train.max_epochs=3", "train.warmup_epochs=0",
                    "train.checkpoint_every_n_steps=2", "train.max_restarts=1", "train.early_stopping.enabled=false"]
     with standalone_cluster(tmp_path / "cluster") as cluster:
         master = [f"spark.master={cluster['url']}"]
-        _submit(cluster, tmp_path, "ingest.py", ["--source", str(digits_dir), "--mode", "overwrite", *conf, *master,
-                                                 *paths], "ingest")
-        proc = _start_submit(cluster, tmp_path, "train.py", [*conf, *master, "train.np=2", *restartable, *paths],
+        _submit(cluster, tmp_path, "ingest.py", ["--source", str(digits_dir), "--mode", "overwrite", *settings,
+                                                 *master], "ingest")
+        proc = _start_submit(cluster, tmp_path, "train.py", [*settings, *master, "train.np=2", *restartable],
                              "train")
         deadline = time.monotonic() + SUBMIT_TIMEOUT_S
         killed = None
