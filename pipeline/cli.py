@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="M[,M...]",
                    help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
                         "overheads, tune_overhead, restart_cost, scaling, gpu); the conversion always runs")
+    p.add_argument("--gpu", action="store_true",
+                   help="the GPU figures alone (images/s per GPU per architecture and precision, Lightning / plain "
+                        "loop, input-bound fraction) on a data set written with pyarrow: no Spark or Java needed")
     _add_conf(p)
     return parser
 
@@ -125,6 +128,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps({"cache_dir": cfg.data.cache_dir, "entries": list_entries(cfg.data.cache_dir)}))
             else:
                 print(json.dumps({"cache_dir": cfg.data.cache_dir, "cleared": clear(cfg.data.cache_dir, args.key)}))
+            return 0
+        if args.command == "bench" and args.gpu:
+            from pipeline.bench.gpu import run_gpu_bench
+
+            print(json.dumps({"out": run_gpu_bench(cfg, args.out, quick=args.quick)["out"]}))
             return 0
         if args.command == "bench":
             from pipeline.bench import run_bench

@@ -5,7 +5,7 @@
 #   BUNDLE_PLATFORMS="manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64"   its wheel platforms
 #   BUNDLE_WITH_CMAKE=1                       add the cmake wheel (~ 30 MB) for a machine without CMake >= 3.13
 #   BUNDLE_HAVE=FILE                          `pip list --format=freeze` of the CUDA machine: what it lists is left out
-#                                             (everything fetched is ~ 63 MB; pandas, matplotlib, pillow are the bulk)
+#                                             (wheels over 1 MB only; everything fetched is ~ 63 MB; pandas, matplotlib, pillow are the bulk)
 # The CUDA machine is expected to have its CUDA torch, Lightning (with torchmetrics), numpy and pyarrow: those are
 # not fetched. What the GPU tier imports beyond them (tests/gpu, pipeline.model/distributed/data/tracking):
 #   horovod 0.28.1 (sdist, built there) + cffi, pycparser (its build) + cloudpickle, psutil, pyyaml, packaging
@@ -33,7 +33,9 @@ if [ -n "${BUNDLE_HAVE:-}" ]; then
   # wheel names use the normalized distribution name (lower case, '_' for '-' and '.')
   for name in $(sed -n 's/^\([A-Za-z0-9_.-]*\)[=@ ].*/\1/p' "$BUNDLE_HAVE" | tr 'A-Z.-' 'a-z__'); do
     [ "$name" = horovod ] && continue  # the sdist is always built there
-    rm -f "$OUT/$name"-[0-9]*.whl
+    # only the large ones: the machine's copy of a small one may be older than a fetched package needs
+    # (databricks-sdk wants a newer certifi than the CUDA image has), and pip then takes the bundle's
+    find "$OUT" -maxdepth 1 -name "$name-[0-9]*.whl" -size +1M -delete
   done
 fi
 SIZE_KB=$(du -sk "$OUT" | cut -f1)

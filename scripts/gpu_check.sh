@@ -6,6 +6,8 @@
 #   LAKEHOUSE_BUNDLE=gpu_bundle              the folder made by scripts/fetch_gpu_bundle.sh on a networked machine
 #   PYTHON=python3                           the interpreter that has the CUDA torch
 #   GPU_CHECK_VENV=.venv-gpu                 a venv over that interpreter's packages (--system-site-packages)
+#   GPU_CHECK_BENCH=0|quick|1                after the tier, `lakehouse bench --gpu` (quick or full) into gpu_bench.json
+#   GPU_CHECK_BENCH_OVERRIDES="k=v ..."      config overrides for that bench (e.g. data.image_size=64 data.channels=3)
 # Exit status: pytest's (0 when the tier passed); the report is written either way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +57,11 @@ PIP_CONFIG_FILE=/dev/null LAKEHOUSE_BUNDLE="$BUNDLE" PY="$VPY" bash scripts/buil
 cat "$WORK/horovod.err" >&2
 T_HVD=$(date +%s)
 
-PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install -q --no-deps --no-build-isolation -e . >/dev/null
+# The project by a .pth file in the venv's site-packages (what an editable install amounts to): pip 24 with
+# setuptools >= 80 turns `pip install -e .` of a setup.py project into a `setup.py develop` that itself runs pip with
+# build isolation, which needs an index this offline machine does not have.
+"$VPY" -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'lakehouse-pipeline.pth').write_text('$ROOT\n')"
+"$VPY" -c "import pipeline, os; assert os.path.dirname(os.path.dirname(pipeline.__file__)) == '$ROOT', pipeline.__file__"
 PYTEST_RC=0
 if [ "$HVD_RC" -eq 0 ]; then
   "$VPY" -m pytest tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/junit.xml" || PYTEST_RC=$?
@@ -64,9 +70,20 @@ else
   PYTEST_RC=$HVD_RC
 fi
 T_TESTS=$(date +%s)
+# The GPU figures (`lakehouse bench --gpu`, no Spark needed): GPU_CHECK_BENCH=1 full sizes, =quick, =0 none.
+BENCH=${GPU_CHECK_BENCH:-0}
+if [ "$BENCH" != 0 ] && [ "$HVD_RC" -eq 0 ]; then
+  BENCH_OUT="$(dirname "$REPORT")/gpu_bench.json"
+  mkdir -p "$(dirname "$REPORT")"
+  QUICK_FLAG=(); [ "$BENCH" = quick ] && QUICK_FLAG=(--quick)
+  # shellcheck disable=SC2086  # the overrides are words
+  "$VPY" -m pipeline.cli bench --gpu "${QUICK_FLAG[@]}" --conf conf/local.yaml \
+    --out "$BENCH_OUT" ${GPU_CHECK_BENCH_OVERRIDES:-} || log "bench --gpu failed (status $?)"
+fi
+T_BENCH=$(date +%s)
 
 mkdir -p "$(dirname "$REPORT")"
 "$VPY" scripts/gpu_report.py --out "$REPORT" --junit "$WORK/junit.xml" --horovod-log "$WORK/horovod.err" \
-  --pytest-rc "$PYTEST_RC" --seconds "deps=$((T_DEPS - T0)),horovod=$((T_HVD - T_DEPS)),tests=$((T_TESTS - T_HVD))"
+  --pytest-rc "$PYTEST_RC" --seconds "deps=$((T_DEPS - T0)),horovod=$((T_HVD - T_DEPS)),tests=$((T_TESTS - T_HVD)),bench=$((T_BENCH - T_TESTS))"
 log "report: $REPORT"
 exit "$PYTEST_RC"

@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from pipeline.log import get_logger
 
@@ -155,11 +155,12 @@ def discarded(folder: str, mlflow_cfg: Any, registered_model: str) -> Iterator[N
 
 
 @contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: Optional[int]) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block (None: left as they are)."""
     import torch
 
     old = torch.get_num_threads()
-    torch.set_num_threads(max(1, n))
+    torch.set_num_threads(max(1, n) if n is not None else old)
     try:
         yield
     finally:

@@ -2,7 +2,7 @@
 GPU-resident batches, and the input-bound fraction with the real loader (only where torch sees CUDA)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipeline.bench.core import Result, Sizes, input_bound_fraction, median, ratio
 from pipeline.config import Config
@@ -83,3 +83,79 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
     results, per_dev = gpu_results(prep.name, figures)
     per_dev.update(batch_size=bs, gpu=torch.cuda.get_device_name(0))
     return results, per_dev
+
+
+GPU_ARCHS = ("cnn", "resnet", "timm/resnet18")
+
+
+def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[str] = GPU_ARCHS,
+                  rows: int = 0) -> Dict[str, Any]:
+    """`lakehouse bench --gpu`: the GPU figures alone, per architecture and precision, on a converted data set written
+    with pyarrow (no Spark or Java, as on a bare GPU image): images/s per GPU of a plain PyTorch loop, of train() on
+    GPU-resident batches and of train() with the real ShardLoader, Lightning / plain and the input-bound fraction;
+    beside them the loader alone (rows/s read and decoded on the CPU, per reader), which says whether the reader
+    can feed the GPU's rate. Writes `out` (JSON) and returns it."""
+    import dataclasses
+    import json
+    import os
+    import shutil
+    import time
+
+    import torch
+
+    from pipeline.bench import loader
+    from pipeline.bench.conversion import Prepared
+    from pipeline.bench.core import FULL, QUICK, load, machine
+    from pipeline.bench.datasets import converted_without_spark
+    from pipeline.bench.report import log_table
+    from pipeline.config import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"bench --gpu: torch {torch.__version__} sees no CUDA device "
+                          f"(CUDA build: {torch.version.cuda or 'none'})")
+    # 3 repeats and 50k rows per loader repeat: the figures fit one device-tool call (10 minutes) with the tier
+    sizes = QUICK if quick else dataclasses.replace(FULL, repeats=3, loader_min_rows=50_000)
+    # train.threads_per_rank as configured (null: torch's default for one process per GPU, as users run it)
+    # the reader every epoch (a real table does not fit data.memory_cache_mb): the input-bound case that matters
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, memory_cache_mb=0))
+    out = os.path.abspath(out)
+    work = os.path.join(os.path.dirname(out), "gpu_bench_data")
+    bs = gpu_batch_size(cfg)
+    rows = rows or bs * (64 if quick else 128)
+    t0 = time.perf_counter()
+    data = converted_without_spark(work, rows, cfg.data.image_size, cfg.data.channels, batch_size=bs)
+    prep = Prepared(name=f"synthetic_{rows}_{cfg.data.image_size}px_{cfg.data.channels}ch", table="(pyarrow)",
+                    version=0, rows=rows, class_names=data.class_names, data=data, data1=data)
+    report: Dict[str, Any] = {"bench": "lakehouse --gpu", "quick": quick, "repeats": sizes.repeats,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
+                              "load": {"before": load()}, "sizes": dataclasses.asdict(sizes), "batch_size": bs,
+                              "dataset": prep.info(), "per_arch": {}}
+    results: List[Result] = []
+    try:
+        for reader in loader.available_readers(cfg):
+            res = loader.measure_loader(cfg, prep, sizes, reader, uncached=True)
+            results.append(res)
+            report.setdefault("loader_alone", {})[reader] = res.parts
+        for arch in archs:
+            acfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch, pretrained=None))
+            log.info("bench --gpu: %s at batch %d", arch, bs)
+            arch_results, per_dev = measure_gpu(acfg, prep, sizes)
+            for r in arch_results:
+                r.variant = f"{arch}/{r.variant}"
+            results.extend(arch_results)
+            report["per_arch"][arch] = per_dev
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["load"]["after"] = load()
+    report["results"] = [dataclasses.asdict(r) for r in results]
+    report["ratios"] = {r.key: r.ratio for r in results}
+    report["passed"] = {r.key: r.passed for r in results}
+    report["all_passed"] = all(r.passed for r in results)
+    report["duration_s"] = time.perf_counter() - t0
+    report["out"] = out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    log_table(report)
+    log.info("bench --gpu report written to %s (%.0f s)", out, report["duration_s"])
+    return report

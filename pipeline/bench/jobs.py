@@ -68,7 +68,8 @@ def rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows:
         repair_horovod_env()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    torch.set_num_threads(max(1, cfg.train.threads_per_rank))
+    if cfg.train.threads_per_rank is not None:  # null: torch's default (one rank per GPU)
+        torch.set_num_threads(max(1, cfg.train.threads_per_rank))
     dev = device()
     cache: Dict[int, list] = {}
     outs = []

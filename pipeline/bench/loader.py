@@ -100,5 +100,5 @@ def measure_loader(cfg: Config, prep, sizes: Sizes, reader: str, uncached: bool 
                   {"loader_rows_per_s": median(ours), "pyarrow_rows_per_s": median(ref), "reader": reader,
                    "rows_per_repeat": {"loader": blocks * epoch_rows, "pyarrow": blocks * data.plan.train.total_rows},
                    "kept_in_memory": kept, "reader_workers": cfg.data.reader_workers,
-                   "shuffle_buffer": cfg.data.shuffle_buffer, "torch_threads": max(1, cfg.train.threads_per_rank)},
+                   "shuffle_buffer": cfg.data.shuffle_buffer, "torch_threads": cfg.train.threads_per_rank or "default"},
                   len(ratios), ratios, note=note, variant="" if reader == mine else reader)

@@ -1,4 +1,7 @@
-"""One DDP rank for tests/gpu/test_gpu_training.py, started by torchrun: trains, writes rank<N>.json to argv[1]."""
+"""One DDP or FSDP rank for tests/gpu/test_gpu_training.py, started by torchrun: trains, writes rank<N>.json to argv[1].
+
+argv: OUT_DIR PRECISION [ddp|fsdp]
+"""
 from __future__ import annotations
 
 import json
@@ -23,9 +26,16 @@ def main() -> None:
             return "nccl" if has_cuda else "gloo"
 
     out_dir, precision = sys.argv[1], sys.argv[2]
+    kind = sys.argv[3] if len(sys.argv) > 3 else "ddp"
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     backend = ddp_backend(torch.cuda.is_available())
-    result = fit(DDPStrategy(process_group_backend=backend), precision, rank, devices=local)
+    if kind == "fsdp":
+        from pipeline.distributed.fsdp import LakehouseFSDPStrategy
+
+        strategy = LakehouseFSDPStrategy(process_group_backend=backend)
+    else:
+        strategy = DDPStrategy(process_group_backend=backend)
+    result = fit(strategy, precision, rank, devices=local)
     result["backend"] = dist.get_backend() if dist.is_initialized() else backend
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
