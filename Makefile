@@ -31,8 +31,9 @@ setup: $(VENV)/.installed
 	PROFILE=dbr-15.4 VENV=.venv-dbr154 bash scripts/setup.sh
 	touch $@
 
-# The vision tier's venv: timm needs a torchvision built for its torch, which no wheel offers beside torch 2.13 CPU.
-.venv-vision/.installed: scripts/setup_vision.sh
+# The vision venv: the whole pipeline (classic profile) on torch 2.14.1 + torchvision 0.29.1 + timm, Horovod built for
+# that torch. timm needs a torchvision built for its torch, which no wheel offers beside torch 2.13 CPU.
+.venv-vision/.installed: scripts/setup_vision.sh $(SETUP_DEPS)
 	bash scripts/setup_vision.sh
 	touch $@
 
