@@ -16,8 +16,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class SparkConfig:
-    master: str = "local[2]"
-    app_name: str = "lakehouse"
+    master: str = "local[2]"  # the Spark master: local[N], spark://host:7077, yarn; on Databricks the cluster's
+    app_name: str = "lakehouse"  # the Spark application's name
     # Extra Spark settings (e.g. spark.jars / spark.jars.packages for the Delta jars).
     conf: Dict[str, str] = field(default_factory=dict)
 
@@ -25,8 +25,8 @@ class SparkConfig:
 @dataclass
 class DeltaConfig:
     engine: str = "delta-rs"  # delta-rs | spark
-    table: str = "work/delta/images"
-    version: Optional[int] = None  # None = latest, pinned when a job starts
+    table: str = "work/delta/images"  # a Delta table path (file://, s3a://, abfss://, dbfs:/) or catalog.schema.table
+    version: Optional[int] = None  # null = latest, pinned when a job starts
 
 
 @dataclass
@@ -42,37 +42,37 @@ class IngestConfig:
 class DataConfig:
     batch_size: Union[int, str] = 64  # per rank; auto: from data.auto_batch_start, halved on out-of-memory
     auto_batch_start: int = 256  # data.batch_size=auto starts here (per rank), down to 1
-    val_fraction: float = 0.2
+    val_fraction: float = 0.2  # the held-out share of rows (a stable hash of each row's path picks them)
     cache_dir: str = "work/data_cache"  # converted Parquet, content-keyed, kept across jobs (`lakehouse cache`)
     cache_max_gb: float = 20.0  # least recently used entries are evicted above this; 0 = no bound
     reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
     row_groups_per_rank: int = 32  # the converter sizes row groups so each rank gets about this many
-    max_row_group_mb: float = 32.0
+    max_row_group_mb: float = 32.0  # no row group larger than this
     # ... and none smaller, down to one row group per partition (a reader pays a fixed cost per row group)
     min_row_group_mb: float = 1.0
-    partitions_per_worker: int = 2
-    image_size: int = 32
+    partitions_per_worker: int = 2  # the table is repartitioned to this many x the number of ranks
+    image_size: int = 32  # images are decoded and resized to this square once, at conversion
     channels: int = 1  # 1 = greyscale, 3 = RGB
-    reader_workers: int = 2
-    shuffle_buffer: int = 1024
+    reader_workers: int = 2  # per rank: threads reading and decoding row groups ahead of the step
+    shuffle_buffer: int = 1024  # rows shuffled across row groups per rank (0: row groups in a shuffled order only)
     memory_cache_mb: int = 1024  # per rank: train then val shard, if it fits, read once then served from memory; 0 = never
-    seed: int = 42
+    seed: int = 42  # the train/val split and the readers' shuffle
 
 
 @dataclass
 class ModelConfig:
     arch: str = "cnn"  # cnn | resnet | timm/<name> (any timm model, e.g. timm/resnet18; needs timm)
-    lr: float = 0.01
+    lr: float = 0.01  # for one rank at data.batch_size; scaled by train.lr_scaling for the global batch
     optimizer: str = "sgd"  # sgd | adam
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    width: int = 32
+    momentum: float = 0.9  # SGD momentum (adam: beta1)
+    weight_decay: float = 1e-4
+    width: int = 32  # channels of the first layer of the cnn and resnet architectures
     # a local safetensors file, torch state dict or Hugging Face cache folder (timm archs); nothing is downloaded
     pretrained: Optional[str] = None
-    # the backbone's input; null: the pretrained config's (with model.pretrained), else the table's size and 0.5/0.5
+    # the backbone's input size; null: the pretrained config's (with model.pretrained), else data.image_size;
     input_size: Optional[int] = None  # resized on the device from data.image_size (images stay decoded once)
-    mean: Optional[List[float]] = None
-    std: Optional[List[float]] = None
+    mean: Optional[List[float]] = None  # per-channel normalisation; null: the pretrained config's, else 0.5
+    std: Optional[List[float]] = None  # ... and its standard deviation; null: the pretrained config's, else 0.5
     interpolation: Optional[str] = None  # bilinear | bicubic | nearest
     freeze_backbone: bool = False  # train the head only ...
     unfreeze_at_epoch: Optional[int] = None  # ... until this epoch (0-based), then everything
@@ -82,26 +82,26 @@ class ModelConfig:
 
 @dataclass
 class EarlyStoppingConfig:
-    enabled: bool = True
-    monitor: str = "val_loss"
-    mode: str = "min"
-    min_delta: float = 0.01
-    patience: int = 10
-    stopping_threshold: Optional[float] = None
+    enabled: bool = True  # Lightning's EarlyStopping on the metric below
+    monitor: str = "val_loss"  # val_loss | val_acc | train_loss | train_acc
+    mode: str = "min"  # min | max
+    min_delta: float = 0.01  # a smaller change is no improvement
+    patience: int = 10  # epochs without improvement before training stops
+    stopping_threshold: Optional[float] = None  # stop once the metric reaches this
 
 
 @dataclass
 class TrainConfig:
-    backend: str = "horovod"  # horovod | ddp | single
-    np: int = -2
-    max_epochs: int = 10
+    backend: str = "horovod"  # horovod | ddp | fsdp | single
+    np: int = -2  # -N: N processes here; N: N tasks on the Spark cluster; 1: this process
+    max_epochs: int = 10  # at most this many epochs
     lr_scaling: str = "linear"  # linear | sqrt | none
-    warmup_epochs: int = 0
-    seed: int = 42
-    checkpoint_dir: str = "work/checkpoints"
+    warmup_epochs: int = 1  # epochs of linear warm-up to model.lr (model.schedule=warmup_cosine)
+    seed: int = 42  # initial weights and every rank's random state
+    checkpoint_dir: str = "work/checkpoints"  # each run writes last.ckpt and best.ckpt under <this>/<run_id>/
     # last | best (this run's own <checkpoint_dir>/<run_id>/ folder) | <run_id>/last | <run_id>/best | PATH
     ckpt_restore: Optional[str] = None
-    ckpt_allow_other_data: bool = False
+    ckpt_allow_other_data: bool = False  # resume from a checkpoint trained on another Delta table or version
     checkpoint_every_n_steps: Optional[int] = None  # also checkpoint (last.ckpt) every N steps, mid-epoch
     max_restarts: int = 0  # a rank that dies: relaunch every rank from the last checkpoint, up to N times
     oom_backoff: bool = False  # a fixed data.batch_size: an out-of-memory halves it and relaunches (auto always does)
@@ -109,7 +109,7 @@ class TrainConfig:
     threads_per_rank: Optional[int] = None
     # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
     precision: str = "auto"
-    start_timeout_s: int = 120
+    start_timeout_s: int = 120  # every rank must have started within this many seconds
     # A rank that cannot finish a collective within this many seconds shuts the job down.
     stall_timeout_s: int = 120
     fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
@@ -122,22 +122,26 @@ class TrainConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str = "sqlite:///work/mlflow.db"
-    artifact_location: Optional[str] = "work/mlartifacts"
-    experiment: str = "lakehouse"
-    registered_model: str = "lakehouse_classifier"
-    promote: bool = True
-    gate_metric: str = "val_acc"
-    gate_mode: str = "max"
+    tracking_uri: str = "sqlite:///work/mlflow.db"  # an MLflow store or server (http://host:5000, databricks)
+    artifact_location: Optional[str] = "work/mlartifacts"  # a new experiment's artifact root; null: the server's
+    experiment: str = "lakehouse"  # the MLflow experiment (created when missing)
+    registered_model: str = "lakehouse_classifier"  # every train registers a version of this model
+    promote: bool = True  # run the gate: the better of challenger and champion gets the `champion` alias
+    gate_metric: str = "val_acc"  # what the gate compares, on the same held-out rows
+    gate_mode: str = "max"  # max | min
     # promote only if the challenger beats the champion by more than this (same held-out rows; 0: strictly better)
     gate_margin: float = 0.0
-    retries: int = 3
-    retry_wait_s: float = 2.0
+    retries: int = 3  # each MLflow call is retried this many times ...
+    retry_wait_s: float = 2.0  # ... this many seconds apart (doubling)
     # the server unreachable when training ends: rank 0 waits this long for it, then leaves the run (metrics, plots,
     # model) in <job dir>/offline_run for `lakehouse sync-run`
     reconnect_wait_s: float = 120.0
     # runs a job could not end (the server was unreachable) are written here and ended at the next connection
     unended_runs: Optional[str] = "work/mlflow_unended_runs.jsonl"
+    # rank 0's machine (CPU, memory, disk, network, every GPU NVML sees) sampled into the run every N seconds by
+    # MLflow's system-metrics monitor, off the training thread; 0: off. Every rank's host CPU and memory and its peak
+    # GPU memory are logged per epoch regardless (`<name>_rank_<r>`)
+    system_metrics_interval_s: float = 10.0
 
 
 @dataclass
@@ -150,7 +154,7 @@ class TuneConfig:
     direction: str = "minimize"  # minimize | maximize
     sampler: str = "tpe"  # tpe | random
     pruner: str = "median"  # median | none
-    n_trials: int = 10
+    n_trials: int = 10  # trials of the study
     timeout_s: Optional[float] = None  # no new trial starts after this many seconds
     seed: Optional[int] = 42  # sampler seed
     startup_trials: int = 5  # finished trials before the median pruner prunes (and TPE's random trials)
@@ -387,6 +391,7 @@ def validate(cfg: Config) -> None:
         ("delta.table", bool(cfg.delta.table), "must not be empty"),
         ("ingest.label_depth", cfg.ingest.label_depth != 0,
          "must not be 0 (N: folder N under the source, -N: folder N above the file)"),
+        ("mlflow.system_metrics_interval_s", cfg.mlflow.system_metrics_interval_s >= 0, "must be >= 0 (0: off)"),
         ("mlflow.gate_margin", cfg.mlflow.gate_margin >= 0, "must be >= 0 (0: the challenger must be strictly better)"),
         ("tune.n_trials", cfg.tune.n_trials >= 1, "must be >= 1"),
         ("tune.startup_trials", cfg.tune.startup_trials >= 0, "must be >= 0"),
