@@ -63,7 +63,7 @@ test: .venv/.installed
 	exit $$status
 
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning.
-VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py
+VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py tests/integration/test_timm_train.py
 test-vision: .venv-vision/.installed
 	.venv-vision/bin/python -m pytest $(VISION_TESTS) -ra
 

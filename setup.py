@@ -19,6 +19,7 @@ INSTALL_REQUIRES = [
     "pyyaml==6.0.3",
     "cloudpickle==3.1.2",
     "psutil==7.2.2",
+    "nvidia-ml-py==13.615.71",  # NVML: MLflow's system metrics sample every GPU of rank 0's machine (no-op without one)
     "optuna==5.0.0",  # lakehouse tune (pipeline/tune); only the driver imports it
     "databricks-bundles==1.22.1",  # Databricks' own job schema: tests check conf/databricks/resources against it
 ]
@@ -51,7 +52,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "nbclient==0.11.0", "nbformat==5.11.1",
-                "ipykernel==7.4.0", "cmake==4.4.4"],
+                "ipykernel==7.4.0", "cmake==4.4.4", "import-linter==2.16"],
         **PROFILES,
     },
     entry_points={"console_scripts": ["lakehouse=pipeline.cli:main"]},

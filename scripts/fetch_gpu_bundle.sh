@@ -8,7 +8,8 @@
 #                                             (wheels over 1 MB only; everything fetched is ~ 63 MB; pandas, matplotlib, pillow are the bulk)
 # The CUDA machine is expected to have its CUDA torch, Lightning (with torchmetrics), numpy and pyarrow: those are
 # not fetched. What the GPU tier imports beyond them (tests/gpu, pipeline.model/distributed/data/tracking):
-#   horovod 0.28.1 (sdist, built there) + cffi, pycparser (its build) + cloudpickle, psutil, pyyaml, packaging
+#   horovod 0.28.1 (sdist, built there) + cffi, pycparser (its build) + cloudpickle, psutil, nvidia-ml-py (NVML for
+#   the GPU telemetry), pyyaml, packaging
 #   pytest, pytest-timeout (pytest.ini's timeout)
 #   pillow (decode_image, pyfunc), pandas (pyfunc), matplotlib (rank 0's plots)
 #   mlflow-skinny 3.17.2 + sqlalchemy + alembic (the SQLite tracking store and model registry on rank 0 / driver)
@@ -23,7 +24,7 @@ PLAT_ARGS=()
 for p in $PLATFORMS; do PLAT_ARGS+=(--platform "$p"); done
 
 python3 -m pip download -q --no-deps --no-binary :all: "horovod==0.28.1" -d "$OUT"
-REQS=(cffi pycparser cloudpickle psutil pyyaml packaging "pytest==9.2.0" "pytest-timeout==2.4.0" "pillow==13.0.0"
+REQS=(cffi pycparser cloudpickle psutil "nvidia-ml-py==13.615.71" pyyaml packaging "pytest==9.2.0" "pytest-timeout==2.4.0" "pillow==13.0.0"
       "pandas==2.3.3" "matplotlib==3.11.2" "mlflow-skinny==3.17.2" sqlalchemy alembic)
 [ "${BUNDLE_WITH_CMAKE:-0}" = 1 ] && REQS+=("cmake==4.4.4")
 python3 -m pip download -q --only-binary :all: --python-version "$PYV" "${PLAT_ARGS[@]}" -d "$OUT" "${REQS[@]}"
