@@ -282,7 +282,9 @@ def _build(cls: type, data: Dict[str, Any], prefix: str) -> Any:
 def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(base)
     for k, v in (over or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "conf":
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k == "conf":
+            out[k] = {**out[k], **v}  # Spark's own dotted keys: one level, each override adds to the profile's
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _merge(out[k], v)
         else:
             out[k] = v

@@ -66,6 +66,16 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD ${LAKEHOUSE_HVD_CXX_STANDARD})/" "$SRC/horovod/torch/CMakeLists.txt"
   grep -q "CMAKE_CXX_STANDARD ${LAKEHOUSE_HVD_CXX_STANDARD}" "$SRC/horovod/torch/CMakeLists.txt" || {
     echo "the C++${LAKEHOUSE_HVD_CXX_STANDARD} patch did not apply to horovod/torch/CMakeLists.txt" >&2; exit 1; }
+  # A CUDA torch makes Horovod's torch extension ask for the CUDA toolkit (add_cuda); a gloo-only build on a machine
+  # without the toolkit's headers (the vision venv: torch's CUDA wheel on a CPU machine, where an nvcc alone may lie
+  # on PATH) builds the extension without CUDA instead: CPU tensors only, which is all such a machine has.
+  CUDA_HOME_SEEN=$("$PY" -c "import torch.utils.cpp_extension as c; print(c.CUDA_HOME or '')" 2>/dev/null || true)
+  if [ "${LAKEHOUSE_HOROVOD_GLOO_ONLY:-0}" = 1 ] && [ ! -f "${CUDA_HOME_SEEN:-/nonexistent}/include/cuda_runtime.h" ]; then
+    sed -i 's/^elseif (Pytorch_CUDA AND NOT HAVE_CUDA)$/elseif (FALSE)  # lakehouse: gloo-only, no CUDA toolkit/' \
+      "$SRC/horovod/torch/CMakeLists.txt"
+    grep -q "lakehouse: gloo-only" "$SRC/horovod/torch/CMakeLists.txt" || {
+      echo "the gloo-only patch did not apply to horovod/torch/CMakeLists.txt" >&2; exit 1; }
+  fi
   # NCCL from the nvidia-nccl-* package: a folder with include/ and lib/libnccl.so -> libnccl.so.2
   for pair in $LAKEHOUSE_HVD_NCCL_LINKS; do
     mkdir -p "$(dirname "${pair%%=*}")"

@@ -13,7 +13,7 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 # What the delta-spark engine needs in the session; the jars themselves come from spark.jars or
-# spark.jars.packages in `spark.conf` (see the README, "Delta jars").
+# spark.jars.packages in `spark.conf` (see docs/install.md, "Delta jars").
 DELTA_SESSION_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
@@ -102,6 +102,8 @@ def _adopt(cfg: Config, reason: str):
     """The existing session as it is: nothing set on it; the settings it lacks are named in a warning."""
     from pyspark.sql import SparkSession
 
+    from pipeline.redact import redact_value
+
     if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         from pipeline.lakehouse.runtime import require_runtime
 
@@ -111,7 +113,8 @@ def _adopt(cfg: Config, reason: str):
     log.info("%s", reason)
     if missing:
         log.warning("the session was not created by the pipeline and is not changed by it; it lacks %s",
-                    ", ".join(f"{k}={w!r} (has {h!r})" for k, (w, h) in sorted(missing.items())))
+                    ", ".join(f"{k}={redact_value(k, w)!r} (has {redact_value(k, h)!r})"
+                              for k, (w, h) in sorted(missing.items())))
     return spark
 
 

@@ -7,6 +7,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from pipeline.log import get_logger, is_rank_zero
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -40,7 +41,7 @@ class RankZeroTracker:
         try:
             self.client.set_tag(self.run_id, "precision", precision)
         except Exception as exc:  # kept, and sent with the model (or left offline with it)
-            log.warning("MLflow did not take the precision tag (%s: %s)", type(exc).__name__, exc)
+            log.warning("MLflow did not take the precision tag (%s: %s)", type(exc).__name__, redact_url(str(exc)))
             self.unsent_tags["precision"] = precision
 
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
@@ -67,7 +68,7 @@ class RankZeroTracker:
                 log_epoch_metrics(self.client, self.run_id, metrics, step)
             except Exception as exc:  # a metric late is not worth a training lost
                 log.warning("MLflow did not take epoch %d's metrics (%s: %s); %d epoch(s) buffered, sent when it "
-                            "answers again", step, type(exc).__name__, exc, len(self.pending))
+                            "answers again", step, type(exc).__name__, redact_url(str(exc)), len(self.pending))
                 return False
             self.pending.pop(0)
             self.sent.add(step)
@@ -114,7 +115,8 @@ class RankZeroTracker:
             except Exception as exc:
                 if server_back(self.client, self.run_id, wait_s, retry_s):
                     raise
-                log.warning("MLflow went away while rank 0 logged the model (%s: %s)", type(exc).__name__, exc)
+                log.warning("MLflow went away while rank 0 logged the model (%s: %s)", type(exc).__name__,
+                            redact_url(str(exc)))
         self._go_offline(job)
         return self._finish_offline(model, job, history, result)
 
@@ -132,7 +134,7 @@ class RankZeroTracker:
         self.offline.update(tags=self.tags)
         log.warning("MLflow at %s did not come back within %.0f s (config key 'mlflow.reconnect_wait_s'): run %s's "
                     "metrics, plots and model are kept in %s; upload them with `lakehouse sync-run %s`",
-                    job.tracking_uri, job.cfg.mlflow.reconnect_wait_s, self.run_id, self.offline.folder,
+                    redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s, self.run_id, self.offline.folder,
                     self.offline.folder)
 
     def _plots(self, model, job, history, target) -> None:

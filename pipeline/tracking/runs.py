@@ -19,8 +19,9 @@ from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 
-from pipeline.config import Config, MlflowConfig, to_yaml
+from pipeline.config import Config, MlflowConfig
 from pipeline.log import get_logger
+from pipeline.redact import redact_url, redacted
 
 log = get_logger(__name__)
 
@@ -86,7 +87,8 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
     try:
         client = MlflowClient(tracking_uri=uri)
     except MlflowException as exc:  # an unknown scheme, a malformed URI
-        raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {uri!r} is not usable: {exc.message}") from exc
+        raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {redact_url(uri)!r} is not usable: "
+                                  f"{redact_url(exc.message)}") from exc
     attempts = max(0, int(cfg_mlflow.retries)) + 1
     last: Optional[BaseException] = None
     with temporary_env(_CONNECT_ENV):
@@ -97,7 +99,8 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                     try:
                         exp_id = client.create_experiment(
                             cfg_mlflow.experiment, artifact_location=resolve_artifact_location(cfg_mlflow.artifact_location))
-                        log.info("created MLflow experiment %r (id %s) at %s", cfg_mlflow.experiment, exp_id, uri)
+                        log.info("created MLflow experiment %r (id %s) at %s", cfg_mlflow.experiment, exp_id,
+                                 redact_url(uri))
                         return _connected(client, uri, exp_id, cfg_mlflow)
                     except MlflowException as exc:  # another process created it first
                         if "ALREADY_EXISTS" not in str(exc.error_code):
@@ -107,22 +110,23 @@ def _connect(cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
                             raise
                 if exp.lifecycle_stage == "deleted":
                     raise ValueError(f"config key 'mlflow.experiment': experiment {cfg_mlflow.experiment!r} is deleted "
-                                     f"at {uri}; restore it or choose another name")
+                                     f"at {redact_url(uri)}; restore it or choose another name")
                 return _connected(client, uri, exp.experiment_id, cfg_mlflow)
             except ValueError:
                 raise
             except MlflowException as exc:
                 if any(code in str(exc.error_code) for code in _NOT_TRANSIENT) and "API request" not in str(exc):
-                    raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {uri!r}: {exc.message}") from exc
+                    raise TrackingUnavailable(f"config key 'mlflow.tracking_uri' = {redact_url(uri)!r}: "
+                                              f"{redact_url(exc.message)}") from exc
                 last = exc
             except Exception as exc:  # connection errors, a locked SQLite file, ...
                 last = exc
             if attempt < attempts:
                 log.warning("MLflow at %s not reachable (attempt %d of %d): %s; retrying in %.1f s",
-                            uri, attempt, attempts, _short(last), cfg_mlflow.retry_wait_s)
+                            redact_url(uri), attempt, attempts, _short(last), cfg_mlflow.retry_wait_s)
                 time.sleep(max(0.0, float(cfg_mlflow.retry_wait_s)))
-    raise TrackingUnavailable(f"cannot reach MLflow at config key 'mlflow.tracking_uri' = {uri!r} after {attempts} "
-                              f"attempt(s): {_short(last)}") from last
+    raise TrackingUnavailable(f"cannot reach MLflow at config key 'mlflow.tracking_uri' = {redact_url(uri)!r} after "
+                              f"{attempts} attempt(s): {_short(last)}") from last
 
 
 def _connected(client: MlflowClient, uri: str, experiment_id: str, cfg_mlflow: MlflowConfig) -> Tuple[MlflowClient, str]:
@@ -137,7 +141,9 @@ def _connected(client: MlflowClient, uri: str, experiment_id: str, cfg_mlflow: M
 
 
 def _store_key(tracking_uri: str) -> str:
-    """The tracking URI with a local file store as an absolute path (sqlite URIs are already resolved)."""
+    """The tracking URI with a local file store as an absolute path (sqlite URIs are already resolved), its user-info
+    password redacted: the journal is a file on disk, and the same server is the same key whatever the credentials."""
+    tracking_uri = redact_url(tracking_uri)
     scheme = tracking_uri.split(":", 1)[0] if ":" in tracking_uri else ""
     if scheme in ("", "file") and not tracking_uri.startswith("databricks"):
         path = tracking_uri[len("file://"):] if tracking_uri.startswith("file://") else tracking_uri.split(":", 1)[-1]
@@ -174,7 +180,7 @@ class UnendedRuns:
             fh.write(json.dumps(entry) + "\n")
         log.warning("MLflow run %s not marked %s yet (%s); recorded in %s (config key 'mlflow.unended_runs'): if it "
                     "stays unreachable, the next job that reaches %s ends it", run_id, status, error, self.path,
-                    tracking_uri)
+                    redact_url(tracking_uri))
 
     def end_all(self, client: MlflowClient, tracking_uri: str) -> List[str]:
         """End the recorded runs of `tracking_uri` still RUNNING; returns their ids.
@@ -207,7 +213,7 @@ class UnendedRuns:
                         client.set_terminated(run_id, status=status, end_time=end_ms)
                         client.set_tag(run_id, "lakehouse.ended_by", "a later job (the server was down when it ended)")
                         log.warning("MLflow run %s ended %s now: its job could not reach %s when it ended", run_id,
-                                    status, tracking_uri)
+                                    status, redact_url(tracking_uri))
                         ended.append(run_id)
                 except MlflowException as exc:
                     if not ("RESOURCE_DOES_NOT_EXIST" in str(exc.error_code)
@@ -239,7 +245,8 @@ class UnendedRuns:
 
 
 def _short(exc: Optional[BaseException], limit: int = 400) -> str:
-    text = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+    """The exception in one line for a log or a tag, URL passwords redacted (a driver's error may quote a URL)."""
+    text = redact_url(f"{type(exc).__name__}: {exc}") if exc is not None else "unknown error"
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -391,10 +398,24 @@ def _param_value(value: Any) -> str:
     return text if len(text) <= PARAM_VALUE_LIMIT else text[:PARAM_VALUE_LIMIT - 3] + "..."
 
 
+def config_yaml(cfg: Config) -> str:
+    """The config as YAML with its secrets redacted (pipeline.redact): what `config.yaml` artifacts and the offline
+    folder keep. `lakehouse sync-run` reloads it; only the redacted values (never the secrets) are then missing."""
+    import yaml
+
+    return yaml.safe_dump(redacted(cfg.to_dict()), sort_keys=False)
+
+
+def config_params(cfg: Config) -> Dict[str, Any]:
+    """The flattened config (`train.np`, `spark.conf`, ...) as logged in params, secrets redacted (pipeline.redact)."""
+    return redacted(cfg.flat())
+
+
 def log_config(client: MlflowClient, run_id: str, cfg: Config) -> None:
-    """Log the resolved config as artifact `config.yaml` and as flattened params (`train.np`, ...)."""
-    client.log_text(run_id, to_yaml(cfg), "config.yaml")
-    params = [Param(str(k), _param_value(v)) for k, v in sorted(cfg.flat().items())]
+    """Log the resolved config as artifact `config.yaml` and as flattened params (`train.np`, ...), secrets redacted
+    in both (`spark.conf` secret values, passwords in URLs such as `tune.storage`; pipeline.redact)."""
+    client.log_text(run_id, config_yaml(cfg), "config.yaml")
+    params = [Param(str(k), _param_value(v)) for k, v in sorted(config_params(cfg).items())]
     for start in range(0, len(params), BATCH_LIMIT):
         client.log_batch(run_id, params=params[start:start + BATCH_LIMIT], synchronous=True)
 
@@ -471,4 +492,4 @@ def log_epoch_metrics(client: MlflowClient, run_id: str, metrics: Dict[str, floa
 
 __all__ = ["Terminated", "TrackingUnavailable", "TrackedRun", "configure", "tracked_run", "log_config",
            "log_lineage", "log_epoch_metrics", "resolve_tracking_uri", "resolve_artifact_location", "git_commit",
-           "delta_dataset", "experiment_id_of"]
+           "delta_dataset", "experiment_id_of", "config_yaml", "config_params"]

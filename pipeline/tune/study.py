@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
+from pipeline.redact import redact_url, redacted
 
 log = get_logger(__name__)
 
@@ -49,8 +50,8 @@ def make_storage(url: str):
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as exc:
-        raise ConfigError(f"config key 'tune.storage': cannot open Optuna storage {url!r}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"config key 'tune.storage': cannot open Optuna storage {redact_url(url)!r}: "
+                          f"{type(exc).__name__}: {redact_url(str(exc))}") from exc
 
 
 def make_sampler(cfg: Config, offset: int = 0):
@@ -102,21 +103,22 @@ def create_study(cfg: Config, name: str, storage, url: str, n_trials: int, space
         study = optuna.create_study(storage=storage, study_name=name, direction=cfg.tune.direction,
                                     sampler=make_sampler(cfg), pruner=make_pruner(cfg), load_if_exists=False)
     except optuna.exceptions.DuplicatedStudyError:
-        raise ConfigError(f"config key 'tune.study': study {name!r} already exists in {url}; continue it with "
-                          f"`lakehouse tune --resume {name}` or choose another name") from None
+        raise ConfigError(f"config key 'tune.study': study {name!r} already exists in {redact_url(url)}; continue it "
+                          f"with `lakehouse tune --resume {name}` or choose another name") from None
     study.set_user_attr(ATTR_N_TRIALS, int(n_trials))
     study.set_user_attr(ATTR_SPACE, space_text)
     study.set_user_attr(ATTR_CONFIG, comparable_config(cfg))
     for params in enqueue:
         study.enqueue_trial(params, skip_if_exists=True)
-    log.info("created Optuna study %r in %s (%s sampler, %s pruner, %s %s)", name, url, cfg.tune.sampler,
+    log.info("created Optuna study %r in %s (%s sampler, %s pruner, %s %s)", name, redact_url(url), cfg.tune.sampler,
              describe_pruner(cfg), cfg.tune.direction, cfg.tune.metric)
     return study
 
 
 def comparable_config(cfg: Config) -> Dict[str, str]:
-    """The flat config a resumed sweep must match (tune.* may differ: trials, timeout, ...)."""
-    return {k: repr(v) for k, v in sorted(cfg.flat().items()) if not k.startswith("tune.")}
+    """The flat config a resumed sweep must match (tune.* may differ: trials, timeout, ...), as stored in the study:
+    secrets redacted (pipeline.redact), so a changed password or key is not a different sweep."""
+    return {k: repr(v) for k, v in sorted(redacted(cfg.flat()).items()) if not k.startswith("tune.")}
 
 
 def load_study(cfg: Config, name: str, storage, url: str):
@@ -130,8 +132,8 @@ def load_study(cfg: Config, name: str, storage, url: str):
 
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
     if name not in names:
-        raise ConfigError(f"--resume {name}: no such study in {url} (config key 'tune.storage'); studies there: "
-                          f"{', '.join(names) or 'none'}")
+        raise ConfigError(f"--resume {name}: no such study in {redact_url(url)} (config key 'tune.storage'); studies "
+                          f"there: {', '.join(names) or 'none'}")
     probe = optuna.load_study(study_name=name, storage=storage)
     stored = probe.user_attrs.get(ATTR_CONFIG) or {}
     given = comparable_config(cfg)

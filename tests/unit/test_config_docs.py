@@ -47,3 +47,8 @@ def test_a_drifted_file_fails_the_check(tmp_path, monkeypatch, capsys):
     assert config_docs.main(["--check"]) == 1
     assert "base.yaml drifted" in capsys.readouterr().err
 
+
+
+def test_spark_conf_overrides_add_up():
+    cfg = load_config(str(config_docs.BASE_YAML), ["spark.conf.spark.a=1", "spark.conf.spark.b.c=2"])
+    assert cfg.spark.conf == {"spark.a": "1", "spark.b.c": "2"}
