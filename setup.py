@@ -1,4 +1,4 @@
-"""Package `pipeline` and the `lakehouse` console script, on the stack measured to work together (see README)."""
+"""Package `pipeline` and the `lakehouse` console script, on the stack measured to work together (docs/install.md)."""
 import os
 
 from setuptools import find_packages, setup

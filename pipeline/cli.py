@@ -102,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps({"out": args.out, "images": sum(counts.values()), "classes": counts}))
             return 0
         if args.command == "sync-run":
-            from pipeline.tracking.offline import sync_run
+            from pipeline.workflow import sync_run
 
             print(json.dumps(sync_run(args.folder, args.overrides)))
             return 0

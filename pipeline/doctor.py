@@ -91,7 +91,7 @@ def detect_profile(versions: Dict[str, Optional[str]]) -> Tuple[str, str]:
 
 
 def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> List[str]:
-    """Package combinations measured not to work (see docs/STACK or the README); empty when all is well."""
+    """Package combinations measured not to work (see docs/install.md, "The stack"); empty when all is well."""
     problems = []
     pet, arrow, np_, spark, delta = (versions.get(k) for k in ("petastorm", "pyarrow", "numpy", "pyspark", "delta"))
     if pet and _major_minor(pet) >= (0, 13):

@@ -166,7 +166,7 @@ def grid_figure(images: Sequence[np.ndarray], titles: Sequence[str], cols: int =
 
 def image_grid(spark, cfg: Config, n: int = 16, version: Optional[int] = None, cols: int = 8):
     """A grid of `n` images from the table with their labels, decoded as training decodes them."""
-    from pipeline.data.transforms import decode_image
+    from pipeline.images import decode_image
 
     rows = sample_rows(spark, cfg, n, version, columns=("label", "content"))
     images = [decode_image(c, cfg.data.image_size, cfg.data.channels) for c in rows["content"]]

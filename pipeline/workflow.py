@@ -1,9 +1,9 @@
-"""The jobs users run (ingest, train, promote), each wiring the planes in the one direction of the data flow."""
+"""The jobs users run (ingest, train, promote, sync-run), wiring the planes in the one direction of the data flow."""
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError, world_size_of
 from pipeline.log import get_logger
@@ -221,6 +221,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
 
     Returns the summary that `lakehouse train` prints as its last line of JSON.
     """
+    from pipeline.redact import redact_url
     from pipeline.tracking.offline import left_offline, record_job
     from pipeline.tracking.runs import configure, tracked_run
 
@@ -239,7 +240,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
             return {"run_id": run.run_id, "offline_run": offline.folder, "model_name": cfg.mlflow.registered_model,
                     "model_version": None, "delta_table": pinned.table, "delta_version": pinned.version,
                     "epochs": r0.epochs, "val_loss": r0.metrics.get("val_loss"), "val_acc": r0.metrics.get("val_acc"),
-                    "tracking_uri": run.tracking_uri}
+                    "tracking_uri": redact_url(run.tracking_uri)}
         if not r0.model_uri:
             raise RuntimeError("rank 0 returned no model; nothing registered")
         version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics)
@@ -259,7 +260,7 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
             "batch_size_used": r0.batch_size,
             "stopped_early": r0.stopped_early,
             "champion": bool(decision and decision.promoted),
-            "tracking_uri": run.tracking_uri,
+            "tracking_uri": redact_url(run.tracking_uri),
         }
     return summary
 
@@ -276,3 +277,25 @@ def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any
             raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
         version = str(max(int(v.version) for v in versions))
     return dict(gate(client, cfg, str(version)).__dict__)
+
+
+def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    """`lakehouse sync-run`: upload a run left offline (pipeline.tracking.offline.upload: the folder's server, or
+    `mlflow.tracking_uri=` in `overrides`), register its model through the same gate as `train` when the job would
+    have registered it, then end the run with its true status. A folder already uploaded is not uploaded twice.
+
+    Raises:
+        SyncError: the folder is not a run left offline, or was uploaded already.
+    """
+    from pipeline.lakehouse.delta import PinnedTable
+    from pipeline.tracking.offline import upload
+
+    up = upload(folder, overrides)
+    if up.info.get("register") and up.summary["status"] == "FINISHED":  # nothing registered from a failed run
+        lineage = up.info.get("lineage") or {}
+        pinned = PinnedTable(table=lineage.get("table"), version=lineage.get("version"), num_files=-1, num_rows=None)
+        metrics = {k: float(v) for k, v in (up.info.get("gate_metrics") or {}).items()}
+        version, decision = register_and_promote(up.client, up.cfg, up.summary["model_uri"], up.summary["run_id"],
+                                                 pinned, metrics)
+        up.summary.update(model_version=int(version), champion=bool(decision and decision.promoted))
+    return up.end()

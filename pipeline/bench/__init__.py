@@ -56,6 +56,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                                 scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
+    from pipeline.data.cache import remove_entry
     from pipeline.lakehouse.spark import spark_session
     from pipeline.tracking.runs import tracked_run
 
@@ -143,7 +144,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     log_to_mlflow(run, report)
         finally:
             for prep in preps:
-                prep.data.delete()
+                remove_entry(prep.data.entry_url)
             conversion.remove_bench_cache(cfg, work_dir)
     report["out"] = out
     with open(out, "w") as fh:

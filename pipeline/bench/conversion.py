@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from pipeline.bench.core import Result, Sizes, median
 from pipeline.config import Config
+from pipeline.data.cache import remove_entry, root_url
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -42,8 +43,6 @@ def with_bench_cache(cfg: Config, work_dir: str) -> Config:
 
 def remove_bench_cache(cfg: Config, work_dir: str) -> None:
     """Delete the bench's own cache folder (what is left of it once the measurements have deleted their entries)."""
-    from pipeline.data.cache import remove_entry
-
     remove_entry(bench_cache_dir(cfg, work_dir))  # a whole folder, as for one entry
 
 
@@ -88,7 +87,6 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
     not touched. The returned data lives there too (run_bench deletes it).
     """
     cfg = with_bench_cache(cfg, work_dir)
-    from pipeline.data.cache import root_url
     from pipeline.data.convert import class_names_of, convert_for_training, decoded_frame, split_frame
     from pipeline.lakehouse.delta import get_engine
 
@@ -117,7 +115,8 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
         return elapsed
 
     plain()  # warm-up: Python workers, JIT, page cache of the table's files
-    conversion()[1].delete()  # warm-up too; and an entry left by an earlier job would make the first a hit
+    # warm-up too; and an entry left by an earlier job would make the first a hit
+    remove_entry(conversion()[1].entry_url)
     plains, firsts, hits = [], [], []
     for r in range(sizes.repeats):
         plains.append(plain())
@@ -128,9 +127,9 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
         if again.entry_url != first.entry_url:
             log.warning("%s: the second conversion was not a cache hit (%s vs %s)", name, again.entry_url,
                         first.entry_url)
-            again.delete()
+            remove_entry(again.entry_url)
         if r < sizes.repeats - 1:
-            first.delete()
+            remove_entry(first.entry_url)
         log.info("%s conversion repeat %d: plain write %.2f s, first conversion %.2f s, second %.3f s", name, r + 1,
                  plains[-1], firsts[-1], hits[-1])
     data = convert_for_training(spark, df, cfg, world, class_names, pinned)  # a hit on the last repeat's entry

@@ -2,7 +2,7 @@
 GPU-resident batches, and the input-bound fraction with the real loader (only where torch sees CUDA)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from pipeline.bench.core import Result, Sizes, input_bound_fraction, median, ratio
 from pipeline.config import Config
@@ -12,19 +12,6 @@ log = get_logger(__name__)
 
 PRECISIONS = ("32-true", "bf16-mixed")
 MIN_BATCH = 256  # the target (Lightning / plain >= 0.8) holds at batch >= 256
-
-
-def autocast_dtype(precision: Optional[str]):
-    """The autocast dtype of a Lightning precision for the plain loop: None (no autocast) for 32-bit."""
-    import torch
-
-    if precision in (None, "32-true", "32"):
-        return None
-    if precision == "bf16-mixed":
-        return torch.bfloat16
-    if precision == "16-mixed":
-        return torch.float16
-    raise ValueError(f"bench: precision {precision!r} is not 32-true, bf16-mixed or 16-mixed")
 
 
 def gpu_batch_size(cfg: Config) -> int:

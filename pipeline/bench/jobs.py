@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config
 from pipeline.log import get_logger
@@ -24,12 +24,24 @@ def run_spec(kind: str, warmup: int, source: str = "memory", precision: str = No
     return {"kind": kind, "warmup": warmup, "source": source, "precision": precision, "batch_size": batch_size}
 
 
+def autocast_dtype(precision: Optional[str]):
+    """The autocast dtype of a Lightning precision for the plain loop: None (no autocast) for 32-bit."""
+    import torch
+
+    if precision in (None, "32-true", "32"):
+        return None
+    if precision == "bf16-mixed":
+        return torch.bfloat16
+    if precision == "16-mixed":
+        return torch.float16
+    raise ValueError(f"bench: precision {precision!r} is not 32-true, bf16-mixed or 16-mixed")
+
+
 def _plain(cfg: Config, data, batches, precision, warmup: int, steps: int, windows: int) -> Dict[str, Any]:
     """A plain PyTorch loop (forward, loss, backward, optimizer step) on `batches`, autocast for bf16-mixed."""
     import torch
 
     from pipeline.bench.core import device, sync
-    from pipeline.bench.gpu import autocast_dtype
     from pipeline.bench.reference import model_and_optimizer, step, timed_windows
 
     dev = device()

@@ -105,7 +105,7 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tai
         from pyspark import TaskContext
 
         from pipeline.data.cache import filesystem
-        from pipeline.data.transforms import decode_image
+        from pipeline.images import decode_image
 
         ctx = TaskContext.get()
         fs, folder = filesystem(split_url)
@@ -164,7 +164,7 @@ def decoded_frame(df, cfg: Config, world_size: int):
     from pyspark.sql import functions as F
     from pyspark.sql.functions import pandas_udf
 
-    from pipeline.data.transforms import decode_image
+    from pipeline.images import decode_image
 
     size, channels = cfg.data.image_size, cfg.data.channels
 

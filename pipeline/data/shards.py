@@ -61,9 +61,3 @@ class ConvertedData:
     @property
     def rows(self) -> Tuple[int, int]:
         return self.plan.train.total_rows, self.plan.val.total_rows
-
-    def delete(self) -> None:
-        """Remove this entry from the converted-data cache (jobs keep it for the next job; see `lakehouse cache`)."""
-        from pipeline.data.cache import remove_entry
-
-        remove_entry(self.entry_url)

@@ -26,6 +26,79 @@ class SchemaMismatchError(DeltaError):
     """An append's schema differs from the table's; the message names the differing columns."""
 
 
+class ConcurrentWriteError(DeltaError):
+    """A conditional write lost a race: another writer's commit that claims the same key landed after the version
+    this write was derived from. `committed` is None when nothing was committed (the caller may re-read and retry),
+    or this write's own version when the engine could only detect the race after committing (delta.engine=spark)."""
+
+    def __init__(self, message: str, winners: Sequence[int] = (), committed: Optional[int] = None):
+        super().__init__(message)
+        self.winners = list(winners)
+        self.committed = committed
+
+
+# The key under which every commit this project writes records who wrote it (inside `userMetadata`, as JSON):
+# {"writer": a uuid per write, "claim": the claim of a conditional write, "read_version": what it was derived from}.
+COMMIT_KEY = "lakehouse.commit"
+
+
+def _commit_record(entry: dict) -> dict:
+    text = entry.get("userMetadata")
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    record = meta.get(COMMIT_KEY) if isinstance(meta, dict) else None
+    return record if isinstance(record, dict) else {}
+
+
+def own_commit(history: Sequence[dict], writer: str) -> Optional[int]:
+    """The version of the commit `writer` made, found in `history` (entries as DeltaTable.history gives them)."""
+    for entry in history:
+        if _commit_record(entry).get("writer") == writer and entry.get("version") is not None:
+            return int(entry["version"])
+    return None
+
+
+def claims_after(history: Sequence[dict], claim: str, read_version: Optional[int], before: Optional[int] = None,
+                 writer: Optional[str] = None) -> List[int]:
+    """Versions after `read_version` (None: the table did not exist, so every version) and before `before` whose
+    commit carries `claim` and was not made by `writer`, oldest first: the commits a write derived from
+    `read_version` lost its race to."""
+    floor = -1 if read_version is None else read_version
+    out = []
+    for entry in history:
+        version = entry.get("version")
+        if version is None or version <= floor or (before is not None and version >= before):
+            continue
+        record = _commit_record(entry)
+        if record.get("claim") == claim and record.get("writer") != writer:
+            out.append(int(version))
+    return sorted(out)
+
+
+def _lost_race(table: str, claim: str, read_version: Optional[int], winners: Sequence[int],
+               committed: Optional[int] = None) -> ConcurrentWriteError:
+    read = f"version {read_version}" if read_version is not None else "the table's absence (it did not exist)"
+    won = (f"version{'s' if len(winners) > 1 else ''} {', '.join(map(str, winners))}" if winners
+           else "a commit made meanwhile")
+    done = (f"this write was committed as version {committed} before the race could be seen (delta.engine=spark)"
+            if committed is not None else "nothing was committed")
+    return ConcurrentWriteError(f"Delta table {table}: a write derived from {read} lost the race to {won}, "
+                                f"committed meanwhile by another writer claiming {claim!r}; {done}",
+                                winners=winners, committed=committed)
+
+
+def _user_metadata(commit_metadata: Optional[Dict[str, Any]], writer: str, claim: Optional[str],
+                   read_version: Optional[int]) -> str:
+    record: Dict[str, Any] = {"writer": writer}
+    if claim is not None:
+        record.update(claim=claim, read_version=read_version)
+    return json.dumps({**(commit_metadata or {}), COMMIT_KEY: record})
+
+
 @dataclass(frozen=True)
 class PinnedTable:
     """A Delta table resolved at one version: what every later step records."""
@@ -97,10 +170,18 @@ class DeltaEngine:
         raise NotImplementedError
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
-              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
-        """Write `df` in one atomic commit (`mode` append|overwrite); return the new version.
+              commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,
+              claim: Optional[str] = None) -> int:
+        """Write `df` in one atomic commit (`mode` append|overwrite); return the version of THIS commit.
 
-        `commit_metadata` is recorded, as JSON, in the commit's `userMetadata` (what DESCRIBE HISTORY shows).
+        The version is this writer's own (found by a writer id recorded with the commit), never just the latest:
+        another writer may commit right after. `commit_metadata` is recorded, as JSON, in the commit's
+        `userMetadata` (what DESCRIBE HISTORY shows), beside `lakehouse.commit` (writer id, claim).
+
+        A conditional write: with `claim`, `df` was derived from the table at `read_version` (None: the table did
+        not exist), and the write must not land after another commit that carries the same `claim` and was made
+        after `read_version`. Blind appends never conflict in Delta, so the claim is what makes two such writers
+        conflict. Raises ConcurrentWriteError naming the winner's version.
         """
         raise NotImplementedError
 
@@ -236,14 +317,21 @@ class DeltaRsEngine(DeltaEngine):
         return df, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows)
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
-              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
+              commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,
+              claim: Optional[str] = None) -> int:
         """Executors write Parquet into the table folder; the driver commits those files in one transaction.
 
-        Files written by an attempt that does not commit are not in the log: readers never see them.
+        Files written by an attempt that does not commit are removed again; readers never see them. A conditional
+        write (`claim`) commits from a snapshot at `read_version` with a Delta app transaction (`txn`) whose id is
+        the claim: delta-rs's conflict checker fails a commit whose app ids a commit after its read version also
+        set, which is exactly "another claimant committed after what I read".
         """
+        import shutil
+
         import pyarrow.parquet as pq
         from deltalake import DeltaTable, Schema
-        from deltalake.transaction import AddAction, CommitProperties, create_table_with_add_actions
+        from deltalake.exceptions import CommitFailedError
+        from deltalake.transaction import AddAction, CommitProperties, Transaction, create_table_with_add_actions
 
         if mode not in ("append", "overwrite"):
             raise DeltaError(f"write mode {mode!r} is not append or overwrite")
@@ -251,10 +339,17 @@ class DeltaRsEngine(DeltaEngine):
         if local_path(table) is None:
             raise DeltaError(f"the delta-rs engine writes local tables only; {table} needs delta.engine=spark")
         exists = self.exists(None, table)
+        if claim is not None and (read_version is None) == exists:
+            if exists:  # created by someone else since this write's content was derived
+                raise _lost_race(table, claim, None, claims_after(self.history(None, table), claim, None))
+            raise DeltaError(f"Delta table {table} does not exist, but the write was derived from its version "
+                             f"{read_version}")
         if exists and mode == "append":
             spark = df.sparkSession
             self.check_append_schema(spark, table, df)
-        batch_dir = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        start = DeltaTable(root).version() if exists else -1
+        writer_id = uuid.uuid4().hex
+        batch_dir = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{writer_id[:8]}"
         target = os.path.join(root, batch_dir)
         writer = df.write.mode("error")
         if partition_by:
@@ -288,16 +383,40 @@ class DeltaRsEngine(DeltaEngine):
         # The table schema comes from Spark's (with partition columns), not from one file's footer.
         full_schema = to_arrow_schema(df.schema)
         full_schema = pa.schema([f.with_nullable(True) for f in full_schema])
-        props = CommitProperties(custom_metadata={"userMetadata": json.dumps(commit_metadata)}) if commit_metadata else None
-        if not exists:
-            create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
-                                          partition_by=list(partition_by) or None, commit_properties=props)
-        else:
-            dt = DeltaTable(root)
-            dt.create_write_transaction(adds, mode=mode, schema=dt.schema() if mode == "append" else Schema.from_arrow(full_schema),
-                                        partition_by=list(partition_by) or None, commit_properties=props)
-        version = DeltaTable(root).version()
+        props = CommitProperties(
+            custom_metadata={"userMetadata": _user_metadata(commit_metadata, writer_id, claim, read_version)},
+            app_transactions=[Transaction(claim, (read_version if read_version is not None else -1) + 1, now_ms)]
+            if claim is not None else None)
+        try:
+            if not exists:
+                create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
+                                              partition_by=list(partition_by) or None, commit_properties=props)
+            else:
+                dt = DeltaTable(root, version=read_version) if claim is not None else DeltaTable(root)
+                dt.create_write_transaction(adds, mode=mode,
+                                            schema=dt.schema() if mode == "append" else Schema.from_arrow(full_schema),
+                                            partition_by=list(partition_by) or None, commit_properties=props)
+        except Exception as exc:
+            shutil.rmtree(target, ignore_errors=True)  # ours alone (a fresh uuid), never in the log
+            if claim is None:
+                raise
+            created_meanwhile = not exists and self.exists(None, table)
+            if isinstance(exc, CommitFailedError) or created_meanwhile:
+                history = self.history(None, table)
+                raise _lost_race(table, claim, read_version,
+                                 claims_after(history, claim, read_version, writer=writer_id)) from exc
+            raise
+        version = self._own_version(table, writer_id, start)
         log.info("committed %d file(s) to Delta table %s as version %d", len(adds), table, version)
+        return version
+
+    def _own_version(self, table: str, writer_id: str, start: int) -> int:
+        dt = self._open(table)
+        latest = dt.version()
+        version = own_commit(dt.history(limit=max(1, latest - start)), writer_id)
+        if version is None:
+            raise DeltaError(f"Delta table {table}: the commit of writer {writer_id} is not in the history of "
+                             f"versions {start + 1} to {latest} (was the log rewritten meanwhile?)")
         return version
 
 
@@ -339,20 +458,44 @@ class SparkDeltaEngine(DeltaEngine):
         return df, PinnedTable(table=table, version=pinned, num_files=-1, num_rows=None)
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
-              commit_metadata: Optional[Dict[str, Any]] = None) -> int:
+              commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,
+              claim: Optional[str] = None) -> int:
+        """delta-spark's DataFrame writer cannot commit against a chosen read version, so a conditional write is
+        checked twice: before writing (the table still is at `read_version`'s line: no claimant since), and after,
+        in the history between `read_version` and this commit; a race seen only after committing raises
+        ConcurrentWriteError with `committed` set (the caller must not simply retry)."""
         spark = df.sparkSession
+        exists = self.exists(spark, table)
+        if claim is not None:
+            if exists != (read_version is not None):
+                if exists:
+                    raise _lost_race(table, claim, None, claims_after(self.history(spark, table), claim, None))
+                raise DeltaError(f"Delta table {table} does not exist, but the write was derived from its version "
+                                 f"{read_version}")
+            if exists:
+                winners = claims_after(self.history(spark, table), claim, read_version)
+                if winners:
+                    raise _lost_race(table, claim, read_version, winners)
         if mode == "append":
             self.check_append_schema(spark, table, df)
-        writer = df.write.format("delta").mode(mode)
-        if commit_metadata:
-            writer = writer.option("userMetadata", json.dumps(commit_metadata))
+        writer_id = uuid.uuid4().hex
+        writer = (df.write.format("delta").mode(mode)
+                  .option("userMetadata", _user_metadata(commit_metadata, writer_id, claim, read_version)))
         if partition_by:
             writer = writer.partitionBy(*partition_by)
         if catalog_name(table):
             writer.saveAsTable(table)
         else:
             writer.save(table)
-        return self.latest_version(spark, table)
+        history = self.history(spark, table)
+        version = own_commit(history, writer_id)
+        if version is None:
+            raise DeltaError(f"Delta table {table}: the commit of writer {writer_id} is not in its history")
+        if claim is not None:
+            winners = claims_after(history, claim, read_version, before=version, writer=writer_id)
+            if winners:
+                raise _lost_race(table, claim, read_version, winners, committed=version)
+        return version
 
 
 ENGINES = {"delta-rs": DeltaRsEngine, "spark": SparkDeltaEngine}

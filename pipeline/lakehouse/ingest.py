@@ -10,7 +10,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import pandas as pd
 
 from pipeline.config import Config
-from pipeline.lakehouse.delta import get_engine
+from pipeline.lakehouse.delta import ConcurrentWriteError, get_engine
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -20,21 +20,30 @@ TABLE_COLUMNS = ["path", "label", "label_index", "width", "height", "mode", "con
 # Why a file under the source was not ingested: every file is either a row or one of these, with its path.
 SKIP_REASONS = {
     "hidden_name": "its name, or a folder's on its path, starts with '_' or '.' (metadata by convention; "
-                   "Spark's binaryFile never reads these)",
+                   "Spark and Hadoop skip these)",
     "symlink_outside": "a symbolic link to something outside the source",
     "broken_symlink": "a symbolic link whose target does not exist",
     "symlinked_folder": "a symbolic link to a folder inside the source (its files are accounted at their own paths)",
     "not_a_file": "not a regular file (a FIFO, socket or device)",
     "unsupported_extension": "its extension is not in ingest.extensions",
     "zero_byte": "an empty file",
-    "too_large": "larger than 2 GiB, the most Spark's binaryFile reads",
+    "too_large": "larger than 2 GiB, the most one binary cell holds",
     "unreadable": "it cannot be opened or listed (permissions, or it vanished)",
     "no_label": "too few folders between the source and the file to give a label (ingest.label_depth)",
     "undecodable": "not an image that Pillow can decode",
     "duplicate": "the same bytes (SHA-256) as a file that was ingested",
-    "not_read": "listed here but not returned by Spark's binaryFile (changed while ingesting?)",
+    "not_read": "listed by the walk but not read: it vanished, changed kind, or now leads outside the source",
+    "already_in_table": "the same bytes (SHA-256) as a row already in the table (a re-run or a retried job)",
 }
 _MAX_BINARY_FILE = 2**31 - 1
+# Bounds of the walk: a source deeper or larger than this is refused (naming where) rather than read for hours.
+MAX_SOURCE_DEPTH = 64  # folders below the source
+MAX_SOURCE_ENTRIES = 5_000_000  # files and folders
+_READ_PARTITION_BYTES = 64 * 2**20  # files are read by executors in partitions of about this many bytes
+# Every ingest commit claims this key (see DeltaEngine.write): two ingests that read the same version cannot both
+# commit, so two new classes never get the same label_index. The loser re-reads and re-assigns.
+LABELS_CLAIM = "lakehouse.ingest.labels"
+COMMIT_ATTEMPTS = 5
 _LOGGED_SKIPS = 20
 _COMMIT_SKIPS = 10_000  # skipped files listed in the commit (the counts are always complete): the log stays small
 
@@ -56,6 +65,7 @@ class SourceListing:
     root: str
     candidates: List[Tuple[str, str, bool]] = field(default_factory=list)  # (path, label, is_symlink)
     skipped: List[SkippedFile] = field(default_factory=list)
+    candidate_bytes: int = 0  # the candidates' total size
 
     @property
     def files_found(self) -> int:
@@ -102,15 +112,6 @@ def label_rule(depth: int) -> str:
     return f"the label is folder {-depth} above the file ({shape}; ingest.label_depth={depth})"
 
 
-def extension_glob(extensions: Sequence[str]) -> str:
-    """A Hadoop glob matching file names that end with any of `extensions`, in any case ('*{.[pP][nN][gG]}')."""
-    def anycase(ext: str) -> str:
-        return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else ("\\" + c if c in "{}[]*?\\,^" else c)
-                       for c in ext)
-
-    return "*{" + ",".join(anycase(e) for e in extensions) + "}"
-
-
 def _hidden(name: str) -> bool:
     return name.startswith("_") or name.startswith(".")
 
@@ -119,11 +120,14 @@ def _inside(path: str, real_root: str) -> bool:
     return os.path.commonpath([path, real_root]) == real_root
 
 
-def list_source(root: str, extensions: Sequence[str], label_depth: int) -> SourceListing:
+def list_source(root: str, extensions: Sequence[str], label_depth: int, max_depth: int = MAX_SOURCE_DEPTH,
+                max_entries: int = MAX_SOURCE_ENTRIES) -> SourceListing:
     """Walk `root` (symbolic links not followed) and sort every entry into a file to read or a skipped file.
 
-    Spark's binaryFile listing silently drops zero-byte files and names starting with '_' or '.', so the
-    accounting is done here, not from what Spark returns.
+    This listing is the whole of what the ingest reads: Spark is handed these paths, never the folder, so a link
+    to a folder (a loop, `/`) is not followed and a link to a file outside the source is skipped
+    (`symlink_outside`), never read. A tree deeper than `max_depth` folders or with more than `max_entries`
+    files and folders raises IngestError naming where the walk stopped.
     """
     root = os.path.abspath(root)
     real_root = os.path.realpath(root)
@@ -136,10 +140,18 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int) -> Sourc
     def unlistable(exc: OSError) -> None:
         skip(exc.filename or root, "unreadable", f"folder cannot be listed: {exc.strerror or exc}")
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
+    entries = 0
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):  # followlinks=False
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, root)
         folders = [] if rel_dir == "." else rel_dir.split(os.sep)
+        if len(folders) > max_depth:
+            raise IngestError(f"ingest source {root}: folder {dirpath} is {len(folders)} folders deep, more than "
+                              f"the {max_depth} the walk goes; nothing written")
+        entries += len(dirnames) + len(filenames)
+        if entries > max_entries:
+            raise IngestError(f"ingest source {root} holds more than {max_entries} files and folders (the walk "
+                              f"stopped in {dirpath}); ingest it in parts; nothing written")
         for name in dirnames:
             full = os.path.join(dirpath, name)
             if not os.path.islink(full):
@@ -193,6 +205,7 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int) -> Sourc
                 continue
             label = folders[label_depth - 1] if label_depth > 0 else folders[label_depth]
             out.candidates.append((full, label, is_link))
+            out.candidate_bytes += st.st_size
     out.skipped.sort(key=lambda s: s.path)
     return out
 
@@ -200,7 +213,7 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int) -> Sourc
 def _validate_udf():
     from pyspark.sql.functions import pandas_udf
 
-    from pipeline.data.transforms import ImageDecodeError, inspect_image
+    from pipeline.images import ImageDecodeError, inspect_image
 
     @pandas_udf("width int, height int, mode string, error string")
     def validate(content: pd.Series) -> pd.DataFrame:
@@ -219,13 +232,66 @@ def _validate_udf():
     return validate
 
 
-def _existing_classes(engine, spark, table: str) -> Dict[str, int]:
+def _read_udf(real_root: str):
+    """Executors read exactly the listed files, re-checking each at read time: still a regular file, still
+    inside the source (a file swapped for a link, or a link re-pointed, since the walk is not read)."""
+    from pyspark.sql.functions import udf
+
+    def read(path: str, is_link: bool):
+        real = os.path.realpath(path)
+        if not _inside(real, real_root):
+            return None, f"now resolves to {real}, outside {real_root}"
+        try:
+            # O_NONBLOCK: a file replaced by a FIFO since the walk must not block the read
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if is_link else os.O_NOFOLLOW))
+        except OSError as exc:
+            return None, f"cannot be opened: {exc.strerror or exc}"
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "no longer a regular file"
+            if st.st_size > _MAX_BINARY_FILE:
+                return None, f"now {st.st_size} bytes, over 2 GiB"
+            try:
+                return fh.read(), None
+            except OSError as exc:
+                return None, f"cannot be read: {exc.strerror or exc}"
+
+    # nondeterministic: Spark must read each file once, not once per column that uses its bytes
+    return udf(read, "content binary, error string").asNondeterministic()
+
+
+@dataclass
+class _TableState:
+    """The table as one ingest attempt read it: the version, its classes and which content it already holds."""
+
+    version: Optional[int]  # None: no table yet
+    classes: Dict[str, int]
+    known: Optional["DataFrame"]  # sha256 -> _in_table (a path holding those bytes); None on overwrite
+
+
+def _table_state(engine, spark, table: str, mode: str) -> _TableState:
+    from pyspark.sql import functions as F
+
     if not engine.exists(spark, table):
-        return {}
-    df, _ = engine.read(spark, table)
-    if "label" not in df.columns or "label_index" not in df.columns:
-        return {}
-    return {r["label"]: int(r["label_index"]) for r in df.select("label", "label_index").distinct().collect()}
+        return _TableState(None, {}, None)
+    df, pinned = engine.read(spark, table)
+    if mode == "overwrite":
+        return _TableState(pinned.version, {}, None)
+    classes: Dict[str, int] = {}
+    if "label" in df.columns and "label_index" in df.columns:
+        for r in df.select("label", "label_index").distinct().collect():
+            if r["label_index"] in classes.values() and classes.get(r["label"]) != r["label_index"]:
+                other = next(k for k, v in classes.items() if v == r["label_index"])
+                raise IngestError(f"Delta table {table} version {pinned.version}: label_index {r['label_index']} "
+                                  f"has two labels, {other!r} and {r['label']!r}; repair the table before appending")
+            classes[r["label"]] = int(r["label_index"])
+    known = None
+    if "content" in df.columns:
+        # no hash column in the table: the bytes already in it are hashed at the version read
+        known = (df.select(F.sha2(F.col("content"), 256).alias("sha256"), "path").groupBy("sha256")
+                 .agg(F.min("path").alias("_in_table")))
+    return _TableState(pinned.version, classes, known)
 
 
 def is_strict(cfg: Config) -> bool:
@@ -246,10 +312,17 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
     Every file under the source is either written as a row or listed, with its path and a reason (see
     SKIP_REASONS), in the result and in the commit's `userMetadata`. With `ingest.strict` (or the older
     `ingest.on_bad_file=fail`) any skipped file fails the ingest before anything is written. An append
-    keeps the table's existing label indices and gives new classes the next free ones.
+    keeps the table's existing label indices and gives new classes the next free ones; it skips files whose
+    bytes the table already holds (`already_in_table`, not a failure under strict), so a retried job does not
+    double the table, and when nothing is new it commits nothing and reports the version read.
+
+    Label indices are assigned from one version of the table and committed against it (LABELS_CLAIM): when
+    another ingest commits in between, this one re-reads the table and assigns again, up to COMMIT_ATTEMPTS
+    times. The version returned and logged is this ingest's own commit.
 
     Raises:
-        IngestError: the folder is missing or has nothing to ingest, or a file is skipped under strict.
+        IngestError: the folder is missing or has nothing to ingest, a file is skipped under strict, or every
+            attempt lost the race to another ingest (the message names the versions).
         SchemaMismatchError: an append whose columns differ from the table's (table untouched).
     """
     from pyspark import StorageLevel
@@ -275,18 +348,23 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
     checked = None
     try:
         if listing.candidates:
-            candidates = spark.createDataFrame(listing.candidates, "path string, label string, is_link boolean")
-            # only image files are read: a large archive beside them is neither read nor fails the scan
-            files = (spark.read.format("binaryFile").option("recursiveFileLookup", "true")
-                     .option("pathGlobFilter", extension_glob(cfg.ingest.extensions)).load("file://" + root)
-                     .filter(F.col("length") <= _MAX_BINARY_FILE)
-                     .select(F.regexp_replace("path", "^file:", "").alias("path"), "content"))
-            checked = (candidates.join(files, on="path", how="left")
-                       .withColumn("_v", _validate_udf()(F.col("content")))
+            try:
+                parallelism = spark.sparkContext.defaultParallelism
+            except Exception:  # a Spark Connect session has no SparkContext
+                parallelism = 2
+            slices = max(1, min(len(listing.candidates),
+                                max(parallelism, -(-listing.candidate_bytes // _READ_PARTITION_BYTES))))
+            # exactly the listed files are read, by path: Spark never lists the source itself (it would follow links)
+            read = _read_udf(os.path.realpath(root))
+            files = (spark.createDataFrame(listing.candidates, "path string, label string, is_link boolean")
+                     .repartition(slices).withColumn("_r", read(F.col("path"), F.col("is_link")))
+                     .select("path", "label", "is_link", F.col("_r.content").alias("content"),
+                             F.col("_r.error").alias("read_error")))
+            checked = (files.withColumn("_v", _validate_udf()(F.col("content")))
                        .select("path", "label", "is_link", "content", "_v.width", "_v.height", "_v.mode",
                                F.when(F.col("content").isNull(), F.lit("not_read"))
                                .when(F.col("_v.error").isNotNull(), F.lit("undecodable")).alias("reason"),
-                               F.when(F.col("content").isNull(), F.lit(SKIP_REASONS["not_read"]))
+                               F.when(F.col("content").isNull(), F.col("read_error"))
                                .otherwise(F.col("_v.error")).alias("detail"),
                                F.sha2(F.col("content"), 256).alias("sha256")))
             checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
@@ -315,26 +393,73 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
         if not labels:
             raise IngestError(f"nothing to ingest in {source}: all {listing.files_found} file(s) skipped ({counts}); "
                               f"nothing written")
-
-        classes = _existing_classes(engine, spark, table) if mode == "append" else {}
-        for label in labels:
-            if label not in classes:
-                classes[label] = max(classes.values(), default=-1) + 1
-        mapping = spark.createDataFrame(sorted(classes.items()), "label string, label_index int")
-        out = good.join(F.broadcast(mapping), on="label", how="left").select(*TABLE_COLUMNS)
-        rows = out.count()
-        report = {"source": root, "files_found": listing.files_found, "rows_written": rows, "label_rule": rule,
-                  "skipped_counts": skipped_counts(skipped), "skipped": [s._asdict() for s in skipped[:_COMMIT_SKIPS]]}
-        if len(skipped) > _COMMIT_SKIPS:
-            report["skipped_not_listed"] = len(skipped) - _COMMIT_SKIPS
-        version = engine.write(out, table, mode, commit_metadata={"lakehouse.ingest": report})
-        log.info("ingested %d of %d file(s) from %s into %s version %d; skipped %d: %s", rows, listing.files_found,
-                 source, table, version, len(skipped), counts)
-        return IngestResult(table=table, version=version, rows_written=rows, skipped=skipped, classes=classes,
-                            files_found=listing.files_found, label_rule=rule)
+        lost: List[str] = []
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            result = _commit_attempt(spark, engine, table, mode, good, skipped, listing, root, rule)
+            if isinstance(result, IngestResult):
+                if lost:
+                    log.info("ingest of %s committed on attempt %d, after losing to: %s", source, attempt,
+                             "; ".join(lost))
+                return result
+            if result.committed is not None:  # seen only after committing (delta.engine=spark): no blind retry
+                raise IngestError(f"ingest of {source}: {result}. Label indices of the classes new in it may "
+                                  f"collide with the other commit's; check the table before using it") from result
+            lost.append(str(result))
+            log.warning("ingest of %s, attempt %d of %d: %s; re-reading the table and assigning labels again",
+                        source, attempt, COMMIT_ATTEMPTS, result)
+        raise IngestError(f"ingest of {source} into {table} lost the race to other ingests {COMMIT_ATTEMPTS} "
+                          f"times, nothing written: {'; '.join(lost)}")
     finally:
         if checked is not None:
             checked.unpersist()
+
+
+def _commit_attempt(spark, engine, table: str, mode: str, good, skipped: List[SkippedFile], listing: SourceListing,
+                    root: str, rule: str):
+    """One read-assign-commit of the validated rows `good`: an IngestResult, or the ConcurrentWriteError lost."""
+    from pyspark.sql import functions as F
+
+    state = _table_state(engine, spark, table, mode)
+    skipped = list(skipped)
+    new = good
+    if state.known is not None:
+        already = good.join(state.known, "sha256").select("path", "_in_table").collect()
+        skipped += [SkippedFile(r["path"], "already_in_table",
+                                f"same content as {r['_in_table']} in {table} version {state.version}")
+                    for r in already]
+        if already:
+            new = good.join(F.broadcast(spark.createDataFrame([(r["path"],) for r in already], "path string")),
+                            "path", "left_anti")
+        skipped.sort(key=lambda s: s.path)
+    classes = dict(state.classes)
+    new_labels = sorted(r["label"] for r in new.select("label").distinct().collect())
+    for label in new_labels:
+        if label not in classes:
+            classes[label] = max(classes.values(), default=-1) + 1
+    counts = _counts_text(skipped)
+    result = IngestResult(table=table, version=state.version if state.version is not None else -1, rows_written=0,
+                          skipped=skipped, classes=classes, files_found=listing.files_found, label_rule=rule)
+    if not new_labels:  # every readable file is already in the table: a re-run, or a retry after a commit
+        log.info("nothing new to ingest from %s: every readable file is already in %s version %d; nothing "
+                 "committed (skipped %d: %s)", root, table, state.version, len(skipped), counts)
+        return result
+    mapping = spark.createDataFrame(sorted(classes.items()), "label string, label_index int")
+    out = new.join(F.broadcast(mapping), on="label", how="left").select(*TABLE_COLUMNS)
+    rows = out.count()
+    report = {"source": root, "files_found": listing.files_found, "rows_written": rows, "label_rule": rule,
+              "read_version": state.version, "skipped_counts": skipped_counts(skipped),
+              "skipped": [s._asdict() for s in skipped[:_COMMIT_SKIPS]]}
+    if len(skipped) > _COMMIT_SKIPS:
+        report["skipped_not_listed"] = len(skipped) - _COMMIT_SKIPS
+    try:
+        version = engine.write(out, table, mode, commit_metadata={"lakehouse.ingest": report},
+                               read_version=state.version, claim=LABELS_CLAIM)
+    except ConcurrentWriteError as exc:
+        return exc
+    log.info("ingested %d of %d file(s) from %s into %s version %d; skipped %d: %s", rows, listing.files_found,
+             root, table, version, len(skipped), counts)
+    result.version, result.rows_written = version, rows
+    return result
 
 
 def ingest_report(spark, cfg: Config, version: Optional[int] = None) -> Optional[dict]:

@@ -1,7 +1,6 @@
 """The preprocessing contract of an exported model: what turns image bytes into its input, as data and as reference code."""
 from __future__ import annotations
 
-import io
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -73,9 +72,11 @@ def load_contract(path: str) -> Dict[str, Any]:
 def preprocess(contents: Sequence[bytes], contract: Dict[str, Any]) -> np.ndarray:
     """Reference implementation of the contract with PIL and numpy only: image bytes -> float32 (N, C, H, W).
 
-    Raises ValueError naming the row of an undecodable image.
+    Raises ValueError naming the row of an undecodable image, or of one over the pixel bound (pipeline.images).
     """
     from PIL import Image
+
+    from pipeline.images import ImageDecodeError, opened
 
     spec = check_contract(contract)["input"]
     c, h, w = int(spec["channels"]), int(spec["height"]), int(spec["width"])
@@ -84,11 +85,13 @@ def preprocess(contents: Sequence[bytes], contract: Dict[str, Any]) -> np.ndarra
     out = np.empty((len(contents), c, h, w), dtype=np.uint8)
     for i, content in enumerate(contents):
         try:
-            with Image.open(io.BytesIO(content)) as img:
+            with opened(content) as img:  # the header's size checked against the bound before any decode
                 img = img.convert(spec["color_mode"])
                 if img.size != (w, h):
                     img = img.resize((w, h), Image.BILINEAR)
                 arr = np.asarray(img, dtype=np.uint8)
+        except ImageDecodeError as exc:
+            raise ValueError(f"row {i}: {exc}") from None
         except Exception as exc:
             raise ValueError(f"row {i}: not a decodable image ({type(exc).__name__}: {exc})") from None
         out[i] = arr[None, :, :] if c == 1 else arr.transpose(2, 0, 1)

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from pipeline.log import get_logger
@@ -169,13 +170,35 @@ def _run_exists(client, run_id: str, experiment_id: str) -> bool:
     return run.info.experiment_id == experiment_id and run.info.lifecycle_stage == "active"
 
 
-def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+@dataclass
+class Upload:
+    """A run left offline and uploaded to the server: what `lakehouse sync-run` (pipeline.workflow.sync_run) goes
+    on with: registering the model, then ending the run (`end`)."""
+
+    off: OfflineRun
+    info: Dict[str, Any]  # run.json as the job left it
+    cfg: Any  # the run's config (pipeline.config.Config) with the sync's overrides
+    client: Any  # the MLflow client of the server uploaded to
+    summary: Dict[str, Any]  # what `lakehouse sync-run` prints; registering fills in model_version, champion
+
+    def end(self) -> Dict[str, Any]:
+        """The run's true end status, and the folder marked uploaded (a second sync-run refuses it)."""
+        s = self.summary
+        self.client.set_terminated(s["run_id"], status=s["status"], end_time=self.info.get("end_time"))
+        self.off.update(synced={"run_id": s["run_id"], "tracking_uri": s["tracking_uri"],
+                                "model_version": s["model_version"], "at": int(time.time() * 1000)})
+        log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s", self.off.folder, s["run_id"],
+                 "continued" if s["continued"] else "created", s["metrics"],
+                 f"; registered version {s['model_version']}" if s["model_version"] is not None else "")
+        return s
+
+
+def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     """Upload a run left offline to the tracking server (the folder's, or `mlflow.tracking_uri=` in `overrides`).
 
     The run continues where the server has it (else a new run is created in the experiment, tagged with the
-    original id): the metrics the server never took, the tags, the artifacts, the model (logged by the same code
-    as online), then the run's true end status; the model is registered through the same gate as `lakehouse train`
-    when the job would have registered it. A folder already uploaded is not uploaded twice.
+    original id): the metrics the server never took, the tags, the artifacts and the model (logged by the same code
+    as online). The run is left running: the caller registers the model if the job would have, then `Upload.end`.
 
     Raises:
         SyncError: the folder is not a run left offline, or was uploaded already.
@@ -226,27 +249,7 @@ def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, An
                                "continued": continued, "metrics": len(metrics), "model_uri": model_uri,
                                "status": info.get("status", "FINISHED"), "model_version": None, "champion": False,
                                "tracking_uri": cfg.mlflow.tracking_uri}
-    if info.get("register") and summary["status"] == "FINISHED":  # nothing registered from a failed run
-        from pipeline.workflow import register_and_promote
-
-        version, decision = register_and_promote(client, cfg, model_uri, run_id, _Pinned(lineage),
-                                                 {k: float(v) for k, v in (info.get("gate_metrics") or {}).items()})
-        summary.update(model_version=int(version), champion=bool(decision and decision.promoted))
-    client.set_terminated(run_id, status=summary["status"], end_time=info.get("end_time"))
-    off.update(synced={"run_id": run_id, "tracking_uri": cfg.mlflow.tracking_uri,
-                       "model_version": summary["model_version"], "at": int(time.time() * 1000)})
-    log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s", off.folder, run_id,
-             "continued" if continued else "created", len(metrics),
-             f"; registered version {summary['model_version']}" if summary["model_version"] is not None else "")
-    return summary
-
-
-class _Pinned:
-    """The pinned Delta table and version as `register_and_promote` reads them."""
-
-    def __init__(self, lineage: Dict[str, Any]) -> None:
-        self.table = lineage.get("table")
-        self.version = lineage.get("version")
+    return Upload(off=off, info=info, cfg=cfg, client=client, summary=summary)
 
 
 def _log_offline_model(off: OfflineRun, run_id: str) -> str:
@@ -268,12 +271,13 @@ def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Di
                run_name: Optional[str] = None, register: bool = True) -> Dict[str, Any]:
     """The driver's part of a run left offline: the config, lineage, tags, gate metrics and the true end status
     (FINISHED: training ended normally), and whether the job would have registered the model."""
-    from pipeline.config import to_yaml
+    from pipeline.redact import redact_url
+    from pipeline.tracking.runs import config_yaml
 
-    off.log_text(run.run_id, to_yaml(cfg), "config.yaml")
+    off.log_text(run.run_id, config_yaml(cfg), "config.yaml")  # secrets redacted (pipeline.redact)
     shutil.move(off._path("artifacts", "config.yaml"), off._path("config.yaml"))
     return off.update(run_id=run.run_id, run_name=run_name, experiment=cfg.mlflow.experiment,
-                      experiment_id=run.experiment_id, tracking_uri=run.tracking_uri, status="FINISHED",
+                      experiment_id=run.experiment_id, tracking_uri=redact_url(run.tracking_uri), status="FINISHED",
                       end_time=int(time.time() * 1000), register=bool(register),
                       gate_metrics={k: v for k, v in (r0.metrics or {}).items()},
                       lineage={"table": pinned.table, "version": int(pinned.version), "rows": dict(rows)},

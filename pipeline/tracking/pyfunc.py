@@ -52,6 +52,7 @@ PREDICT_BATCH_SIZE = 256
 SERVED_MODULES = (
     "pipeline/log.py",
     "pipeline/data/transforms.py",
+    "pipeline/images.py",
     "pipeline/model/nets.py",
     "pipeline/model/timm_backbone.py",  # nets.build_network imports it (timm itself only for a timm/<name> arch)
     "pipeline/tracking/pyfunc.py",
@@ -138,7 +139,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
         """Return one row per input row: label, label_index, probability, probabilities (+ error when on_error=null)."""
-        from pipeline.data.transforms import ImageDecodeError, decode_batch
+        from pipeline.data.transforms import decode_batch
+        from pipeline.images import ImageDecodeError
 
         on_error = (params or {}).get("on_error") or "raise"
         if on_error not in ON_ERROR_MODES:

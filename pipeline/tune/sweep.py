@@ -158,6 +158,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     """
     from optuna.trial import TrialState
 
+    from pipeline.redact import redact_url
     from pipeline.tracking.runs import configure
     from pipeline.workflow import prepare_data
 
@@ -169,7 +170,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     metric = cfg.tune.metric
     shared = SharedData(lambda c: prepare_data(spark, c), study.user_attrs.get(ATTR_DELTA_VERSION))
     # beside the config's own params (tune.* as configured): what this study resolved them to, and the space
-    params = {"study.name": name, "study.storage": url, "study.pruner": describe_pruner(cfg),
+    params = {"study.name": name, "study.storage": redact_url(url), "study.pruner": describe_pruner(cfg),
               "study.n_trials": total, **{f"space.{k}": v for k, v in space.describe().items()}}
     t0 = time.monotonic()
     with parent_run(cfg, study, name, params) as parent:
@@ -190,7 +191,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
         states = [t.state for t in trials]
         summary = {
             "study": name,
-            "storage": url,
+            "storage": redact_url(url),
             "trials": counted(study),
             "asked": total,
             "complete": states.count(TrialState.COMPLETE),
@@ -210,7 +211,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
             "failures": {str(t.number): t.user_attrs.get(ATTR_ERROR) for t in trials
                          if t.state == TrialState.FAIL},
             "elapsed_s": round(time.monotonic() - t0, 1),
-            "tracking_uri": parent.tracking_uri,
+            "tracking_uri": redact_url(parent.tracking_uri),
         }
         log_study_artifacts(parent.client, parent.run_id, study, space.text, summary)
         if best is not None:

@@ -29,7 +29,7 @@ def _write_split(folder: Path, rows: int, seed: int, files: int, group_rows: int
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from pipeline.data.transforms import decode_image
+    from pipeline.images import decode_image
 
     pixels_col, label_col, id_col = columns
     rng = np.random.default_rng(seed)

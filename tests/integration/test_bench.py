@@ -106,7 +106,7 @@ def test_conversion_measurement_leaves_the_users_cache_entry(spark, digits_table
     deletes and rewrites on every repeat, is still there afterwards, untouched."""
     from pipeline.bench.conversion import bench_cache_dir, measure_conversion, remove_bench_cache
     from pipeline.bench.core import QUICK
-    from pipeline.data.cache import list_entries, read_manifest
+    from pipeline.data.cache import list_entries, read_manifest, remove_entry
     from pipeline.workflow import prepare_data
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}", f"data.cache_dir={tmp_path}/user_cache")
@@ -121,7 +121,7 @@ def test_conversion_measurement_leaves_the_users_cache_entry(spark, digits_table
         assert prep.data.entry_url.startswith("file://" + bench_cache_dir(cfg, str(work)))
         assert {r.name for r in results} == {"conversion_vs_plain_write", "conversion_cache_hit"}
     finally:
-        prep.data.delete()
+        remove_entry(prep.data.entry_url)
         remove_bench_cache(cfg, str(work))
     assert read_manifest(data.entry_url) == before  # neither deleted nor rewritten
     assert [e["key"] for e in list_entries(cfg.data.cache_dir)] == [data.key]

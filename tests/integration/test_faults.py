@@ -168,6 +168,7 @@ def test_killed_while_writing_checkpoint_keeps_previous(tmp_path):
 
 def test_truncated_cache_file_is_named(spark, table, tmp_path):
     """Fault 4: a converted Parquet file truncated: a clear error naming it, before any rank reads."""
+    from pipeline.data.cache import remove_entry
     from pipeline.data.convert import ConversionError, class_names_of, convert_for_training
     from pipeline.lakehouse.delta import get_engine
 
@@ -183,7 +184,7 @@ def test_truncated_cache_file_is_named(spark, table, tmp_path):
             convert_for_training(spark, df, cfg, 2, class_names_of(df))
         assert victim in str(err.value) and "unreadable" in str(err.value)
     finally:
-        data.delete()
+        remove_entry(data.entry_url)
 
 
 def test_append_during_pinned_training_and_retyped_append(spark, digits_dir, table, tmp_path):

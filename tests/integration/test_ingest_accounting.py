@@ -129,8 +129,12 @@ def test_strict_writes_nothing(spark, tmp_path, messy_source):
         assert DeltaTable(cfg.delta.table).version() == 0
         assert sorted(os.listdir(cfg.delta.table)) == table_files  # not even an uncommitted Parquet folder
     # strict with nothing to skip ingests as usual
+    _image(clean / "bird" / "c.png", 3)
     res = _ingest(spark, make_config(tmp_path, "ingest.strict=true"), clean)
-    assert res.version == 1 and res.skipped == [] and res.files_found == res.rows_written == 2
+    assert res.version == 1 and res.files_found == 3 and res.rows_written == 1
+    # files already in the table are not a failure under strict: a retried strict job passes
+    assert [(os.path.basename(s.path), s.reason) for s in res.skipped] == [("a.png", "already_in_table"),
+                                                                          ("b.png", "already_in_table")]
 
 
 def test_label_depth_two(spark, tmp_path, messy_source):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_config
+from pipeline.data.cache import remove_entry
 
 pytestmark = [pytest.mark.integration, pytest.mark.datapath, pytest.mark.timeout(600)]
 
@@ -25,12 +26,12 @@ def _read(spark, cfg, version=None):
     return get_engine("delta-rs").read(spark, cfg.delta.table, version)
 
 
-def _subset(src: Path, dst: Path, per_class: int, classes=None) -> Path:
+def _subset(src: Path, dst: Path, per_class: int, classes=None, skip: int = 0) -> Path:
     for cls in sorted(os.listdir(src)):
         if classes and cls not in classes:
             continue
         (dst / cls).mkdir(parents=True, exist_ok=True)
-        for name in sorted(os.listdir(src / cls))[:per_class]:
+        for name in sorted(os.listdir(src / cls))[skip:skip + per_class]:
             shutil.copy(src / cls / name, dst / cls / name)
     return dst
 
@@ -40,9 +41,12 @@ def test_ingest_append_and_time_travel(spark, digits_dir, tmp_path):
     first = _subset(digits_dir, tmp_path / "a", 5)
     r0 = _ingest(spark, cfg, first)
     assert r0.version == 0 and r0.rows_written == 50 and r0.skipped == []
-    second = _subset(digits_dir, tmp_path / "b", 3, classes={"one", "two"})
+    second = _subset(digits_dir, tmp_path / "b", 3, classes={"one", "two"}, skip=5)
     r1 = _ingest(spark, cfg, second)
     assert r1.version == 1 and r1.rows_written == 6
+    # a re-run (a retried job) appends nothing: every file is already in the table, no commit
+    again = _ingest(spark, cfg, second)
+    assert (again.version, again.rows_written, again.skipped_counts()) == (1, 0, {"already_in_table": 6})
     # an append keeps label indices stable
     assert r1.classes["one"] == r0.classes["one"] and r1.classes["two"] == r0.classes["two"]
 
@@ -234,7 +238,7 @@ def test_datamodule_two_shards_equal_steps_and_cover_plan(spark, digits_table, t
             assert all(n == 16 for n in full[:-1]) and sizes[:len(full)] == full
         assert labels <= set(range(10)) and len(labels) == 10
     finally:
-        data.delete()
+        remove_entry(data.entry_url)
     assert not os.path.exists(data.entry_url.replace("file://", ""))
 
 
@@ -297,7 +301,7 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path, read
         assert any(p != passes[0] for p in passes[1:])  # the row groups are reordered between passes
     finally:
         dm.teardown("fit")
-        data.delete()
+        remove_entry(data.entry_url)
 
 
 def test_too_few_row_groups_fails_before_training(spark, digits_dir, tmp_path):
@@ -341,6 +345,6 @@ def test_arrow_train_stream_is_the_same_from_files_and_from_memory(spark, digits
             finally:
                 dm.teardown("fit")
     finally:
-        data.delete()
+        remove_entry(data.entry_url)
     assert streams[0] == streams[64]
     assert len({tuple(epoch) for epoch in streams[0]}) == 4  # a new order every epoch

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.bench.gpu import MIN_BATCH, PRECISIONS, autocast_dtype, gpu_batch_size, gpu_results
+from pipeline.bench.gpu import MIN_BATCH, PRECISIONS, gpu_batch_size, gpu_results
+from pipeline.bench.jobs import autocast_dtype
 from pipeline.config import Config
 
 

@@ -79,13 +79,6 @@ def test_every_entry_accounted_with_a_reason(tmp_path):
     assert "outside" in detail[str(src / "cat" / "out.png")]
 
 
-def test_extension_glob_any_case():
-    from pipeline.lakehouse.ingest import extension_glob
-
-    assert extension_glob([".png", ".tif"]) == "*{.[pP][nN][gG],.[tT][iI][fF]}"
-    assert extension_glob([".a,b"]) == "*{.[aA]\\,[bB]}"
-
-
 def test_unreadable_file_is_listed(tmp_path, monkeypatch):
     """As root every file is readable, so the permission check is exercised through os.access."""
     locked = _touch(tmp_path / "cat" / "locked.png")
@@ -108,3 +101,39 @@ def test_ingest_keys_defaults_and_checks():
     assert is_strict(load_config(root, ["ingest.on_bad_file=fail"]))  # the older switch, same meaning
     with pytest.raises(ConfigError, match="ingest.label_depth"):
         load_config(root, ["ingest.label_depth=0"])
+
+
+def test_links_out_of_the_source_are_not_followed(tmp_path):
+    """Two loop links, a link to / and links outside: the walk stays in the source and finishes at once."""
+    import time
+
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    a = _touch(src / "cat" / "a.png")
+    _touch(outside / "o.png")
+    os.symlink(src, src / "loop")  # back to the source root
+    os.symlink(src / "cat", src / "cat" / "again")  # a second loop, one level down
+    os.symlink("/", src / "cat" / "root")
+    os.symlink(outside / "o.png", src / "cat" / "out.png")
+    started = time.monotonic()
+    got = _by_path(list_source(str(src), EXTS, 1))
+    assert time.monotonic() - started < 5
+    assert got == {a: ("read", "cat"), str(src / "loop"): ("skipped", "symlinked_folder"),
+                   str(src / "cat" / "again"): ("skipped", "symlinked_folder"),
+                   str(src / "cat" / "root"): ("skipped", "symlink_outside"),
+                   str(src / "cat" / "out.png"): ("skipped", "symlink_outside")}
+
+
+def test_walk_is_bounded_in_depth_and_size(tmp_path):
+    from pipeline.lakehouse.ingest import IngestError
+
+    deep = tmp_path / "deep"
+    _touch(deep / "cat" / "b" / "c" / "d" / "e.png")
+    assert len(list_source(str(deep), EXTS, 1, max_depth=4).candidates) == 1
+    with pytest.raises(IngestError, match=r"folder .*/cat/b/c/d is 4 folders deep, more than the 3"):
+        list_source(str(deep), EXTS, 1, max_depth=3)
+    wide = tmp_path / "wide"
+    for i in range(6):
+        _touch(wide / "cat" / f"{i}.png")
+    assert len(list_source(str(wide), EXTS, 1, max_entries=7).candidates) == 6  # 1 folder + 6 files
+    with pytest.raises(IngestError, match=r"more than 6 files and folders \(the walk stopped in .*/wide/cat\)"):
+        list_source(str(wide), EXTS, 1, max_entries=6)

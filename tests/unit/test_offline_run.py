@@ -39,7 +39,8 @@ def test_ckpt_restore_resolves_within_the_run_or_the_run_named(tmp_path):
 
 
 def test_offline_folder_takes_client_calls_and_keeps_metrics_with_steps(tmp_path):
-    from pipeline.tracking.offline import OfflineRun, SyncError, left_offline, offline_folder, sync_run
+    from pipeline.tracking.offline import OfflineRun, SyncError, left_offline, offline_folder
+    from pipeline.workflow import sync_run
 
     off = OfflineRun(offline_folder(str(tmp_path)))
     off.write_metrics([(0, {"val_loss": 1.5, "val_acc": 0.25}, 1000, True), (1, {"val_loss": 1.0}, 2000, False)])

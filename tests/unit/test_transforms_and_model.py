@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from pipeline.data.datamodule import PixelsToTensor
-from pipeline.data.transforms import ImageDecodeError, decode_batch, decode_image, inspect_image
+from pipeline.data.transforms import decode_batch
+from pipeline.images import ImageDecodeError, decode_image, inspect_image
 from pipeline.model.module import scaled_lr
 from pipeline.model.nets import build_network
 

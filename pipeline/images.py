@@ -1,0 +1,94 @@
+"""The image codec: encoded bytes -> header checked against a pixel bound -> uint8 pixels, for every decode path.
+
+Ingest's validation, the training conversion, `predict`, the served model and the export's reference preprocessing
+all open images here, so one bound protects them all from a decompression bomb: a small file that declares a huge
+image (a 164 KB PNG of 13000x13000 pixels decodes to ~500 MB). PIL reads only the header when it opens a file; the
+declared width x height is checked against the bound before any pixel is decoded. PIL's own guard only warns below
+2 x its `Image.MAX_IMAGE_PIXELS` (~179 MP); nothing here relies on it.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from typing import Iterator, Tuple
+
+import numpy as np
+
+# The most pixels (width x height, as the header declares them) an image may have to be decoded: 64 MP is above
+# every common camera (a 50 MP full-frame photo is 8192x6144) and bounds one decode to ~200 MB of RGB. An image over
+# it is refused with TooManyPixelsError, never decoded. Callers may pass a different `max_pixels`.
+MAX_PIXELS = 64_000_000
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not an image PIL can decode; the message says why (the caller adds the file or row)."""
+
+
+class TooManyPixelsError(ImageDecodeError):
+    """The image declares more pixels than the bound; it was not decoded. The message names its size."""
+
+
+def _reason(exc: Exception) -> str:
+    text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
+    return f"not a decodable image ({type(exc).__name__}: {text})"
+
+
+def check_pixels(width: int, height: int, max_pixels: int = MAX_PIXELS) -> None:
+    """Raise TooManyPixelsError when `width` x `height` is over `max_pixels`."""
+    pixels = int(width) * int(height)
+    if pixels > max_pixels:
+        bound = "pipeline.images.MAX_PIXELS" if max_pixels == MAX_PIXELS else "the caller's bound"
+        raise TooManyPixelsError(
+            f"too many pixels: the image declares {width}x{height} = {pixels:,} pixels ({pixels / 1e6:.1f} MP), over "
+            f"the {max_pixels:,} ({bound}); not decoded (a decompression bomb, or a picture to downscale first)")
+
+
+@contextlib.contextmanager
+def opened(content: bytes, max_pixels: int = MAX_PIXELS) -> Iterator["PIL.Image.Image"]:  # noqa: F821
+    """The PIL image of `content` with only its header read, after its declared size passed `max_pixels`.
+
+    Raises:
+        TooManyPixelsError: the declared size is over the bound (nothing was decoded).
+        ImageDecodeError: the bytes are not an image PIL can open.
+    """
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(content))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # over PIL's own, higher, limit
+        raise TooManyPixelsError(f"too many pixels: {exc}; not decoded") from None
+    except Exception as exc:  # PIL raises many types for bad data
+        raise ImageDecodeError(_reason(exc)) from None
+    with img:
+        check_pixels(img.width, img.height, max_pixels)
+        yield img
+
+
+def inspect_image(content: bytes, max_pixels: int = MAX_PIXELS) -> Tuple[int, int, str]:
+    """Return (width, height, mode) of an encoded image, decoding it fully to prove it is readable."""
+    with opened(content, max_pixels) as img:
+        try:
+            img.load()
+        except Exception as exc:
+            raise ImageDecodeError(_reason(exc)) from None
+        return int(img.width), int(img.height), str(img.mode)
+
+
+def decode_image(content: bytes, size: int, channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Decode encoded image bytes to a uint8 array of shape (channels, size, size)."""
+    from PIL import Image
+
+    with opened(content, max_pixels) as img:
+        try:
+            img = img.convert("L" if channels == 1 else "RGB")
+            if img.size != (size, size):
+                img = img.resize((size, size), Image.BILINEAR)
+            arr = np.asarray(img, dtype=np.uint8)
+        except Exception as exc:
+            raise ImageDecodeError(_reason(exc)) from None
+    if channels == 1:
+        arr = arr[None, :, :]
+    else:
+        arr = arr.transpose(2, 0, 1)
+    return np.ascontiguousarray(arr)

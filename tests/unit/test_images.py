@@ -1,0 +1,145 @@
+"""The image codec's pixel bound: a decompression bomb is refused from its header, in milliseconds, undecoded."""
+import io
+import json
+import subprocess
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from pipeline.data.transforms import decode_batch
+from pipeline.images import (MAX_PIXELS, ImageDecodeError, TooManyPixelsError, check_pixels, decode_image,
+                             inspect_image, opened)
+
+pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's, not relied on
+
+SIDE = 13000  # 169 MP: over the bound (64 MP), under PIL's own error threshold (2 x 89.5 MP), so PIL only warns
+
+
+@pytest.fixture(scope="module")
+def bomb(tmp_path_factory):
+    """The issue's file: a PNG of 13000x13000 grey pixels, almost all one value, ~164 KB on disk."""
+    img = Image.new("L", (SIDE, SIDE), 0)
+    img.paste(255, (0, 0, 64, 64))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    del img
+    path = tmp_path_factory.mktemp("bomb") / "bomb.png"
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def _png(w: int, h: int, mode: str = "L") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), 128).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bomb_is_small_on_disk_and_refused_by_every_decode_path(bomb):
+    content = bomb.read_bytes()
+    assert len(content) < 400_000  # a few hundred KB that would decode to 169 MB
+    for call in (lambda: inspect_image(content), lambda: decode_image(content, 32, 1),
+                 lambda: decode_image(content, 32, 3), lambda: decode_batch([_png(8, 8), content], 32, 1)):
+        with pytest.raises(TooManyPixelsError, match=rf"{SIDE}x{SIDE} = 169,000,000 pixels \(169\.0 MP\), "
+                                                     r"over the 64,000,000 \(pipeline\.images\.MAX_PIXELS\)") as err:
+            call()
+        assert isinstance(err.value, ImageDecodeError)  # callers that catch the codec's error catch this one too
+
+
+def test_the_bound_is_inclusive_and_configurable():
+    check_pixels(8000, 8000)  # exactly 64 MP: allowed
+    with pytest.raises(TooManyPixelsError, match="8000x8001"):
+        check_pixels(8000, 8001)
+    small = _png(40, 30)
+    assert inspect_image(small, max_pixels=1200) == (40, 30, "L")
+    with pytest.raises(TooManyPixelsError, match=r"40x30 = 1,200 pixels .*over the 1,199 \(the caller's bound\)"):
+        decode_image(small, 8, 1, max_pixels=1199)
+    assert MAX_PIXELS == 64_000_000
+
+
+def test_over_pils_own_limit_is_the_same_error():
+    """Past 2 x PIL's MAX_IMAGE_PIXELS, PIL's open itself raises: still a TooManyPixelsError, never decoded."""
+    header_only = _png(1, 1)
+    old = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = 0  # any image is over 2 x 0: PIL raises DecompressionBombError from open
+    try:
+        with pytest.raises(TooManyPixelsError, match="too many pixels"):
+            inspect_image(header_only)
+    finally:
+        Image.MAX_IMAGE_PIXELS = old
+
+
+def test_opened_reads_the_header_only():
+    with opened(_png(20, 10, "RGB")) as img:
+        assert img.size == (20, 10) and img.tile  # the tiles are still to decode: nothing decoded yet
+        img.load()
+        assert not img.tile
+
+
+def test_served_model_and_reference_preprocess_name_the_row(bomb):
+    from pipeline.model.nets import build_network
+    from pipeline.serving.contract import preprocess, preprocessing_contract
+    from pipeline.tracking.pyfunc import ImageClassifierModel, InvalidModelInput
+
+    meta = {"arch": "cnn", "width": 4, "channels": 1, "image_size": 16, "class_names": ["a", "b"]}
+    model = ImageClassifierModel()
+    model.meta, model.class_names = dict(meta), list(meta["class_names"])
+    model.network = build_network("cnn", 1, 2, width=4).eval()
+    frame = pd.DataFrame({"content": [_png(16, 16), bomb.read_bytes()]})
+    with pytest.raises(InvalidModelInput, match=rf"row 1, column 'content': too many pixels.*{SIDE}x{SIDE}") as err:
+        model.predict(None, frame)
+    assert err.value.get_http_status_code() == 400
+    out = model.predict(None, frame, params={"on_error": "null"})
+    assert out["error"][0] is None and "too many pixels" in out["error"][1] and out["label"][1] is None
+    with pytest.raises(ValueError, match=rf"row 1: too many pixels.*{SIDE}x{SIDE}"):
+        preprocess(list(frame["content"]), preprocessing_contract(meta))
+
+
+_MEASURE = textwrap.dedent("""
+    import io, json, sys, time
+    from PIL import Image
+    from pipeline.images import ImageDecodeError, decode_image
+
+    def peak_kb():  # this process's own peak RSS (VmHWM: unlike ru_maxrss, not inherited from the forking parent)
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+
+    content = open(sys.argv[1], "rb").read()
+    max_pixels = int(sys.argv[2])
+    small = io.BytesIO()
+    Image.new("L", (8, 8)).save(small, format="PNG")
+    decode_image(small.getvalue(), 32, 1)  # warm-up: PIL's plugins imported before measuring
+    peak0 = peak_kb()
+    t0 = time.perf_counter()
+    try:
+        decode_image(content, 32, 1, max_pixels=max_pixels)
+        error = None
+    except ImageDecodeError as exc:
+        error = str(exc)
+    elapsed = time.perf_counter() - t0
+    print(json.dumps({"elapsed_s": elapsed, "peak_growth_kb": peak_kb() - peak0, "error": error}))
+""")
+
+
+def _measure(path, max_pixels: int):
+    """Time and peak-memory growth (the process's peak RSS, which sees PIL's own buffers, unlike tracemalloc) of one
+    decode_image of `path` in a new process."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path), str(max_pixels)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc/self/status (Linux)")
+def test_bomb_is_refused_in_milliseconds_without_allocating_it(bomb):
+    refused = _measure(bomb, MAX_PIXELS)
+    assert refused["error"] and "too many pixels" in refused["error"]
+    assert refused["elapsed_s"] < 0.05, refused  # measured ~1 ms: the header only
+    assert refused["peak_growth_kb"] < 16 * 1024, refused  # measured ~0 MB: nothing of the 169 MB allocated
+    # the control: the same measurement, with the bound lifted, sees the decode (so the numbers above mean something)
+    decoded = _measure(bomb, 10 ** 9)
+    assert decoded["error"] is None
+    assert decoded["peak_growth_kb"] > 150 * 1024, decoded  # the 169 MB of pixels
+    assert decoded["elapsed_s"] > 10 * refused["elapsed_s"], (decoded, refused)
