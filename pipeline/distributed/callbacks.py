@@ -1,4 +1,5 @@
-"""Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, lineage in checkpoints, atomic checkpoint writes."""
+"""Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, random states in
+checkpoints, atomic checkpoint writes (what a checkpoint records of its run: pipeline/distributed/checkpoints.py)."""
 from __future__ import annotations
 
 import os
@@ -38,16 +39,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-
-
-class LineageCheckpoint(pl.Callback):
-    """Stores the Delta table and version in every checkpoint, so a resume can check them."""
-
-    def __init__(self, lineage: Dict[str, Any]) -> None:
-        self.lineage = dict(lineage)
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
-        checkpoint["lakehouse"] = dict(self.lineage)
 
 
 class RngCheckpoint(pl.Callback):

@@ -1,10 +1,9 @@
-"""`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo), and its sharded checkpoints."""
+"""`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo); its sharded checkpoints are read
+in pipeline/distributed/checkpoints.py."""
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from pytorch_lightning.strategies import FSDPStrategy
@@ -12,7 +11,6 @@ from pytorch_lightning.strategies import FSDPStrategy
 # Modules holding at least this many parameters get their own FSDP unit: each is gathered only while it runs, so a
 # rank holds its shard plus one unit's full weights, not the whole model.
 MIN_UNIT_PARAMS = 100_000
-META_FILE = "meta.pt"  # Lightning's file of the non-tensor state inside a sharded checkpoint folder
 
 
 def fsdp_problem() -> Optional[str]:
@@ -32,7 +30,7 @@ class LakehouseFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy, also on CPU ranks: Lightning refuses its own class on a CPU accelerator and torch's
     FSDP asks for an accelerator unless it is given `device_id=cpu`; with gloo, torch >= 2.4 runs it there (used
     for tests and CPU clusters; GPUs with NCCL are what it is for). Checkpoints are sharded (a folder per
-    checkpoint, each rank writing its shard): `consolidated_state` turns one into a full state dict."""
+    checkpoint, each rank writing its shard): `checkpoints.consolidated_state` turns one into a full state dict."""
 
     def __init__(self, process_group_backend: str, min_unit_params: int = MIN_UNIT_PARAMS, **kw: Any) -> None:
         from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
@@ -51,24 +49,3 @@ class LakehouseFSDPStrategy(FSDPStrategy):
                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
                                         **self.kwargs)
 
-
-def is_sharded_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
-
-
-def checkpoint_meta(path: str) -> Dict[str, Any]:
-    """The non-tensor part of a checkpoint (global_step, callbacks, lineage): a file's whole dict, or a sharded
-    checkpoint folder's meta.pt."""
-    if is_sharded_checkpoint(path):
-        path = os.path.join(path, META_FILE)
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
-    """The LightningModule state dict of a checkpoint, in one process and without a process group: a file's
-    `state_dict`, or the full state gathered from a sharded folder's shards."""
-    if not is_sharded_checkpoint(path):
-        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    from lightning_fabric.utilities.load import _load_distributed_checkpoint
-
-    return _load_distributed_checkpoint(Path(path))["model"]

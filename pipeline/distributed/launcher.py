@@ -17,7 +17,12 @@ log = get_logger(__name__)
 
 
 class DistributedTrainingError(RuntimeError):
-    """A rank failed; the message names the rank and its exception."""
+    """A rank failed; the message names the rank and its exception, `rank_classes` the classes each failed rank
+    recorded (rank -> dotted class names, most specific first: `loop.error_classes`)."""
+
+    def __init__(self, message: str, rank_classes: Optional[Dict[int, List[str]]] = None) -> None:
+        super().__init__(message)
+        self.rank_classes: Dict[int, List[str]] = dict(rank_classes or {})
 
 
 def _rank_env(job: TrainJob) -> dict:
@@ -69,8 +74,18 @@ EXECUTOR_ENV_PREFIXES = ("LAKEHOUSE_", "MLFLOW_", "HOROVOD_", "NCCL_", "CUDA_", 
 
 
 def executor_env(environ: dict) -> dict:
-    """The part of `environ` handed to ranks on Spark executors (train.np=N)."""
-    return {k: v for k, v in environ.items() if k.startswith(EXECUTOR_ENV_PREFIXES)}
+    """The part of `environ` handed to ranks on Spark executors (train.np=N): the prefixes above, less every variable
+    named like a secret (pipeline.redact.is_secret_key: `LAKEHOUSE_API_TOKEN`, `HOROVOD_SECRET_KEY`, ...) except
+    MLflow's tracking credentials. Rank 0 writes to MLflow and needs those, and Horovod on Spark gives every task the
+    same environment (which task becomes rank 0 is known only there): the other ranks drop them as they start
+    (`loop.rank_record`, pipeline.redact.TRACKING_CREDENTIALS). Withheld names are logged, never values."""
+    from pipeline.redact import TRACKING_CREDENTIALS, is_secret_key
+
+    wanted = {k: v for k, v in environ.items() if k.startswith(EXECUTOR_ENV_PREFIXES)}
+    withheld = sorted(k for k in wanted if is_secret_key(k) and k not in TRACKING_CREDENTIALS)
+    if withheld:
+        log.info("not forwarded to the executors (named like secrets): %s", ", ".join(withheld))
+    return {k: v for k, v in wanted.items() if k not in withheld}
 
 
 # Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
@@ -146,19 +161,33 @@ SILENT_RANK = ("ended without reporting an error: killed by a signal (SIGKILL, t
                "node) or stopped by the launcher after another rank failed")
 
 
+def _ranks_with(job: TrainJob, what: str) -> Dict[int, str]:
+    """rank -> the path of its `rank<r>.<what>` marker in the job folder (loop.rank_record)."""
+    found = {}
+    for path in glob.glob(os.path.join(job.job_dir, f"rank*.{what}")):
+        name = os.path.basename(path)[4:-len(what) - 1]
+        if name.isdigit():
+            found[int(name)] = path
+    return found
+
+
+def _rank_classes(job: TrainJob) -> Dict[int, List[str]]:
+    """rank -> the classes of the exception it failed with, as it recorded them (`rank<r>.class`)."""
+    found = {}
+    for rank, path in _ranks_with(job, "class").items():
+        try:
+            with open(path) as fh:
+                found[rank] = [line.strip() for line in fh if line.strip()]
+        except OSError:
+            continue
+    return found
+
+
 def _failures(job: TrainJob) -> str:
     """Each rank's account of the attempt, in rank order: its error's first line, or that it ended without one."""
-    def ranks_with(what: str) -> Dict[int, str]:
-        found = {}
-        for path in glob.glob(os.path.join(job.job_dir, f"rank*.{what}")):
-            name = os.path.basename(path)[4:-len(what) - 1]
-            if name.isdigit():
-                found[int(name)] = path
-        return found
-
-    errors, done = ranks_with("error"), ranks_with("done")
+    errors, done = _ranks_with(job, "error"), _ranks_with(job, "done")
     parts = []
-    for rank in sorted(set(errors) | set(ranks_with("started"))):
+    for rank in sorted(set(errors) | set(_ranks_with(job, "started"))):
         if rank in errors:
             with open(errors[rank]) as fh:
                 first = fh.readline().strip()
@@ -208,25 +237,31 @@ def launch(job: TrainJob) -> List[RankResult]:
                 raise Terminated(f"SIGTERM; the ranks stopped with: {exc}") from exc
             detail = _failures(job)
             if detail:
-                raise DistributedTrainingError(f"training failed on {detail}") from exc
+                raise DistributedTrainingError(f"training failed on {detail}", _rank_classes(job)) from exc
             raise
 
 
-class _NotRestartable(Exception):
-    pass
-
-
-def _restartable(exc: BaseException) -> bool:
-    """A failure a relaunch from the last checkpoint can get past: a rank died or a collective timed out. Errors in
-    the job's own inputs (configuration, data, plan, checkpoint lineage), SIGTERM and a non-finite loss are not."""
+def _not_restartable() -> tuple:
+    """The classes of failures a relaunch cannot get past: errors in the job's own inputs (configuration, data, plan,
+    checkpoint), SIGTERM, Ctrl-C."""
     from pipeline.config import ConfigError
     from pipeline.data.shards import ConversionError
-    from pipeline.distributed.loop import CheckpointLineageError
+    from pipeline.distributed.checkpoints import CheckpointError
     from pipeline.lakehouse.partition import PlanError
     from pipeline.tracking.runs import Terminated
 
-    return not isinstance(exc, (Terminated, ConfigError, ConversionError, PlanError, CheckpointLineageError,
-                                KeyboardInterrupt))
+    return Terminated, ConfigError, ConversionError, PlanError, CheckpointError, KeyboardInterrupt
+
+
+def is_restartable(exc: BaseException) -> bool:
+    """Whether a relaunch from the last checkpoint can get past `exc`: a rank died, a collective timed out, a rank ran
+    out of memory. Not when `exc`, or the exception any rank recorded (`DistributedTrainingError.rank_classes`: each
+    rank's class and bases, so a rank's ConfigError counts as one), is of a `_not_restartable` class."""
+    classes = _not_restartable()
+    if isinstance(exc, classes):
+        return False
+    names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
+    return not any(names.intersection(found) for found in getattr(exc, "rank_classes", {}).values())
 
 
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
@@ -258,8 +293,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
     restore_first = job.cfg.train.ckpt_restore
     started = time.time()
     attempt = restarts = backoffs = 0
-    batch = job.data.plan.train.batch_size
-    launches = [(started, batch)]  # when each launch began, with its per-rank batch: what a checkpoint was trained with
+    first_batch = batch = job.data.plan.train.batch_size
     while True:
         try:
             return launch(job)
@@ -267,63 +301,47 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             cause = f"{type(exc).__name__}: {exc}"
             # only a checkpoint this job wrote; an older last.ckpt in the folder belongs to another job
             fresh = os.path.exists(last) and os.path.getmtime(last) >= started
-            oom = _restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
+            oom = is_restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
             if oom:
                 smaller = halved(batch, cause)  # ConfigError at 1 per rank
             if fresh or not oom:  # a relaunch from a checkpoint (or after a non-OOM failure) is a restart
-                if restarts >= limit or not _restartable(exc):
+                if restarts >= limit or not is_restartable(exc):
                     if restarts:
                         raise DistributedTrainingError(f"{exc} (after {restarts} restart(s) of train.max_restarts="
-                                                       f"{limit})") from exc
+                                                       f"{limit})", getattr(exc, "rank_classes", None)) from exc
                     if oom:
                         raise DistributedTrainingError(
                             f"{exc} (out of memory after this job's first checkpoint: restarting from it with half "
-                            f"the batch is a restart, and train.max_restarts={limit})") from exc
+                            f"the batch is a restart, and train.max_restarts={limit})",
+                            getattr(exc, "rank_classes", None)) from exc
                     raise
                 restarts += 1
                 if on_restart is not None:
                     on_restart(restarts, cause)
             attempt += 1
             restore = last if fresh else restore_first
-            data = job.data
+            data, was = job.data, batch
             if oom:
                 backoffs += 1
                 batch = smaller
                 data = dataclasses.replace(data, plan=plan_data(data.train, data.val, data.plan.train.world_size,
                                                                 batch))
-            if fresh:  # a checkpoint trained with a batch since halved: its steps, schedule and rates restated
-                trained_with = max(b for t, b in launches if t <= os.path.getmtime(last))
-                if trained_with != batch:
-                    restore = _rescaled(last, job, data.plan, trained_with)
+            if restore and os.path.exists(restore) and (fresh or batch != first_batch):
+                # trained with another batch than this launch's (it records which): steps, schedule, rates restated
+                from pipeline.distributed.checkpoints import restated  # torch: on the driver only when needed
+
+                restore = restated(restore, data.plan.train.steps_per_epoch, batch, data.plan.train.world_size,
+                                   job.cfg.train.lr_scaling)
             if oom:
                 log.warning("out of memory: relaunching every rank with %d samples per rank (was %d) from %s: %s",
-                            batch, launches[-1][1], restore or "the start", cause)
+                            batch, was, restore or "the start", cause)
                 if on_batch is not None:
                     on_batch(backoffs, data.plan, cause)
             else:
                 log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
                             restore or "the start", cause)
             cfg = dataclasses.replace(job.cfg, train=dataclasses.replace(job.cfg.train, ckpt_restore=restore))
-            job = dataclasses.replace(job, cfg=cfg, data=data, attempt=attempt, start_batch_size=launches[0][1])
-            launches.append((time.time(), batch))
-
-
-def _rescaled(last: str, job: TrainJob, plan, trained_with: int) -> str:
-    """`last` (trained with `trained_with` samples per rank) restated for `plan`'s smaller batch, beside it."""
-    from pipeline.distributed.backoff import lr_batch_factor, rescale_checkpoint
-    from pipeline.lakehouse.partition import plan_split
-
-    if not os.path.isfile(last):
-        raise DistributedTrainingError(f"out of memory after checkpoint {last}: a sharded checkpoint cannot be resumed "
-                                       f"with a smaller batch; set a smaller data.batch_size")
-    new = plan.train
-    old = plan_split("train", new.row_group_rows, new.world_size, trained_with)
-    dst = os.path.join(os.path.dirname(last), f"last-batch{new.batch_size}.ckpt")
-    step = rescale_checkpoint(last, dst, old.steps_per_epoch, trained_with, new.steps_per_epoch, new.batch_size,
-                              lr_batch_factor(new.batch_size, trained_with, job.cfg.train.lr_scaling))
-    log.info("checkpoint %s (%d per rank) restated for %d per rank at step %d: %s", last, trained_with,
-             new.batch_size, step, dst)
-    return dst
+            job = dataclasses.replace(job, cfg=cfg, data=data, attempt=attempt, start_batch_size=first_batch)
 
 
 def _launch(job: TrainJob) -> List[RankResult]:

@@ -16,10 +16,6 @@ from pipeline.log import get_logger, quiet_third_party_warnings, setup_logging
 log = get_logger(__name__)
 
 
-class CheckpointLineageError(RuntimeError):
-    """A checkpoint was trained on another Delta table or version than this job."""
-
-
 @dataclass
 class TrainJob:
     """Everything a rank needs; picklable (no Spark session, no open files)."""
@@ -62,37 +58,6 @@ class RankResult:
     batch_size: int = 0  # per rank, as trained (data.batch_size, or what an OOM back-off left)
 
 
-def resolve_checkpoint(cfg: Config) -> Optional[str]:
-    """`train.ckpt_restore`: None, `last` (the checkpoint folder's last.ckpt) or a path."""
-    value = cfg.train.ckpt_restore
-    if not value:
-        return None
-    path = os.path.join(cfg.train.checkpoint_dir, "last.ckpt") if value == "last" else value
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist")
-    return path
-
-
-def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bool) -> int:
-    """Refuse a checkpoint from another Delta table or version unless `train.ckpt_allow_other_data`.
-
-    Returns the checkpoint's global step (the batches trained: where the data stream resumes).
-    """
-    import torch
-
-    from pipeline.distributed.fsdp import checkpoint_meta
-
-    ckpt = checkpoint_meta(path)  # a file, or the meta.pt of a sharded (FSDP) checkpoint folder
-    theirs = ckpt.get("lakehouse") or {}
-    if any(theirs.get(k) != v for k, v in lineage.items()):
-        msg = (f"checkpoint {path} was trained on {theirs.get('delta_table')} version {theirs.get('delta_version')}, "
-               f"this job reads {lineage['delta_table']} version {lineage['delta_version']}")
-        if not allow_other:
-            raise CheckpointLineageError(msg + "; set train.ckpt_allow_other_data=true to resume anyway")
-        log.warning("%s; resuming anyway (train.ckpt_allow_other_data=true)", msg)
-    return int(ckpt.get("global_step", 0))
-
-
 def _digest(module) -> str:
     """SHA-256 of the trainable parameters (BatchNorm running statistics are per-rank by design)."""
     import hashlib
@@ -129,8 +94,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
     from pipeline.distributed.backoff import lr_batch_factor
-    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, LineageCheckpoint,
-                                                RngCheckpoint, StopSignals, host_and_pid)
+    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, RngCheckpoint,
+                                                StopSignals, host_and_pid)
+    from pipeline.distributed.checkpoints import (CheckpointRecord, check_checkpoint_lineage, consolidated_state,
+                                                  resolve_checkpoint)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
     from pipeline.model.module import ImageClassifier, scaled_lr
 
@@ -186,7 +153,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                                  save_top_k=1, save_last=False, enable_version_counter=False)
     latest = ModelCheckpoint(dirpath=ckpt_dir, filename="latest", monitor=None, save_top_k=1, save_last=True,
                              enable_version_counter=False)
-    callbacks = [stop, accounting, checkpoint, latest, LineageCheckpoint(job.lineage), RngCheckpoint()]
+    record = CheckpointRecord(job.lineage, batch_size=batch, world_size=world_size,
+                              steps_per_epoch=plan.train.steps_per_epoch, lr=lr)
+    callbacks = [stop, accounting, checkpoint, latest, record, RngCheckpoint()]
     if cfg.train.checkpoint_every_n_steps:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", monitor=None, save_top_k=1,
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
@@ -213,7 +182,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         if is_zero:
             log.info("resuming from %s", ckpt_path)
     try:
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     finally:
         stop.restore()
         if threads is not None:
@@ -251,7 +220,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
-        from pipeline.distributed.fsdp import LakehouseFSDPStrategy, consolidated_state
+        from pipeline.distributed.fsdp import LakehouseFSDPStrategy
 
         sharded = isinstance(strategy, LakehouseFSDPStrategy)
         if sharded:  # FSDP left the module wrapped and sharded: rank 0 rebuilds it whole from the checkpoint
@@ -279,17 +248,30 @@ def _write_marker(job: TrainJob, rank: int, what: str, text: str = "") -> None:
         pass
 
 
+def error_classes(exc: BaseException) -> str:
+    """`exc`'s class and its bases as dotted names, one a line, most specific first: how a rank tells the driver what
+    failed (`launcher.is_restartable` decides from them, not from the message)."""
+    return "\n".join(f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__)
+
+
 @contextlib.contextmanager
 def rank_record(job: TrainJob, rank: int) -> Iterator[None]:
     """What the launcher learns of a rank whatever becomes of it, in the job folder: `rank<r>.started` when it starts,
-    `rank<r>.error` (its exception and traceback) when it fails, `rank<r>.done` when it returns. A rank that left
-    only `.started` ended without a word: killed (`launcher._failures` says so)."""
+    `rank<r>.error` (its exception and traceback) and `rank<r>.class` (its exception's classes, `error_classes`) when
+    it fails, `rank<r>.done` when it returns. A rank that left only `.started` ended without a word: killed
+    (`launcher._failures` says so). Ranks but 0 drop MLflow's credentials from their environment first: only rank 0
+    writes to MLflow (pipeline.redact.TRACKING_CREDENTIALS)."""
+    from pipeline.redact import TRACKING_CREDENTIALS, redact_url, without
+
+    if rank != 0:
+        without(os.environ, TRACKING_CREDENTIALS)
     _write_marker(job, rank, "started")
     try:
         yield
     except BaseException as exc:
-        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
-        _write_marker(job, rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, redact_url(str(exc)))
+        _write_marker(job, rank, "error", redact_url(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        _write_marker(job, rank, "class", error_classes(exc))  # what the launcher decides restartability from
         raise
     _write_marker(job, rank, "done")
 

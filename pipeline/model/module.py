@@ -257,20 +257,3 @@ def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_n
         meta["pretrained"] = model_cfg.pretrained  # where its starting weights came from (not read at load time)
     return meta
 
-
-def classifier_from_checkpoint(path: str) -> ImageClassifier:
-    """A trained ImageClassifier from its checkpoint alone (a file, or an FSDP checkpoint folder, gathered here):
-    the network from the checkpoint's hyperparameters (model.arch, classes, channels; a model.pretrained file is not
-    read), its weights and a timm backbone's input transform from the state dict. Offline, one process."""
-    from pipeline.distributed.fsdp import checkpoint_meta, consolidated_state
-    from pipeline.model.nets import build_network
-
-    hp = checkpoint_meta(path).get("hyper_parameters") or {}
-    if "model" not in hp or "channels" not in hp:
-        raise ValueError(f"checkpoint {path} has no model hyperparameters (model, channels) to rebuild its network")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_cfg = ModelConfig(**{k: v for k, v in hp["model"].items() if k in fields})
-    net = build_network(model_cfg.arch, hp["channels"], hp["num_classes"], model_cfg.width)
-    model = ImageClassifier(net, hp["num_classes"], model_cfg, hp.get("lr", model_cfg.lr))
-    model.load_state_dict(consolidated_state(path))
-    return model.eval()

@@ -25,8 +25,7 @@ def _fsdp_run(spark, table, tmp_path, *extra):
 
 def test_two_fsdp_ranks_on_cpu_register_the_checkpoint_they_wrote(spark, digits_table, digits_dir, tmp_path):
     from pipeline.data.transforms import decode_batch
-    from pipeline.distributed.fsdp import is_sharded_checkpoint
-    from pipeline.model.module import classifier_from_checkpoint
+    from pipeline.distributed.checkpoints import classifier_from_checkpoint, is_sharded_checkpoint
     from pipeline.workflow import run_checkpoint_dir
 
     cfg, summary = _fsdp_run(spark, digits_table, tmp_path, "train.max_epochs=2")

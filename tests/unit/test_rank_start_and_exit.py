@@ -79,8 +79,11 @@ def test_rank_record_leaves_started_then_done_or_the_error(tmp_path):
         with loop.rank_record(job, 1):
             raise ValueError("bad shard")
     files = sorted(p.name for p in (tmp_path / "job").iterdir())
-    assert files == ["rank0.done", "rank0.started", "rank1.error", "rank1.started"]
+    assert files == ["rank0.done", "rank0.started", "rank1.class", "rank1.error", "rank1.started"]
     assert (tmp_path / "job" / "rank1.error").read_text().startswith("ValueError: bad shard\n")
+    # the class and its bases, most specific first: what the launcher decides restartability from
+    assert (tmp_path / "job" / "rank1.class").read_text().splitlines() == [
+        "builtins.ValueError", "builtins.Exception", "builtins.BaseException", "builtins.object"]
 
 
 def test_a_rank_that_ended_without_a_word_is_named_beside_the_ranks_errors(tmp_path):

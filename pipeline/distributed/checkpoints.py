@@ -1,0 +1,290 @@
+"""Checkpoints: reading them safely, what each records, the lineage check, restating one for a smaller batch, and
+rebuilding a trained classifier from one.
+
+A checkpoint is a Lightning file (`*.ckpt`) or, with FSDP, a folder of per-rank shards plus Lightning's `meta.pt`.
+Every one the loop writes records, beside the weights, the Delta table and version it was trained on (`lakehouse`)
+and how it was trained (`trained_with`: per-rank batch, world size, steps per epoch, global step, learning rate):
+an OOM back-off restates a checkpoint from what it records, never from when it was written.
+
+Every read uses `torch.load(weights_only=True)` (tensors and plain values only): a checkpoint whose pickle would
+construct anything else, which could run code, is refused with `CheckpointError` naming the file. A sharded folder's
+`.metadata` (torch.distributed.checkpoint pickles it) is read with an unpickler that admits only that format's own
+record types.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import pytorch_lightning as pl
+import torch
+
+from pipeline.config import Config, ConfigError, ModelConfig
+from pipeline.distributed.backoff import lr_batch_factor
+from pipeline.log import get_logger
+from pipeline.model.module import ImageClassifier
+from pipeline.model.nets import build_network
+
+log = get_logger(__name__)
+
+META_FILE = "meta.pt"  # Lightning's file of the non-tensor state inside a sharded checkpoint folder
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded folder's tensors (a pickle)
+LINEAGE = "lakehouse"  # checkpoint key: the Delta table and version trained on
+TRAINED_WITH = "trained_with"  # checkpoint key: batch_size (per rank), world_size, steps_per_epoch, global_step, lr
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: unreadable, unsafe to read, or missing what a restart needs (names the file)."""
+
+
+class CheckpointLineageError(CheckpointError):
+    """A checkpoint was trained on another Delta table or version than this job."""
+
+
+# ---------------------------------------------------------------------------------------------------------- reading
+def is_sharded_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
+
+
+def _load(path: str) -> Dict[str, Any]:
+    """One checkpoint file with `weights_only=True`; refused (CheckpointError naming it) when it holds more."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain values; refused "
+                              f"(reading it could run code stored in the file): {first}") from None
+    except (OSError, EOFError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Admits what torch.distributed.checkpoint writes into `.metadata` (its dataclasses and enums, dtypes, sizes,
+    layouts, paths) and nothing else: no function or class that could act when the pickle is read."""
+
+    _PLAIN = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PureWindowsPath"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith("torch.distributed.checkpoint.") and "." not in name:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
+
+
+def _check_sharded(path: str) -> None:
+    """Refuse a sharded folder whose `.metadata` would construct anything but the format's own records."""
+    index = os.path.join(path, DCP_METADATA)
+    try:
+        with open(index, "rb") as fh:
+            _DcpMetadataUnpickler(fh).load()
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint {index} holds objects other than a sharded checkpoint's index; refused "
+                              f"(reading it could run code stored in the file): {exc}") from None
+    except (OSError, EOFError) as exc:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {index} cannot be read ({exc})") from exc
+
+
+def checkpoint_meta(path: str) -> Dict[str, Any]:
+    """The non-tensor part of a checkpoint (global_step, callbacks, lineage, trained_with): a file's whole dict, or a
+    sharded checkpoint folder's meta.pt (its `.metadata` checked first)."""
+    if is_sharded_checkpoint(path):
+        _check_sharded(path)
+        return _load(os.path.join(path, META_FILE))
+    return _load(path)
+
+
+def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
+    """The LightningModule state dict of a checkpoint, in one process and without a process group: a file's
+    `state_dict`, or the full state gathered from a sharded folder's shards."""
+    if not is_sharded_checkpoint(path):
+        return _load(path)["state_dict"]
+    checkpoint_meta(path)  # .metadata and meta.pt pass the same checks before torch.distributed.checkpoint reads them
+    from lightning_fabric.utilities.load import _load_distributed_checkpoint
+
+    return _load_distributed_checkpoint(Path(path))["model"]
+
+
+# -------------------------------------------------------------------------------------- what a checkpoint records
+class CheckpointRecord(pl.Callback):
+    """Stores in every checkpoint the Delta table and version (`lakehouse`, checked on resume) and how the weights
+    were trained (`trained_with`: per-rank batch, world size, steps per epoch, global step, learning rate), which a
+    restart after an OOM back-off restates from."""
+
+    def __init__(self, lineage: Dict[str, Any], batch_size: int, world_size: int, steps_per_epoch: int,
+                 lr: float) -> None:
+        self.lineage = dict(lineage)
+        self.trained = {"batch_size": int(batch_size), "world_size": int(world_size),
+                        "steps_per_epoch": int(steps_per_epoch), "lr": float(lr)}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        checkpoint[LINEAGE] = dict(self.lineage)
+        checkpoint[TRAINED_WITH] = {**self.trained, "global_step": int(trainer.global_step)}
+
+
+def trained_with(path: str) -> Dict[str, Any]:
+    """What checkpoint `path` records of how it was trained (`CheckpointRecord`).
+
+    Raises:
+        CheckpointError: it records nothing (written before checkpoints recorded it), naming the file.
+    """
+    record = checkpoint_meta(path).get(TRAINED_WITH)
+    if not isinstance(record, dict) or "batch_size" not in record:
+        raise CheckpointError(f"checkpoint {path} does not record the batch it was trained with ('{TRAINED_WITH}'); "
+                              f"it cannot be restated for another batch")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- resume and lineage
+def resolve_checkpoint(cfg: Config) -> Optional[str]:
+    """`train.ckpt_restore` as a rank reads it: None, `last` (the checkpoint folder's last.ckpt) or a path (the driver
+    resolves run-scoped names to a path before launching).
+
+    Raises:
+        ConfigError: the checkpoint does not exist, naming the key.
+    """
+    value = cfg.train.ckpt_restore
+    if not value:
+        return None
+    path = os.path.join(cfg.train.checkpoint_dir, "last.ckpt") if value == "last" else value
+    if not os.path.exists(path):
+        raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist")
+    return path
+
+
+def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bool) -> int:
+    """Refuse a checkpoint from another Delta table or version unless `train.ckpt_allow_other_data`.
+
+    Returns the checkpoint's global step (the batches trained: where the data stream resumes).
+    """
+    ckpt = checkpoint_meta(path)  # a file, or the meta.pt of a sharded (FSDP) checkpoint folder
+    theirs = ckpt.get(LINEAGE) or {}
+    if any(theirs.get(k) != v for k, v in lineage.items()):
+        msg = (f"checkpoint {path} was trained on {theirs.get('delta_table')} version {theirs.get('delta_version')}, "
+               f"this job reads {lineage['delta_table']} version {lineage['delta_version']}")
+        if not allow_other:
+            raise CheckpointLineageError(msg + "; set train.ckpt_allow_other_data=true to resume anyway")
+        log.warning("%s; resuming anyway (train.ckpt_allow_other_data=true)", msg)
+    return int(ckpt.get("global_step", 0))
+
+
+# ---------------------------------------------------------------------------------- restating for a smaller batch
+def converted_position(total: int, current: int, old_steps: int, old_batch: int, new_steps: int,
+                       new_batch: int) -> Tuple[int, int]:
+    """A checkpoint's place in training, (batches trained in all, batches trained in its epoch) in batches of
+    `old_batch` (`old_steps` per epoch), in batches of `new_batch` (`new_steps` per epoch): the same epoch, and within
+    it the batch that covers the same number of samples (an epoch that had ended stays ended; a mid-epoch one never
+    reaches its last step)."""
+    epochs = (int(total) - int(current)) // old_steps
+    within = new_steps if current >= old_steps else min(new_steps - 1, int(current) * old_batch // new_batch)
+    return epochs * new_steps + within, within
+
+
+# the fit loop's step counters in a Lightning checkpoint (progress trackers with `total` and `current` counts)
+_PROGRESS = ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress",
+             "epoch_loop.automatic_optimization.optim_progress")
+
+
+def _set_counts(node: Dict[str, Any], total: int, current: int) -> None:
+    """Every `total` / `current` count under a progress tracker's state set to `total` / `current`."""
+    for key, value in node.items():
+        if not isinstance(value, dict):
+            continue
+        if key in ("total", "current"):
+            value.update({k: total if key == "total" else current for k, v in value.items() if isinstance(v, int)})
+        else:
+            _set_counts(value, total, current)
+
+
+def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_steps: int, new_batch: int,
+                       lr_factor: float) -> int:
+    """Write `src` (a Lightning checkpoint trained with `old_batch` per rank) to `dst` as if trained with `new_batch`:
+    every step counter of the fit loop and the LR scheduler at the converted position (`converted_position`), the
+    learning rates of the optimizer and scheduler times `lr_factor`, the data stream's steps per epoch, and its
+    `trained_with` record. Weights, optimizer moments, lineage and callbacks' states are kept. Returns the converted
+    global step."""
+    ckpt = _load(src)
+    fit = ckpt["loops"]["fit_loop"]
+    progress = fit["epoch_loop.batch_progress"]
+    total, current = converted_position(progress["total"]["ready"], progress["current"]["ready"], old_steps,
+                                        old_batch, new_steps, new_batch)
+    for name in _PROGRESS:
+        _set_counts(fit.get(name, {}), total, current)
+    fit.get("epoch_loop.state_dict", {})["_batches_that_stepped"] = total
+    for state in fit.get("state_dict", {}).get("combined_loader", []) or []:
+        if isinstance(state, dict) and "steps_per_epoch" in state:
+            state["steps_per_epoch"] = new_steps
+    for opt in ckpt.get("optimizer_states", []):
+        for group in opt.get("param_groups", []):
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= lr_factor
+    for sched in ckpt.get("lr_schedulers", []):
+        sched["last_epoch"], sched["_step_count"] = total, total + 1
+        for key in ("base_lrs", "_last_lr"):
+            if key in sched:
+                sched[key] = [lr * lr_factor for lr in sched[key]]
+    ckpt["global_step"] = total
+    record = ckpt.get(TRAINED_WITH)
+    if isinstance(record, dict):
+        ckpt[TRAINED_WITH] = {**record, "batch_size": new_batch, "steps_per_epoch": new_steps, "global_step": total,
+                              "lr": float(record.get("lr", 0.0)) * lr_factor}
+    tmp = dst + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, dst)
+    return total
+
+
+def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str) -> str:
+    """Checkpoint `path` for a launch with `batch_size` per rank (`steps_per_epoch`, `world_size` ranks): `path`
+    itself when it records that batch, else a copy beside it restated from the batch, steps and rate it records
+    (`rescale_checkpoint`; the rate by `train.lr_scaling`).
+
+    Raises:
+        CheckpointError: it records no batch, another world size, or is a sharded (FSDP) checkpoint trained with
+            another batch; naming the file.
+    """
+    record = trained_with(path)
+    old_batch = int(record["batch_size"])
+    if old_batch == batch_size:
+        return path
+    if int(record.get("world_size", world_size)) != world_size:
+        raise CheckpointError(f"checkpoint {path} was trained on {record['world_size']} ranks, this launch has "
+                              f"{world_size}: it cannot be restated for another batch")
+    if is_sharded_checkpoint(path):
+        raise CheckpointError(f"checkpoint {path} (sharded, trained with {old_batch} per rank) cannot be restated for "
+                              f"{batch_size} per rank; set a smaller data.batch_size")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    dst = os.path.join(os.path.dirname(path), f"{stem}-batch{batch_size}.ckpt")
+    step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_batch, steps_per_epoch, batch_size,
+                              lr_batch_factor(batch_size, old_batch, lr_scaling))
+    log.info("checkpoint %s (%d per rank, step %s) restated for %d per rank at step %d: %s", path, old_batch,
+             record.get("global_step"), batch_size, step, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------ a trained classifier
+def classifier_from_checkpoint(path: str) -> ImageClassifier:
+    """A trained ImageClassifier from its checkpoint alone (a file, or an FSDP checkpoint folder, gathered here):
+    the network from the checkpoint's hyperparameters (model.arch, classes, channels; a model.pretrained file is not
+    read), its weights and a timm backbone's input transform from the state dict. Offline, one process."""
+    hp = checkpoint_meta(path).get("hyper_parameters") or {}
+    if "model" not in hp or "channels" not in hp:
+        raise CheckpointError(f"checkpoint {path} has no model hyperparameters (model, channels) to rebuild its "
+                              f"network")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in hp["model"].items() if k in fields})
+    net = build_network(model_cfg.arch, hp["channels"], hp["num_classes"], model_cfg.width)
+    model = ImageClassifier(net, hp["num_classes"], model_cfg, hp.get("lr", model_cfg.lr))
+    model.load_state_dict(consolidated_state(path))
+    return model.eval()

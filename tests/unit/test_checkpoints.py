@@ -1,0 +1,222 @@
+"""The checkpoint module's rules: a restart after OOM back-offs restates from the batch the checkpoint records, a
+checkpoint whose pickle would run code is refused, and a rank's error class decides whether the job restarts."""
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from pipeline.data.convert import plan_data
+from pipeline.data.shards import ConvertedData
+from pipeline.distributed import launcher
+from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, check_checkpoint_lineage,
+                                              checkpoint_meta, classifier_from_checkpoint, consolidated_state,
+                                              converted_position, rescale_checkpoint, restated, trained_with)
+from pipeline.distributed.loop import rank_record
+
+WORLD, ROWS_PER_RANK = 2, 320  # steps per epoch: 5 at 64 per rank, 10 at 32, 20 at 16
+
+
+def _progress(total, current):
+    return {"total": {"ready": total, "completed": total, "started": total, "processed": total},
+            "current": {"ready": current, "completed": current, "started": current, "processed": current},
+            "is_last_batch": False}
+
+
+def _checkpoint(path, batch, steps, total, current, lr):
+    """A Lightning-shaped checkpoint at (total, current) batches, trained with `batch` per rank at rate `lr`."""
+    torch.save({"global_step": total, "epoch": (total - current) // steps, "state_dict": {"w": torch.ones(2)},
+                "lakehouse": {"delta_table": "t", "delta_version": 0},
+                TRAINED_WITH: {"batch_size": batch, "world_size": WORLD, "steps_per_epoch": steps,
+                               "global_step": total, "lr": lr},
+                "loops": {"fit_loop": {"state_dict": {"combined_loader": [{"steps_per_epoch": steps}]},
+                                       "epoch_loop.state_dict": {"_batches_that_stepped": total},
+                                       "epoch_loop.batch_progress": _progress(total, current),
+                                       "epoch_loop.scheduler_progress": _progress(total, current),
+                                       "epoch_progress": _progress(total // steps, total // steps)}},
+                "optimizer_states": [{"param_groups": [{"lr": lr, "initial_lr": lr, "momentum": 0.9}]}],
+                "lr_schedulers": [{"base_lrs": [lr], "_last_lr": [lr], "last_epoch": total,
+                                   "_step_count": total + 1}]}, path)
+
+
+def _job(tmp_path, *overrides):
+    cfg = load_config(None, [f"train.checkpoint_dir={tmp_path}/ckpt", "data.batch_size=auto",
+                             "data.auto_batch_start=64", "train.lr_scaling=linear", "train.np=-2",
+                             "train.max_restarts=2", *overrides])
+    split = SimpleNamespace(row_group_rows=[ROWS_PER_RANK] * WORLD)
+    data = ConvertedData(train=split, val=split, plan=plan_data(split, split, WORLD, 64), class_names=["a", "b"],
+                         image_size=8, channels=1)
+    return launcher.TrainJob(cfg=cfg, data=data, delta_table="t", delta_version=0, job_dir=str(tmp_path / "job"))
+
+
+def _oom(rank=1):
+    return launcher.DistributedTrainingError(f"training failed on rank {rank}: OutOfMemoryError: CUDA out of memory")
+
+
+def test_two_backoffs_then_a_kill_restate_from_the_batch_each_checkpoint_records(tmp_path, monkeypatch):
+    """64 -> OOM -> 32 -> OOM -> 16 -> a rank killed: each relaunch resumes from the checkpoint restated from the
+    batch IT was trained with (64, then 32, then none: it was trained at 16), never from the job's first batch."""
+    job = _job(tmp_path, "train.max_restarts=3")
+    os.makedirs(job.cfg.train.checkpoint_dir)
+    last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
+    seen = []
+
+    def fake_launch(job):
+        batch, steps = job.data.plan.train.batch_size, job.data.plan.train.steps_per_epoch
+        restore = job.cfg.train.ckpt_restore
+        seen.append((job.attempt, batch, steps, restore and os.path.basename(restore),
+                     restore and torch.load(restore, weights_only=True)))
+        time.sleep(0.05)  # the checkpoint's mtime after the job's start, whatever the file system's clock
+        if job.attempt == 0:  # 7 steps of 64 (1 epoch of 5, then 2), then an out-of-memory
+            _checkpoint(last, 64, 5, 7, 2, lr=0.4)
+            raise _oom()
+        if job.attempt == 1:  # resumed at 32 from step 14, 3 more steps (17: epoch 1, step 7 of 10), then OOM
+            _checkpoint(last, 32, 10, 17, 7, lr=0.2)
+            raise _oom()
+        if job.attempt == 2:  # resumed at 16 from step 34, 2 more steps, then rank 1 killed
+            _checkpoint(last, 16, 20, 36, 16, lr=0.1)
+            raise launcher.DistributedTrainingError("training failed on rank 1: " + launcher.SILENT_RANK)
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    restarts, backoffs = [], []
+    assert launcher.launch_with_restarts(job, lambda n, c: restarts.append(n),
+                                         lambda n, plan, c: backoffs.append(plan.train.batch_size)) == ["done"]
+    assert [(a, b, s) for a, b, s, _, _ in seen] == [(0, 64, 5), (1, 32, 10), (2, 16, 20), (3, 16, 20)]
+    assert backoffs == [32, 16] and restarts == [1, 2, 3]
+
+    _, _, _, name1, ckpt1 = seen[1]  # trained at 64: restated for 32
+    assert name1 == "last-batch32.ckpt" and ckpt1["global_step"] == converted_position(7, 2, 5, 64, 10, 32)[0] == 14
+    assert ckpt1["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.2)
+    _, _, _, name2, ckpt2 = seen[2]  # trained at 32 (not 64, the job's first batch): restated from 32 for 16
+    assert name2 == "last-batch16.ckpt"
+    assert ckpt2["global_step"] == converted_position(17, 7, 10, 32, 20, 16)[0] == 34
+    assert ckpt2["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)
+    assert ckpt2["lr_schedulers"][0]["base_lrs"] == [pytest.approx(0.1)]
+    assert ckpt2[TRAINED_WITH] == {"batch_size": 16, "world_size": WORLD, "steps_per_epoch": 20, "global_step": 34,
+                                   "lr": pytest.approx(0.1)}
+    _, _, _, name3, ckpt3 = seen[3]  # trained at 16, resumed at 16: the checkpoint itself, not restated again
+    assert name3 == "last.ckpt" and ckpt3["global_step"] == 36
+    assert ckpt3["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)
+
+
+def test_restated_keeps_a_checkpoint_of_this_batch_and_refuses_what_it_cannot_restate(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    _checkpoint(path, 32, 10, 17, 7, lr=0.2)
+    assert restated(path, 10, 32, WORLD, "linear") == path
+    assert trained_with(path)["batch_size"] == 32
+    with pytest.raises(CheckpointError, match=rf"{path} was trained on 2 ranks, this launch has 4"):
+        restated(path, 10, 16, 4, "linear")
+    old = str(tmp_path / "old.ckpt")
+    torch.save({"global_step": 3, "state_dict": {}}, old)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {old} does not record the batch"):
+        restated(old, 10, 16, WORLD, "linear")
+
+
+def test_rescaled_checkpoint_records_its_new_batch(tmp_path):
+    src, dst = str(tmp_path / "last.ckpt"), str(tmp_path / "out.ckpt")
+    _checkpoint(src, 64, 5, 7, 2, lr=0.4)
+    assert rescale_checkpoint(src, dst, 5, 64, 10, 32, 0.5) == 14
+    assert trained_with(dst) == {"batch_size": 32, "world_size": WORLD, "steps_per_epoch": 10, "global_step": 14,
+                                 "lr": pytest.approx(0.2)}
+
+
+# ------------------------------------------------------------------------------- checkpoints that would run code
+class _Payload:
+    """Unpickling it opens (creates) the marker file: what any code in a pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_naming_it(tmp_path):
+    marker = tmp_path / "ran"
+    evil = str(tmp_path / "evil.ckpt")
+    torch.save({"global_step": 1, "state_dict": {"w": torch.ones(1)}, "lakehouse": {}, "x": _Payload(marker)}, evil)
+    for read in (checkpoint_meta, consolidated_state, trained_with, classifier_from_checkpoint,
+                 lambda p: check_checkpoint_lineage(p, {"delta_table": "t", "delta_version": 0}, False),
+                 lambda p: rescale_checkpoint(p, str(tmp_path / "out.ckpt"), 5, 64, 10, 32, 0.5)):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {evil} holds objects other than tensors"):
+            read(evil)
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    torch.load(evil, weights_only=False)  # the control: read without the restriction, the file does run code
+    assert marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant here
+def test_a_sharded_checkpoint_is_read_only_when_its_index_and_meta_are_plain(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "last.ckpt"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(3, 2)}}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"global_step": 4, "lakehouse": {"delta_table": "t", "delta_version": 0}}, folder / "meta.pt")
+    assert checkpoint_meta(str(folder))["global_step"] == 4
+    torch.testing.assert_close(consolidated_state(str(folder))["w"], torch.arange(6.0).reshape(3, 2))
+
+    marker = tmp_path / "ran"
+    torch.save({"global_step": 4, "x": _Payload(marker)}, folder / "meta.pt")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {folder / 'meta.pt'} holds objects other than tensors"):
+        consolidated_state(str(folder))
+    torch.save({"global_step": 4}, folder / "meta.pt")
+    import pickle
+
+    with open(folder / ".metadata", "wb") as fh:  # torch.distributed.checkpoint reads this with plain pickle
+        pickle.dump(_Payload(marker), fh)
+    for read in (checkpoint_meta, consolidated_state):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {folder / '.metadata'} holds objects other than"):
+            read(str(folder))
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- restartability from a rank's class
+def _ranks_failing(job_dir_errors):
+    """A stand-in for the launchers: every rank runs under rank_record and raises its error; the launcher itself
+    then fails with a text that names no class (as horovod.run and TorchDistributor do)."""
+    launches = []
+
+    def fake_launch(job):
+        launches.append(job.attempt)
+        for rank, exc in job_dir_errors.items():
+            with pytest.raises(type(exc)):
+                with rank_record(job, rank):
+                    raise exc
+        raise RuntimeError("Horovod detected that one or more processes exited with non-zero status")
+    return launches, fake_launch
+
+
+@pytest.mark.parametrize("error", [ConfigError("config key 'data.reader': 'parquet-magic' is not a reader"),
+                                   CheckpointError("checkpoint /x/last.ckpt cannot be read")])
+def test_a_rank_error_of_a_class_not_restartable_fails_the_job_at_once(tmp_path, monkeypatch, error):
+    job = _job(tmp_path, "data.batch_size=16")
+    launches, fake = _ranks_failing({0: RuntimeError("Timed out waiting 60000ms"), 1: error})
+    monkeypatch.setattr(launcher, "_launch", fake)
+    with pytest.raises(launcher.DistributedTrainingError) as err:
+        launcher.launch_with_restarts(job)
+    assert launches == [0]  # one launch, no restart, though train.max_restarts=2
+    assert f"rank 1: {type(error).__name__}: {error}" in str(err.value)
+    assert f"{type(error).__module__}.{type(error).__qualname__}" in err.value.rank_classes[1]
+    assert not launcher.is_restartable(err.value)
+
+
+def test_a_rank_that_died_of_a_restartable_error_is_relaunched(tmp_path, monkeypatch):
+    job = _job(tmp_path, "data.batch_size=16")
+    launches, fake = _ranks_failing({1: RuntimeError("injected failure at step 3 on rank 1")})
+    monkeypatch.setattr(launcher, "_launch", fake)
+    with pytest.raises(launcher.DistributedTrainingError, match=r"after 2 restart\(s\)") as err:
+        launcher.launch_with_restarts(job)
+    assert launches == [0, 1, 2] and err.value.rank_classes[1][0] == "builtins.RuntimeError"
+
+
+def test_restartability_is_decided_by_class_not_text():
+    text_only = launcher.DistributedTrainingError("training failed on rank 0: ConfigError: config key 'x'")
+    assert launcher.is_restartable(text_only)  # a message that merely mentions a class decides nothing
+    recorded = launcher.DistributedTrainingError("training failed on rank 0: bad",
+                                                 {0: [f"{ConfigError.__module__}.{ConfigError.__qualname__}"]})
+    assert not launcher.is_restartable(recorded)
+    assert not launcher.is_restartable(ConfigError("config key 'x'"))
+    assert launcher.is_restartable(launcher.DistributedTrainingError("x", {0: ["builtins.RuntimeError"]}))
