@@ -71,10 +71,11 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   # on PATH) builds the extension without CUDA instead: CPU tensors only, which is all such a machine has.
   CUDA_HOME_SEEN=$("$PY" -c "import torch.utils.cpp_extension as c; print(c.CUDA_HOME or '')" 2>/dev/null || true)
   if [ "${LAKEHOUSE_HOROVOD_GLOO_ONLY:-0}" = 1 ] && [ ! -f "${CUDA_HOME_SEEN:-/nonexistent}/include/cuda_runtime.h" ]; then
-    sed -i 's/^elseif (Pytorch_CUDA AND NOT HAVE_CUDA)$/elseif (FALSE)  # lakehouse: gloo-only, no CUDA toolkit/' \
-      "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q "lakehouse: gloo-only" "$SRC/horovod/torch/CMakeLists.txt" || {
-      echo "the gloo-only patch did not apply to horovod/torch/CMakeLists.txt" >&2; exit 1; }
+    # FindPytorch then takes torch for a CPU build (a CppExtension: no cudart to link, no add_cuda)
+    sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
+      "$SRC/cmake/Modules/FindPytorch.cmake"
+    grep -q 'import CUDA_HOME; print(False)' "$SRC/cmake/Modules/FindPytorch.cmake" || {
+      echo "the gloo-only patch did not apply to cmake/Modules/FindPytorch.cmake" >&2; exit 1; }
   fi
   # NCCL from the nvidia-nccl-* package: a folder with include/ and lib/libnccl.so -> libnccl.so.2
   for pair in $LAKEHOUSE_HVD_NCCL_LINKS; do
