@@ -143,7 +143,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
 
     from pipeline.distributed.launcher import launch_with_restarts
     from pipeline.distributed.loop import TrainJob
-    from pipeline.tracking.rank_zero import log_rank_hosts
+    from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
     from pipeline.tracking.runs import Terminated, log_config, log_lineage
 
     rows_train, rows_val = data.rows
@@ -159,7 +159,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     if cfg.train.ckpt_restore:
         run.client.set_tag(run.run_id, "resumed_from", cfg.train.ckpt_restore)
     job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
-                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir)
+                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker)
     if epoch_gate is not None:
         job.epoch_gate_dir = epoch_gate.folder
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s

@@ -55,7 +55,7 @@ def measure_train_overheads(cfg: Config, prep, sizes: Sizes, run) -> List[Result
         return wrapper
 
     job = TrainJob(cfg=bcfg, data=prep.data1, delta_table=prep.table, delta_version=prep.version,
-                   run_id=run.run_id, tracking_uri=run.tracking_uri,
+                   run_id=run.run_id, tracking_uri=run.tracking_uri, tracker=RankZeroTracker,
                    job_dir=os.path.join(ckpt_dir, ".job"))
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(cb.AtomicCheckpointIO, "save_checkpoint", timed(saves)))

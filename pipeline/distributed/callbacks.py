@@ -154,11 +154,14 @@ class StopSignals(pl.Callback):
 class EpochAccounting(pl.Callback):
     """Counts the rows every rank read each epoch, checks them against the plan, and reports the epoch.
 
-    `report(epoch_metrics, step)` runs on rank 0 only (MLflow logging); `history` keeps every epoch.
+    `report(epoch_metrics, step)` runs on rank 0 only (MLflow logging); `history` keeps every epoch. `extra(trainer)`,
+    a collective every rank calls at the epoch end (telemetry.RankResources.epoch_metrics), adds its fields.
     """
 
-    def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None) -> None:
+    def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None,
+                 extra: Optional[Callable[[Any], Dict[str, float]]] = None) -> None:
         self.report = report
+        self.extra = extra
         self.history: List[Dict[str, float]] = []
         self._t0 = 0.0
 
@@ -196,6 +199,8 @@ class EpochAccounting(pl.Callback):
             epoch[f"rows_read_rank_{r}"] = float(n)
         for r, n in enumerate(val_rows):
             epoch[f"val_rows_read_rank_{r}"] = float(n)
+        if self.extra is not None:
+            epoch.update(self.extra(trainer))
         self.history.append(epoch)
         if trainer.is_global_zero:
             log.info("epoch %d: train_loss %.4f val_loss %.4f val_acc %.4f, %.0f samples/s, rows per rank %s",

@@ -232,7 +232,7 @@ def launch(job: TrainJob) -> List[RankResult]:
             return _launch(job)
         except Exception as exc:
             if term.terminated or glob.glob(os.path.join(job.job_dir, "rank*.sigterm")):
-                from pipeline.tracking.runs import Terminated
+                from pipeline.errors import Terminated
 
                 raise Terminated(f"SIGTERM; the ranks stopped with: {exc}") from exc
             detail = _failures(job)
@@ -248,7 +248,7 @@ def _not_restartable() -> tuple:
     from pipeline.data.shards import ConversionError
     from pipeline.distributed.checkpoints import CheckpointError
     from pipeline.lakehouse.partition import PlanError
-    from pipeline.tracking.runs import Terminated
+    from pipeline.errors import Terminated
 
     return Terminated, ConfigError, ConversionError, PlanError, CheckpointError, KeyboardInterrupt
 

@@ -7,7 +7,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from pipeline.config import Config
 from pipeline.data.shards import ConvertedData
@@ -34,6 +34,9 @@ class TrainJob:
     # OOM back-off (pipeline/distributed/backoff.py): the per-rank batch the job started with (model.lr's batch);
     # None: the plan's batch was never halved
     start_batch_size: Optional[int] = None
+    # rank 0's tracker, made as tracker(tracking_uri, run_id, local_dir=job_dir) when run_id is set: the driver passes
+    # the tracking layer's class (pipeline.tracking.rank_zero.RankZeroTracker), so this layer never imports it
+    tracker: Optional[Callable[..., Any]] = None
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -99,6 +102,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pipeline.distributed.checkpoints import (CheckpointRecord, check_checkpoint_lineage, consolidated_state,
                                                   resolve_checkpoint)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
+    from pipeline.distributed.telemetry import RankResources
     from pipeline.model.module import ImageClassifier, scaled_lr
 
     quiet_third_party_warnings()
@@ -136,16 +140,17 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         fail_with=cfg.train.fail_with)
 
     tracker = None
-    if is_zero and job.run_id:
-        from pipeline.tracking.rank_zero import RankZeroTracker
-
-        tracker = RankZeroTracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
+    if is_zero and job.run_id and job.tracker is not None:
+        tracker = job.tracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
         tracker.record_precision(precision)
+        # this machine sampled into the run in the background; a relaunch continues the same run's series
+        tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
 
     ckpt_dir = cfg.train.checkpoint_dir
     es = cfg.train.early_stopping
     stop = StopSignals(os.path.join(ckpt_dir, "last.ckpt"))
-    accounting = EpochAccounting(report=tracker.log_epoch if tracker else None)
+    resources = RankResources()  # every rank's host CPU and memory, peak RSS and peak GPU memory, per epoch
+    accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
     # best.ckpt when the monitored metric improves; last.ckpt after EVERY epoch (a monitored ModelCheckpoint writes
     # its last.ckpt only in epochs that improved, so a resume would go back to the last improving epoch) and, with
     # train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
@@ -155,7 +160,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                              enable_version_counter=False)
     record = CheckpointRecord(job.lineage, batch_size=batch, world_size=world_size,
                               steps_per_epoch=plan.train.steps_per_epoch, lr=lr)
-    callbacks = [stop, accounting, checkpoint, latest, record, RngCheckpoint()]
+    callbacks = [stop, resources, accounting, checkpoint, latest, record, RngCheckpoint()]
     if cfg.train.checkpoint_every_n_steps:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", monitor=None, save_top_k=1,
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
@@ -185,6 +190,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     finally:
         stop.restore()
+        if tracker is not None:
+            tracker.stop_telemetry()
         if threads is not None:
             torch.set_num_threads(previous_threads)  # a single-process run happens in the caller's process
 

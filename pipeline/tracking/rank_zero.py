@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from pipeline.log import get_logger, is_rank_zero
 from pipeline.redact import redact_url
+from pipeline.tracking.telemetry import SystemTelemetry
 
 log = get_logger(__name__)
 
@@ -32,6 +33,7 @@ class RankZeroTracker:
         self.offline = None  # an OfflineRun once the server is given up on
         self.tags: Dict[str, str] = {}  # set by rank 0 (kept for a run left offline)
         self.unsent_tags: Dict[str, str] = {}
+        self.telemetry: Optional[SystemTelemetry] = None  # rank 0's machine, sampled in the background
 
     def record_precision(self, precision: str) -> None:
         """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
@@ -87,6 +89,20 @@ class RankZeroTracker:
                 fh.write(json.dumps({"run_id": self.run_id, "step": step, "metrics": metrics}) + "\n")
         log.warning("%d epoch(s) of metrics of run %s could not reach MLflow; kept in %s", len(items), self.run_id,
                     path)
+
+    def start_telemetry(self, interval_s: float, resume: bool = False) -> None:
+        """Sample this machine (CPU, memory, disk, network, its GPUs) into the run every `interval_s` seconds, on a
+        background thread (0: off); `resume`: a relaunch of the same run continues its series' steps."""
+        if not is_rank_zero() or interval_s <= 0:
+            return
+        self.telemetry = SystemTelemetry(self.client.tracking_uri, self.run_id, interval_s, resume=resume)
+        self.telemetry.start()
+
+    def stop_telemetry(self) -> None:
+        """Stop sampling (bounded: a server that does not answer is not waited for)."""
+        telemetry, self.telemetry = self.telemetry, None
+        if telemetry is not None:
+            telemetry.stop()
 
     def close(self) -> None:
         """At the end of training: a last try, then whatever is left goes to the local file (and stays pending for

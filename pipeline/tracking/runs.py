@@ -20,6 +20,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import Config, MlflowConfig
+from pipeline.errors import Terminated  # noqa: F401  (raised here by the SIGTERM handler; callers import it here)
 from pipeline.log import get_logger
 from pipeline.redact import redact_url, redacted
 
@@ -32,10 +33,6 @@ BATCH_LIMIT = 100
 # While connecting, one HTTP attempt must fail fast; our own bounded loop does the retrying.
 _CONNECT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 _NOT_TRANSIENT = ("INVALID_PARAMETER_VALUE", "PERMISSION_DENIED", "UNAUTHENTICATED", "BAD_REQUEST")
-
-
-class Terminated(Exception):
-    """Raised in the main thread by the SIGTERM handler that `tracked_run` installs."""
 
 
 class TrackingUnavailable(RuntimeError):

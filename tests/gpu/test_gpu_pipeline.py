@@ -76,7 +76,7 @@ def test_converted_parquet_to_registered_model_with_the_arrow_reader(gpu_ranks, 
         f"mlflow.artifact_location={tmp_path}/mlartifacts", f"mlflow.unended_runs={tmp_path}/unended.jsonl",
         # the gate scores on held-out rows of the pinned Delta version (delta-rs, a 52 MB wheel the device tool
         # cannot carry beside the bundle); it is tested in the CPU tiers. Here: train, log, register.
-        "mlflow.promote=false"])
+        "mlflow.promote=false", "mlflow.system_metrics_interval_s=1"])
     splits = {}
     for name, rows, seed in (("train", 256 * gpu_ranks, 1), ("val", 64 * gpu_ranks, 2)):
         folder = tmp_path / "cache" / "entry" / name
@@ -104,4 +104,14 @@ def test_converted_parquet_to_registered_model_with_the_arrow_reader(gpu_ranks, 
     assert r0.metrics["val_acc"] > 0.2, r0.metrics  # learned the drawn row (chance is 0.1)
     params = client.get_run(run_id).data.params
     assert params["data.reader"] == "arrow"
+    # GPU telemetry: each rank's peak and reserved GPU memory per epoch, reported through rank 0, and NVML's series of
+    # every GPU of rank 0's machine sampled in the background (utilisation, memory)
+    for rank in range(gpu_ranks):
+        for field in ("gpu_peak_memory_mb", "gpu_reserved_memory_mb", "peak_rss_mb", "host_cpu_percent"):
+            history = client.get_metric_history(run_id, f"{field}_rank_{rank}")
+            assert len(history) == 3, (field, rank)
+        assert client.get_metric_history(run_id, f"gpu_peak_memory_mb_rank_{rank}")[-1].value > 0
+    for device in range(gpu_ranks):
+        for key in (f"system/gpu_{device}_utilization_percentage", f"system/gpu_{device}_memory_usage_megabytes"):
+            assert client.get_metric_history(run_id, key), key
     assert params.get("train.precision", "auto") == "auto"

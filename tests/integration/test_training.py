@@ -43,7 +43,8 @@ def _ranks(client, run_id, tmp_path):
 def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     from pipeline import workflow
 
-    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "model.lr=0.02", "train.max_epochs=3")
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "model.lr=0.02", "train.max_epochs=3",
+               "mlflow.system_metrics_interval_s=1")
     summary = workflow.train(spark, cfg)
 
     assert CONTRACT_KEYS <= set(summary)
@@ -63,6 +64,17 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     for metric in ("train_loss", "val_loss", "val_acc", "samples_per_sec", "data_wait_fraction",
                    "rows_read_rank_0", "rows_read_rank_1"):
         assert len(client.get_metric_history(run.info.run_id, metric)) == 3, metric
+    # telemetry: rank 0's machine sampled in the background (a series, not one point), every rank's host and memory
+    # reported through rank 0 at each epoch end; no GPU series on a CPU machine
+    for key in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
+        assert len(client.get_metric_history(run.info.run_id, key)) >= 2, key
+    for rank in (0, 1):
+        for field in ("host_cpu_percent", "host_memory_used_mb", "peak_rss_mb"):
+            history = client.get_metric_history(run.info.run_id, f"{field}_rank_{rank}")
+            assert len(history) == 3 and all(m.value >= 0 for m in history), (field, rank)
+        peak = client.get_metric_history(run.info.run_id, f"peak_rss_mb_rank_{rank}")
+        assert 50 < peak[-1].value < 8000 and peak[-1].value >= peak[0].value  # a peak never falls
+    assert not [k for k in run.data.metrics if k.startswith("gpu_") or k.startswith("system/gpu")]
     # every rank read the same planned rows each epoch
     r0 = client.get_metric_history(run.info.run_id, "rows_read_rank_0")
     r1 = client.get_metric_history(run.info.run_id, "rows_read_rank_1")
