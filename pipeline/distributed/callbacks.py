@@ -165,6 +165,15 @@ class EpochAccounting(pl.Callback):
         self.history: List[Dict[str, float]] = []
         self._t0 = 0.0
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Saved in every checkpoint: a run resumed from epoch k (a restart, an OOM back-off, train.ckpt_restore)
+        keeps epochs 0..k-1 in its history, so its best epoch, registered metrics, plots and tune value cover every
+        epoch (plain ints, floats and strings: loadable with weights_only)."""
+        return {"history": [dict(h) for h in self.history]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.history = [dict(h) for h in state_dict.get("history", [])]
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._t0 = time.perf_counter()
 
