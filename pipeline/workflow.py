@@ -29,8 +29,11 @@ def read_pinned(spark, cfg: Config):
     return get_engine(cfg.delta.engine).read(spark, cfg.delta.table, cfg.delta.version)
 
 
-def prepare_data(spark, cfg: Config):
-    """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts)."""
+def prepare_data(spark, cfg: Config, leases: Any = None):
+    """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts).
+
+    `leases` (pipeline.data.leases.JobLeases, optional): the job's leases; the cache entry used is held in it, so no
+    other job evicts or clears it until the job releases it (when its training ends)."""
     from pipeline.data.convert import check_cache_visible, class_names_of, convert_for_training
 
     from pipeline.data.readers import require_reader
@@ -51,7 +54,7 @@ def prepare_data(spark, cfg: Config):
         from pipeline.lakehouse.partition import PlanError
 
         raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
-    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned)
+    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned, leases=leases)
     return data, pinned
 
 
@@ -107,15 +110,6 @@ def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
     raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist{mine}{hint}")
 
 
-def _in_run_folder(cfg: Config, run_id: str) -> Config:
-    """`cfg` with the checkpoints in the run's own folder and `train.ckpt_restore` resolved to a path."""
-    import dataclasses
-
-    train = dataclasses.replace(cfg.train, checkpoint_dir=run_checkpoint_dir(cfg, run_id),
-                                ckpt_restore=resolve_restore(cfg, run_id))
-    return dataclasses.replace(cfg, train=train)
-
-
 def _record_batch(run, n: int, plan, cause: str) -> None:
     """An OOM back-off (data.batch_size=auto, train.oom_backoff) in the run: the `batch_size_used` tag, the
     `oom_backoffs` metric, a tag with its cause and the new shard plan."""
@@ -154,12 +148,14 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
                         "shard_plan.json")
     run.client.set_tag(run.run_id, "batch_size_used", data.plan.train.batch_size)  # per rank; OOM back-off halves it
     job_dir = job_dir_of(cfg, run.run_id)
-    cfg = _in_run_folder(cfg, run.run_id)
-    run.client.set_tag(run.run_id, "checkpoint_dir", cfg.train.checkpoint_dir)
-    if cfg.train.ckpt_restore:
-        run.client.set_tag(run.run_id, "resumed_from", cfg.train.ckpt_restore)
+    # the run's own folder and the resolved restore point are the job's, not the config's (which stays the user's)
+    checkpoint_dir, restore_from = run_checkpoint_dir(cfg, run.run_id), resolve_restore(cfg, run.run_id)
+    run.client.set_tag(run.run_id, "checkpoint_dir", checkpoint_dir)
+    if restore_from:
+        run.client.set_tag(run.run_id, "resumed_from", restore_from)
     job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
-                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker)
+                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker,
+                   checkpoint_dir=checkpoint_dir, restore_from=restore_from or "")
     if epoch_gate is not None:
         job.epoch_gate_dir = epoch_gate.folder
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
@@ -219,14 +215,22 @@ def gate(client, cfg: Config, version: str):
 def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
     """The main job: pinned Delta read -> converters -> ranks -> one MLflow run -> registered model (-> champion).
 
-    Returns the summary that `lakehouse train` prints as its last line of JSON.
+    The cache entry it trains from is leased from its choice until the job ends (`cache clear` and other jobs' size
+    bound keep it). Returns the summary that `lakehouse train` prints as its last line of JSON.
     """
+    from pipeline.data.leases import JobLeases
+
+    with JobLeases("train" + (f" {run_name}" if run_name else "")) as leases:
+        return _train(spark, cfg, run_name, leases)
+
+
+def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str, Any]:
     from pipeline.redact import redact_url
     from pipeline.tracking.offline import left_offline, record_job
     from pipeline.tracking.runs import configure, tracked_run
 
     client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
-    data, pinned = prepare_data(spark, cfg)
+    data, pinned = prepare_data(spark, cfg, leases)
     rows_train, rows_val = data.rows
     world = world_size_of(cfg)
     summary: Dict[str, Any] = {}

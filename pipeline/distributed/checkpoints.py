@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import pytorch_lightning as pl
 import torch
 
-from pipeline.config import Config, ConfigError, ModelConfig
+from pipeline.config import ConfigError, ModelConfig
 from pipeline.distributed.backoff import lr_batch_factor
 from pipeline.log import get_logger
 from pipeline.model.module import ImageClassifier
@@ -146,17 +146,16 @@ def trained_with(path: str) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- resume and lineage
-def resolve_checkpoint(cfg: Config) -> Optional[str]:
-    """`train.ckpt_restore` as a rank reads it: None, `last` (the checkpoint folder's last.ckpt) or a path (the driver
-    resolves run-scoped names to a path before launching).
+def resolve_checkpoint(value: Optional[str], checkpoint_dir: str) -> Optional[str]:
+    """The restore point as a rank reads it (`TrainJob.restore_point`): None, `last` (`checkpoint_dir`'s last.ckpt)
+    or a path (the driver resolves train.ckpt_restore's run-scoped names to a path before launching).
 
     Raises:
         ConfigError: the checkpoint does not exist, naming the key.
     """
-    value = cfg.train.ckpt_restore
     if not value:
         return None
-    path = os.path.join(cfg.train.checkpoint_dir, "last.ckpt") if value == "last" else value
+    path = os.path.join(checkpoint_dir, "last.ckpt") if value == "last" else value
     if not os.path.exists(path):
         raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist")
     return path

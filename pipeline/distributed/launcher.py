@@ -289,8 +289,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
     from pipeline.distributed.backoff import backs_off, halved, is_out_of_memory
 
     limit = max(0, job.cfg.train.max_restarts)
-    last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
-    restore_first = job.cfg.train.ckpt_restore
+    last = os.path.join(job.ckpt_dir, "last.ckpt")
+    restore_first = job.restore_point
     started = time.time()
     attempt = restarts = backoffs = 0
     first_batch = batch = job.data.plan.train.batch_size
@@ -340,8 +340,9 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             else:
                 log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
                             restore or "the start", cause)
-            cfg = dataclasses.replace(job.cfg, train=dataclasses.replace(job.cfg.train, ckpt_restore=restore))
-            job = dataclasses.replace(job, cfg=cfg, data=data, attempt=attempt, start_batch_size=first_batch)
+            # the user's config stays as it is; the job carries what this relaunch resumes from
+            job = dataclasses.replace(job, restore_from=restore or "", data=data, attempt=attempt,
+                                      start_batch_size=first_batch)
 
 
 def _launch(job: TrainJob) -> List[RankResult]:

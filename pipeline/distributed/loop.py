@@ -18,7 +18,9 @@ log = get_logger(__name__)
 
 @dataclass
 class TrainJob:
-    """Everything a rank needs; picklable (no Spark session, no open files)."""
+    """Everything a rank needs; picklable (no Spark session, no open files). `cfg` is the user's validated config and
+    is never rewritten; what the driver learns while the job runs (the run's checkpoint folder, the restore point, the
+    attempt, the batch it started with) lives in the job's own fields."""
 
     cfg: Config
     data: ConvertedData
@@ -37,6 +39,20 @@ class TrainJob:
     # rank 0's tracker, made as tracker(tracking_uri, run_id, local_dir=job_dir) when run_id is set: the driver passes
     # the tracking layer's class (pipeline.tracking.rank_zero.RankZeroTracker), so this layer never imports it
     tracker: Optional[Callable[..., Any]] = None
+    # where this job's checkpoints go (the driver: the run's own folder, <train.checkpoint_dir>/<run_id>); None: the
+    # configured train.checkpoint_dir itself (a job without an MLflow run)
+    checkpoint_dir: Optional[str] = None
+    # the checkpoint this launch resumes from, as a path (the driver resolves train.ckpt_restore; a relaunch sets the
+    # job's own last.ckpt); None: train.ckpt_restore as configured
+    restore_from: Optional[str] = None
+
+    @property
+    def ckpt_dir(self) -> str:
+        return self.checkpoint_dir or self.cfg.train.checkpoint_dir
+
+    @property
+    def restore_point(self) -> Optional[str]:
+        return self.restore_from if self.restore_from is not None else self.cfg.train.ckpt_restore
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -146,7 +162,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         # this machine sampled into the run in the background; a relaunch continues the same run's series
         tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
 
-    ckpt_dir = cfg.train.checkpoint_dir
+    ckpt_dir = job.ckpt_dir
     es = cfg.train.early_stopping
     stop = StopSignals(os.path.join(ckpt_dir, "last.ckpt"))
     resources = RankResources()  # every rank's host CPU and memory, peak RSS and peak GPU memory, per epoch
@@ -180,7 +196,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         enable_model_summary=is_zero, num_sanity_val_steps=0, deterministic=False,
         use_distributed_sampler=False, log_every_n_steps=max(1, plan.train.steps_per_epoch))
 
-    ckpt_path = resolve_checkpoint(cfg)
+    ckpt_path = resolve_checkpoint(job.restore_point, ckpt_dir)
     if ckpt_path:
         trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
         dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped

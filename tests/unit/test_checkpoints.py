@@ -62,10 +62,12 @@ def test_two_backoffs_then_a_kill_restate_from_the_batch_each_checkpoint_records
     os.makedirs(job.cfg.train.checkpoint_dir)
     last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
     seen = []
+    users_config = job.cfg
 
     def fake_launch(job):
+        assert job.cfg is users_config  # a relaunch changes the job, never the user's config
         batch, steps = job.data.plan.train.batch_size, job.data.plan.train.steps_per_epoch
-        restore = job.cfg.train.ckpt_restore
+        restore = job.restore_point
         seen.append((job.attempt, batch, steps, restore and os.path.basename(restore),
                      restore and torch.load(restore, weights_only=True)))
         time.sleep(0.05)  # the checkpoint's mtime after the job's start, whatever the file system's clock
