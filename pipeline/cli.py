@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cache", help="the converted-data cache (data.cache_dir): list entries or clear them")
     actions = p.add_subparsers(dest="action", required=True)
     _add_conf(actions.add_parser("ls", help="entries, most recently used first, with size and source table"))
-    p = actions.add_parser("clear", help="delete entries (all, or those named by --key)")
+    p = actions.add_parser("clear", help="delete entries (all, or those named by --key); an entry a running job "
+                                         "holds is kept and named with its holder (job, pid, host)")
     p.add_argument("--key", action="append", default=None, help="clear only this entry (repeatable)")
+    p.add_argument("--force", action="store_true", help="delete held entries too (their jobs then fail reading them)")
     _add_conf(p)
 
     p = sub.add_parser("sync-run", help="upload a run left offline (the tracking server was down) to MLflow")
@@ -127,7 +129,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.action == "ls":
                 print(json.dumps({"cache_dir": cfg.data.cache_dir, "entries": list_entries(cfg.data.cache_dir)}))
             else:
-                print(json.dumps({"cache_dir": cfg.data.cache_dir, "cleared": clear(cfg.data.cache_dir, args.key)}))
+                print(json.dumps({"cache_dir": cfg.data.cache_dir,
+                                  **clear(cfg.data.cache_dir, args.key, force=args.force)}))
             return 0
         if args.command == "bench" and args.gpu:
             from pipeline.bench.gpu import run_gpu_bench

@@ -3,6 +3,9 @@
 An entry is ``<data.cache_dir>/<key>/`` holding ``train/`` and ``val/`` Parquet files and ``manifest.json``, written
 last: an entry without a manifest is incomplete and is rebuilt. The key is a hash of everything that decides the
 files' content, so a later job (or a tuning trial, or another process) on the same pinned table reuses them.
+
+An entry a job reads is leased (`pipeline.data.leases`: who holds it, taken before the job looks at the entry, held
+until its training ends): the size bound and `clear` delete only entries nobody live holds, under the cache's lock.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlparse
 
+from pipeline.data.leases import JobLeases, cache_lock, drop_key, live_holders, read_holders, stale_reason, this_host
 from pipeline.data.shards import FORMAT_VERSION, ConversionError
 from pipeline.log import get_logger
 
@@ -100,8 +104,17 @@ def entry_bytes(manifest: Dict[str, Any]) -> int:
     return sum(f["bytes"] for s in manifest.get("splits", {}).values() for f in s.get("files", []))
 
 
-def list_entries(cache_dir: str) -> List[Dict[str, Any]]:
-    """Every entry under `data.cache_dir`, most recently used first, with its size and what it was made from."""
+def _live(fs, root: str) -> Dict[str, List[Any]]:
+    """The live leases by key, without deleting the stale ones (a listing changes nothing)."""
+    host, boot_id = this_host()
+    now = time.time()
+    return {key: live for key, holders in read_holders(fs, root).items()
+            if (live := [h for h in holders if stale_reason(h, now, host, boot_id) is None])}
+
+
+def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None) -> List[Dict[str, Any]]:
+    """Every entry under `data.cache_dir`, most recently used first, with its size, what it was made from and the jobs
+    holding it now (`held_by`: job, pid, host)."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(cache_dir)
@@ -110,53 +123,101 @@ def list_entries(cache_dir: str) -> List[Dict[str, Any]]:
     except OSError:
         return []
     base = root_url(cache_dir)
+    holders = _live(fs, path) if holders is None else holders
     out = []
     for info in infos:
-        if info.type != pafs.FileType.Directory:
+        if info.type != pafs.FileType.Directory or info.base_name.startswith("."):  # .leases
             continue
         url = f"{base}/{info.base_name}"
+        held_by = [h.public() for h in holders.get(info.base_name, [])]
         manifest = read_manifest(url)
         if manifest is None:
-            out.append({"key": info.base_name, "url": url, "complete": False, "bytes": None, "last_used": None})
+            out.append({"key": info.base_name, "url": url, "complete": False, "bytes": None, "last_used": None,
+                        "held_by": held_by})
             continue
         inputs = manifest.get("inputs", {})
         out.append({"key": info.base_name, "url": url, "complete": True, "bytes": entry_bytes(manifest),
                     "last_used": manifest.get("last_used"), "created": manifest.get("created"),
                     "table": inputs.get("table"), "version": inputs.get("version"),
                     "world_size": inputs.get("world_size"), "image_size": inputs.get("image_size"),
-                    "rows": {k: s.get("rows") for k, s in manifest.get("splits", {}).items()}})
+                    "rows": {k: s.get("rows") for k, s in manifest.get("splits", {}).items()}, "held_by": held_by})
     out.sort(key=lambda e: e.get("last_used") or 0, reverse=True)
     return out
 
 
-def clear(cache_dir: str, keys: Optional[Iterable[str]] = None) -> List[str]:
-    """Delete the given entries (all when None); returns the keys deleted."""
+def take_lease(leases: JobLeases, cache_dir: str, key: str) -> None:
+    """Hold entry `key` for the job owning `leases`, before the job looks at it (see `pipeline.data.leases`)."""
+    root_url(cache_dir)  # the folder exists
+    fs, path = filesystem(cache_dir)
+    leases.take(fs, path, key)
+
+
+def clear(cache_dir: str, keys: Optional[Iterable[str]] = None, force: bool = False) -> Dict[str, Any]:
+    """Delete the given entries (all when None), except those a live job holds unless `force`.
+
+    Returns {"cleared": [keys], "kept": [{"key", "held_by": [{job, pid, host, taken, renewed}]}]}.
+
+    Raises:
+        ConversionError: a key in `keys` is not in the cache.
+    """
     wanted = set(keys) if keys is not None else None
-    done = []
-    for entry in list_entries(cache_dir):
-        if wanted is None or entry["key"] in wanted:
+    done: List[str] = []
+    kept: List[Dict[str, Any]] = []
+    root_url(cache_dir)
+    fs, path = filesystem(cache_dir)
+    with cache_lock(fs, path):
+        holders = live_holders(fs, path, prune=True)
+        entries = list_entries(cache_dir, holders)
+        missing = (wanted or set()) - {e["key"] for e in entries}
+        if missing:
+            raise ConversionError(f"no cache entry {sorted(missing)[0]!r} under data.cache_dir={cache_dir}")
+        for entry in entries:
+            if wanted is not None and entry["key"] not in wanted:
+                continue
+            held = holders.get(entry["key"], [])
+            who = "; ".join(h.describe() for h in held)
+            if held and not force:
+                log.warning("kept cache entry %s: in use by %s (`lakehouse cache clear --force` deletes it anyway)",
+                            entry["key"], who)
+                kept.append({"key": entry["key"], "held_by": [h.public() for h in held]})
+                continue
+            if held:
+                log.warning("--force: deleting cache entry %s while %s holds it", entry["key"], who)
             remove_entry(entry["url"])
+            if not held:
+                drop_key(fs, path, entry["key"])
             done.append(entry["key"])
-    if wanted is not None and wanted - set(done):
-        raise ConversionError(f"no cache entry {sorted(wanted - set(done))[0]!r} under data.cache_dir={cache_dir}")
-    return done
+    return {"cleared": done, "kept": kept}
 
 
 def enforce_bound(cache_dir: str, max_gb: float, keep: str) -> List[str]:
-    """Evict least recently used complete entries until the cache holds at most `max_gb` (never `keep`)."""
+    """Evict least recently used complete entries until the cache holds at most `max_gb`; never `keep`, never an entry
+    a live job holds (the cache then stays above the bound, logged with the holders)."""
     if max_gb <= 0:
         return []
-    entries = [e for e in list_entries(cache_dir) if e["complete"]]
-    total = sum(e["bytes"] for e in entries)
-    evicted = []
-    for entry in reversed(entries):  # least recently used first
-        if total <= max_gb * 2 ** 30:
-            break
-        if entry["key"] == keep:
-            continue
-        remove_entry(entry["url"])
-        total -= entry["bytes"]
-        evicted.append(entry["key"])
-        log.info("evicted cache entry %s (%.1f MB, data.cache_max_gb=%g)", entry["key"], entry["bytes"] / 2 ** 20,
-                 max_gb)
+    fs, path = filesystem(cache_dir)
+    evicted: List[str] = []
+    with cache_lock(fs, path):
+        holders = live_holders(fs, path, prune=True)
+        entries = [e for e in list_entries(cache_dir, holders) if e["complete"]]
+        total = sum(e["bytes"] for e in entries)
+        in_use = []
+        for entry in reversed(entries):  # least recently used first
+            if total <= max_gb * 2 ** 30:
+                break
+            if entry["key"] == keep:
+                continue
+            if entry["key"] in holders:
+                in_use.append(entry["key"])
+                continue
+            remove_entry(entry["url"])
+            drop_key(fs, path, entry["key"])
+            total -= entry["bytes"]
+            evicted.append(entry["key"])
+            log.info("evicted cache entry %s (%.1f MB, data.cache_max_gb=%g)", entry["key"],
+                     entry["bytes"] / 2 ** 20, max_gb)
+        if total > max_gb * 2 ** 30 and in_use:
+            log.warning("the converted-data cache holds %.2f GB, above data.cache_max_gb=%g: entries in use are kept "
+                        "(%s)", total / 2 ** 30, max_gb,
+                        "; ".join(f"{k} by {', '.join(h.describe() for h in holders[k])}" for k in in_use))
     return evicted

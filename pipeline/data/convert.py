@@ -284,9 +284,12 @@ def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch
 
 
 def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: List[str],
-                         pinned: Any = None) -> ConvertedData:
+                         pinned: Any = None, leases: Optional[cache.JobLeases] = None) -> ConvertedData:
     """Split, decode and convert the pinned DataFrame (or reuse the cache entry with the same content key), then plan
     the shards before any rank starts.
+
+    With `leases` (the job's, held until its training ends), the entry is leased before it is looked at, so neither
+    another job's size bound nor `lakehouse cache clear` deletes it between here and the end of training.
 
     Raises:
         PlanError: a rank would get no data (with rows, row groups, ranks).
@@ -295,6 +298,8 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: L
     inputs = _key_inputs(df, cfg, world_size, pinned)
     key = cache.content_key(inputs)
     url = cache.entry_url(cfg.data.cache_dir, key)
+    if leases is not None:  # first: a deleter under the cache's lock either sees it or has finished deleting
+        cache.take_lease(leases, cfg.data.cache_dir, key)
     manifest = cache.read_manifest(url)
     if _usable(manifest, url):
         log.info("converted data cache hit: %s", url)

@@ -1,0 +1,190 @@
+"""Unit tests of the converted-data cache's leases (pipeline.data.leases) and of eviction and clearing honouring them,
+on real files in a temporary folder and real processes (no Spark: entries are manifests with made-up sizes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow.fs as pafs
+import pytest
+
+from pipeline.data import cache, leases
+from pipeline.data.leases import Holder, JobLeases, cache_lock, live_holders, read_holders, stale_reason
+from pipeline.data.shards import FORMAT_VERSION, ConversionError
+
+HOST, BOOT = leases.this_host()
+FS = pafs.LocalFileSystem()
+
+
+def _holder(**kw) -> Holder:
+    base = dict(key="k", job="train", pid=os.getpid(), host=HOST, boot_id=BOOT,
+                pid_start=leases.process_start(os.getpid()), taken=1000.0, renewed=1000.0)
+    return Holder(**{**base, **kw})
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# --- who is live --------------------------------------------------------------------------------
+
+def test_same_host_lease_lives_with_its_process_not_its_age():
+    now = 1000.0 + 10 * leases.STALE_S  # never renewed for a long time: on this host only the pid counts
+    assert stale_reason(_holder(), now, HOST, BOOT) is None
+    dead = _dead_pid()
+    reason = stale_reason(_holder(pid=dead, pid_start=None), now, HOST, BOOT)
+    assert reason == f"pid {dead} no longer runs on host {HOST}"
+
+
+def test_a_reused_pid_or_a_rebooted_host_is_not_the_holder():
+    start = leases.process_start(os.getpid())
+    assert start is not None  # Linux /proc
+    assert leases.pid_alive(os.getpid(), start)
+    assert not leases.pid_alive(os.getpid(), start + 1)  # same pid, another process start: reused
+    reason = stale_reason(_holder(boot_id="another-boot"), 1001.0, HOST, "this-boot")
+    assert reason is not None and "restarted" in reason
+
+
+def test_another_hosts_lease_lives_while_renewed():
+    other = _holder(host="elsewhere", pid=1)  # its pid means nothing here
+    assert stale_reason(other, 1000.0 + leases.STALE_S - 1, HOST, BOOT) is None
+    reason = stale_reason(other, 1000.0 + leases.STALE_S + 5, HOST, BOOT)
+    assert reason is not None and "elsewhere" in reason and "not renewed" in reason
+
+
+# --- lease files -------------------------------------------------------------------------------------
+
+def test_take_renew_release(tmp_path):
+    root = str(tmp_path)
+    with JobLeases("tune study s1") as job:
+        h = job.take(FS, root, "entryA")
+        assert job.take(FS, root, "entryA") is h  # once per key
+        held = live_holders(FS, root)
+        assert list(held) == ["entryA"] and len(held["entryA"]) == 1
+        got = held["entryA"][0]
+        assert (got.job, got.pid, got.host) == ("tune study s1", os.getpid(), HOST)
+        before = got.renewed
+        time.sleep(0.01)
+        job.renew()
+        assert read_holders(FS, root)["entryA"][0].renewed > before
+        os.remove(h.file)  # dropped as stale by another job meanwhile: renewing writes it again
+        job.renew()
+        assert os.path.exists(h.file)
+    assert read_holders(FS, root) == {}  # released at the end of the job
+    job.renew()  # a released lease is never written again
+    assert read_holders(FS, root) == {}
+
+
+def test_prune_drops_a_dead_process_lease_and_keeps_live_ones(tmp_path):
+    root = str(tmp_path)
+    dead = _holder(key="a", pid=_dead_pid(), pid_start=None, file=f"{root}/.leases/a/x--1--dead.json")
+    leases.write_lease(FS, dead)
+    (tmp_path / ".leases" / "a" / "y--2--junk.json").write_text("{not json")  # unreadable, fresh: kept for now
+    with JobLeases("train") as job:
+        job.take(FS, root, "a")
+        with cache_lock(FS, root):
+            live = live_holders(FS, root, prune=True)
+        jobs = sorted(h.job for h in live["a"])
+        assert jobs[0].startswith("train") and "unreadable lease file" in jobs[1]
+        assert not os.path.exists(dead.file)
+        old = time.time() - leases.STALE_S - 60
+        os.utime(tmp_path / ".leases" / "a" / "y--2--junk.json", (old, old))  # unreadable and old: stale
+        assert [h.job for h in live_holders(FS, root, prune=True)["a"]] == ["train"]
+
+
+def test_a_process_that_exits_without_releasing_leaves_no_lease(tmp_path):
+    code = ("import pyarrow.fs as f; from pipeline.data.leases import JobLeases; "
+            f"JobLeases('train').take(f.LocalFileSystem(), {str(tmp_path)!r}, 'k')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert read_holders(FS, str(tmp_path)) == {}  # released at exit
+
+
+def test_taking_a_lease_waits_for_the_cache_lock(tmp_path):
+    """A deleter holds the lock while it checks leases and deletes: a lease cannot slip in between."""
+    root = str(tmp_path)
+    code = ("import time, pyarrow.fs as f; from pipeline.data.leases import cache_lock\n"
+            f"with cache_lock(f.LocalFileSystem(), {root!r}):\n"
+            "    print('locked', flush=True); time.sleep(2)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(ConversionError, match=f"pid {proc.pid} on host"):
+            with cache_lock(FS, root, timeout_s=0.3):
+                pass
+        t0 = time.monotonic()
+        with JobLeases("train") as job:
+            job.take(FS, root, "k")
+            waited = time.monotonic() - t0
+        assert waited > 0.8, waited  # it waited for the other process's lock
+    finally:
+        proc.wait(timeout=30)
+
+
+# --- eviction and clear -------------------------------------------------------------------------------
+
+def _entry(cache_dir: str, key: str, mb: float, last_used: float) -> None:
+    url = cache.entry_url(cache_dir, key)
+    os.makedirs(url[len("file://"):], exist_ok=True)
+    files = [{"name": "part-00000.parquet", "bytes": int(mb * 2 ** 20), "row_groups": [1]}]
+    cache.write_manifest(url, {"format": FORMAT_VERSION, "created": last_used, "last_used": last_used,
+                               "inputs": {"table": "t", "version": 0},
+                               "splits": {"train": {"folder": "r/train", "rows": 1, "files": files}}})
+
+
+def test_eviction_skips_held_entries_until_released(tmp_path, caplog):
+    cache_dir = str(tmp_path / "cache")
+    for i, key in enumerate(["old", "mid", "new"]):
+        _entry(cache_dir, key, 1.0, 1000.0 + i)
+    job = JobLeases("train run-a")
+    cache.take_lease(job, cache_dir, "old")  # least recently used, but in use
+    assert cache.enforce_bound(cache_dir, 1.5 / 1024, keep="new") == ["mid"]
+    assert {e["key"] for e in cache.list_entries(cache_dir)} == {"old", "new"}
+    assert "entries in use are kept (old by job 'train run-a'" in caplog.text
+    [old] = [e for e in cache.list_entries(cache_dir) if e["key"] == "old"]
+    assert old["held_by"][0]["pid"] == os.getpid() and old["held_by"][0]["job"] == "train run-a"
+    job.release()
+    assert cache.enforce_bound(cache_dir, 1.5 / 1024, keep="new") == ["old"]
+    assert not (tmp_path / "cache" / ".leases" / "old").exists()  # its lease folder goes with it
+
+
+def test_clear_keeps_held_entries_names_the_holder_and_force_deletes(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    _entry(cache_dir, "a", 1.0, 1.0)
+    _entry(cache_dir, "b", 1.0, 2.0)
+    with JobLeases("tune study s") as job:
+        cache.take_lease(job, cache_dir, "a")
+        out = cache.clear(cache_dir)
+        assert out["cleared"] == ["b"]
+        assert [k["key"] for k in out["kept"]] == ["a"]
+        assert out["kept"][0]["held_by"][0] | {"taken": 0, "renewed": 0} == \
+            {"job": "tune study s", "pid": os.getpid(), "host": HOST, "taken": 0, "renewed": 0}
+        with pytest.raises(ConversionError, match="'nope'"):
+            cache.clear(cache_dir, ["a", "nope"])
+        assert [e["key"] for e in cache.list_entries(cache_dir)] == ["a"]  # an unknown key deletes nothing
+        assert cache.clear(cache_dir, ["a"], force=True) == {"cleared": ["a"], "kept": []}
+    assert cache.list_entries(cache_dir) == []
+
+
+def test_clear_is_not_blocked_by_a_stale_lease(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    _entry(cache_dir, "a", 1.0, 1.0)
+    root = cache.filesystem(cache_dir)[1]
+    stale = _holder(key="a", pid=_dead_pid(), pid_start=None, file=f"{root}/.leases/a/h--1--x.json")
+    leases.write_lease(FS, stale)
+    assert cache.list_entries(cache_dir)[0]["held_by"] == []
+    assert cache.clear(cache_dir) == {"cleared": ["a"], "kept": []}
+    assert not os.path.exists(stale.file)
+
+
+def test_lease_files_are_not_entries(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    with JobLeases("train") as job:
+        cache.take_lease(job, cache_dir, "a")  # a conversion in progress: lease, no entry yet
+        assert cache.list_entries(cache_dir) == []
+        data = json.loads(open(read_holders(FS, cache.filesystem(cache_dir)[1])["a"][0].file).read())
+        assert data["pid"] == os.getpid() and data["host"] == HOST and data["job"] == "train"
