@@ -160,6 +160,9 @@ class TuneConfig:
     startup_trials: int = 5  # finished trials before the median pruner prunes (and TPE's random trials)
     warmup_epochs: int = 0  # epochs of a trial before the median pruner may prune it
     verdict_timeout_s: float = 30.0  # how long rank 0 waits at an epoch end for the driver's pruning decision
+    # a sweep records its running trial's heartbeat every N s; a sweep on the same study fails a trial silent for
+    # 3 N s (its process is gone), never a live one
+    heartbeat_s: int = 10
 
 
 @dataclass
@@ -400,6 +403,7 @@ def validate(cfg: Config) -> None:
         ("tune.warmup_epochs", cfg.tune.warmup_epochs >= 0, "must be >= 0"),
         ("tune.timeout_s", cfg.tune.timeout_s is None or cfg.tune.timeout_s > 0, "must be > 0 or null"),
         ("tune.verdict_timeout_s", cfg.tune.verdict_timeout_s > 0, "must be > 0"),
+        ("tune.heartbeat_s", cfg.tune.heartbeat_s >= 1, "must be >= 1"),
     ]
     for key, ok, why in checks:
         if not ok:

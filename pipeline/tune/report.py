@@ -109,14 +109,16 @@ def save_plots(study, folder: str) -> List[str]:
 
 
 def trial_rows(study) -> List[Dict[str, Any]]:
-    from pipeline.tune.study import ATTR_ERROR, ATTR_RUN_ID
+    from optuna.trial import TrialState
+
+    from pipeline.tune.study import ATTR_RUN_ID, failure_reason
 
     rows = []
     for t in study.get_trials(deepcopy=False):
         rows.append({"number": t.number, "state": t.state.name,
                      "value": t.value if t.value is not None and math.isfinite(t.value) else None,
                      "params": t.params, "mlflow_run_id": t.user_attrs.get(ATTR_RUN_ID),
-                     "error": t.user_attrs.get(ATTR_ERROR),
+                     "error": failure_reason(t) if t.state == TrialState.FAIL else None,
                      "last_epoch": max(t.intermediate_values) if t.intermediate_values else None,
                      "duration_s": t.duration.total_seconds() if t.duration else None})
     return rows

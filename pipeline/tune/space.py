@@ -44,6 +44,10 @@ REFUSED_KEYS = {
     "train.checkpoint_dir": "each trial gets its own folder under it",
     "train.ckpt_restore": "every trial starts from scratch",
     "train.ckpt_allow_other_data": "every trial starts from scratch",
+    "train.early_stopping.monitor": "the trial's value is tune.metric at the monitor's best epoch: set both, equal, "
+                                    "outside the space",
+    "train.early_stopping.mode": "the trial's value is tune.metric at the monitor's best epoch: set it with "
+                                 "tune.direction, outside the space",
 }
 # Data keys read by the ranks, not by the conversion: a trial may change them and still share the converted files
 # (a new batch size re-plans the shards from the same row groups).

@@ -1,7 +1,19 @@
-"""The Optuna study of a sweep: its RDB storage, sampler and pruner, creating it or resuming it (a trial left RUNNING
-by a dead sweep is marked FAIL), and how many trials are still missing."""
+"""The Optuna study of a sweep: its RDB storage, sampler and pruner, creating it or resuming it, the heartbeat of a
+running trial (a trial whose sweep is gone is failed, a live one never), and how many trials are still missing.
+
+Several sweeps may drive one study (a `--resume` beside a running sweep, two resumes at once). Which trial is
+abandoned is decided by Optuna's own heartbeat (`RDBStorage(heartbeat_interval=tune.heartbeat_s,
+grace_period=3 x that)`): the sweep running a trial records its heartbeat every `tune.heartbeat_s` seconds, and
+before each new trial (and when it resumes) a sweep calls `optuna.storages.fail_stale_trials`, which fails only the
+RUNNING trials whose heartbeat stopped for the grace period: their process is gone. A trial failed that way cannot
+get user attributes any more (the storage refuses to update a finished trial), so its reason is implied: a FAIL trial
+without an `error` attribute is one whose sweep stopped (`failure_reason`); its MLflow child run is ended FAILED
+with that reason by the sweep that failed it. Each sweep tells only the trials it asked. Like Optuna's own
+distributed `optimize`, two sweeps counting toward one `n_trials` at once may start one trial more than asked.
+"""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -24,7 +36,9 @@ ATTR_SPACE = "space_yaml"
 ATTR_CONFIG = "config"
 ATTR_DELTA_VERSION = "delta_version"
 ATTR_REGISTERED = "registered"
-INTERRUPTED = "the sweep stopped while this trial ran (killed or interrupted); marked failed on resume"
+INTERRUPTED = ("the sweep stopped while this trial ran (killed or lost: its heartbeat stopped); failed by a later "
+               "sweep on the study")
+HEARTBEAT_GRACE = 3  # a running trial is stale once its heartbeat is older than this many heartbeat intervals
 
 
 def storage_url(cfg: Config) -> str:
@@ -40,15 +54,39 @@ def storage_url(cfg: Config) -> str:
     return resolve_tracking_uri(prefix + "work/optuna.db")
 
 
-def make_storage(url: str):
+class StaleTrials:
+    """The heartbeat settings of a sweep (`tune.heartbeat_s`) and Optuna's heartbeat-stale callback: it collects the
+    trials `fail_stale_trials` just failed in this process (each stale trial is failed, and so reported, by exactly
+    one sweep: the storage refuses a second update)."""
+
+    def __init__(self, heartbeat_s: int) -> None:
+        self.heartbeat_s = int(heartbeat_s)
+        self.grace_s = HEARTBEAT_GRACE * self.heartbeat_s
+        self._found: List[Any] = []
+
+    def __call__(self, study, trial) -> None:
+        self._found.append(trial)
+
+    def take(self) -> List[Any]:
+        found, self._found = self._found, []
+        return found
+
+
+def make_storage(url: str, stale: Optional[StaleTrials] = None):
+    """The study's RDB storage; with `stale`, Optuna's heartbeat on: a trial silent for `stale.grace_s` is stale."""
     import optuna
 
     kwargs: Dict[str, Any] = {}
     if url.startswith("sqlite"):
-        # the driver's pruning thread and main thread share the file; wait for a lock instead of failing
+        # the driver's pruning thread, heartbeat thread and main thread share the file (and other sweeps may): wait
+        # for a lock instead of failing
         kwargs = {"connect_args": {"timeout": 60}}
+    beat: Dict[str, Any] = {}
+    if stale is not None:
+        beat = {"heartbeat_interval": stale.heartbeat_s, "grace_period": stale.grace_s,
+                "heartbeat_stale_trial_callback": stale}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beat)
     except Exception as exc:
         raise ConfigError(f"config key 'tune.storage': cannot open Optuna storage {redact_url(url)!r}: "
                           f"{type(exc).__name__}: {redact_url(str(exc))}") from exc
@@ -92,6 +130,28 @@ def quiet_optuna() -> None:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # the sweep asks its trials itself (one per turn, trained by ranks) and keeps their heartbeat (Heartbeat below)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+def check_metric(cfg: Config) -> None:
+    """The trial's value and the model registered from it must come from the same epoch: the model is the epoch
+    checkpointed as best by `train.early_stopping.monitor` (in `train.early_stopping.mode`), so `tune.metric` and
+    `tune.direction` must be that metric and that direction.
+
+    Raises:
+        ConfigError: naming both keys of the pair that differs.
+    """
+    es = cfg.train.early_stopping
+    if cfg.tune.metric != es.monitor:
+        raise ConfigError(f"config keys 'tune.metric' ({cfg.tune.metric!r}) and 'train.early_stopping.monitor' "
+                          f"({es.monitor!r}) differ: a trial's model is its best epoch by the monitor, so its value "
+                          f"would come from another epoch; set both to the same metric")
+    expected = "min" if cfg.tune.direction == "minimize" else "max"
+    if es.mode != expected:
+        raise ConfigError(f"config keys 'tune.direction' ({cfg.tune.direction!r}) and 'train.early_stopping.mode' "
+                          f"({es.mode!r}) disagree: a trial's model is its best epoch by the monitor, so both must "
+                          f"agree (minimize and min, or maximize and max)")
 
 
 def create_study(cfg: Config, name: str, storage, url: str, n_trials: int, space_text: str,
@@ -146,19 +206,72 @@ def load_study(cfg: Config, name: str, storage, url: str):
                              pruner=make_pruner(cfg))
 
 
-def fail_interrupted(study, storage) -> List[Any]:
-    """Mark every trial still RUNNING as FAIL (one sweep drives a study at a time: on resume, a RUNNING trial is
-    one whose sweep died); returns those trials as they were."""
+def fail_stale(study, stale: StaleTrials) -> List[Any]:
+    """Fail the RUNNING trials whose heartbeat stopped (Optuna's `fail_stale_trials`: their sweep is gone); returns
+    the ones this process failed. A trial of a live sweep is left RUNNING."""
+    import optuna
+
+    optuna.storages.fail_stale_trials(study)
+    failed = stale.take()
+    for t in failed:
+        log.warning("trial %d of study %r was running in a sweep that stopped (no heartbeat for %d s); marked failed",
+                    t.number, study.study_name, stale.grace_s)
+    return failed
+
+
+def running(study) -> List[Any]:
+    """The trials RUNNING now (after `fail_stale`: each in a live sweep)."""
     from optuna.trial import TrialState
 
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    study_id = storage.get_study_id_from_name(study.study_name)
-    for t in stale:
-        storage.set_trial_user_attr(storage.get_trial_id_from_study_id_trial_number(study_id, t.number), ATTR_ERROR,
-                                    INTERRUPTED)
-        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-        log.warning("trial %d was running when the sweep stopped; marked failed", t.number)
-    return stale
+    return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+
+def failure_reason(trial) -> Optional[str]:
+    """Why a FAIL trial failed: its `error` attribute, or (none: it was failed by `fail_stale`) INTERRUPTED."""
+    return trial.user_attrs.get(ATTR_ERROR) or INTERRUPTED
+
+
+class Heartbeat:
+    """A running trial's heartbeat, recorded in the study's storage every `interval_s` by a daemon thread while the
+    sweep trains it (the first beat before `__enter__` returns). A failed beat (the database briefly locked or away)
+    is logged and retried at the next one: only a process that is gone stops beating."""
+
+    def __init__(self, storage, study, number: int, interval_s: int) -> None:
+        self.storage = storage
+        self.trial_id = storage.get_trial_id_from_study_id_trial_number(
+            storage.get_study_id_from_name(study.study_name), number)
+        self.number = number
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._failing = False
+
+    def beat(self) -> None:
+        try:
+            self.storage.record_heartbeat(self.trial_id)
+            if self._failing:
+                log.info("trial %d: heartbeat recorded again", self.number)
+            self._failing = False
+        except Exception as exc:
+            if not self._failing:
+                log.warning("trial %d: could not record its heartbeat (%s: %s); retrying every %d s", self.number,
+                            type(exc).__name__, exc, self.interval_s)
+            self._failing = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def __enter__(self) -> "Heartbeat":
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-trial-{self.number}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 60)
 
 
 def counted(study) -> int:

@@ -1,28 +1,46 @@
 """The `lakehouse tune` job: open or resume the study and its MLflow parent run, convert the data once, run the
-missing trials one after the other, then register only the best trial's model and let the promotion gate decide."""
+missing trials one after the other (each with its heartbeat; a trial whose sweep is gone is failed first, a live
+trial of another sweep on the study is left alone), then register only the best trial's model and let the promotion
+gate decide."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
 from pipeline.tune.report import log_best, log_study_artifacts, parent_run, progress_line
 from pipeline.tune.space import load_space, space_from_text
-from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_N_TRIALS,
-                                 ATTR_REGISTERED, ATTR_RUN_ID, ATTR_SPACE, INTERRUPTED, best_trial, counted,
-                                 create_study, default_name, describe_pruner, fail_interrupted, load_study,
-                                 make_storage, quiet_optuna, storage_url)
+from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_METRICS, ATTR_MODEL_URI, ATTR_N_TRIALS, ATTR_REGISTERED,
+                                 ATTR_RUN_ID, ATTR_SPACE, INTERRUPTED, Heartbeat, StaleTrials, best_trial,
+                                 check_metric, counted, create_study, default_name, describe_pruner, fail_stale,
+                                 failure_reason, load_study, make_storage, quiet_optuna, running, storage_url)
 from pipeline.tune.trial import SharedData, TrialOutcome, record_error, run_trial
 
 log = get_logger(__name__)
 
 
-def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resume: Optional[str]):
-    """(study, storage url, space, asked trials, trials found RUNNING from a dead sweep)."""
+@dataclass
+class Opened:
+    """The sweep's study and what drives it: its storage (heartbeat on), the stale-trial collector, the space, the
+    trials asked, and the trials this sweep failed on opening (their sweep had stopped)."""
+
+    study: Any
+    storage: Any
+    stale: StaleTrials
+    url: str
+    space: Any
+    total: int
+    failed: List[Any] = field(default_factory=list)
+
+
+def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resume: Optional[str]) -> Opened:
+    check_metric(cfg)  # before any study is made or touched
     url = storage_url(cfg)
-    storage = make_storage(url)
+    stale = StaleTrials(cfg.tune.heartbeat_s)
+    storage = make_storage(url, stale)
     if resume:
         study = load_study(cfg, resume, storage, url)
         stored = study.user_attrs.get(ATTR_SPACE) or ""
@@ -38,10 +56,14 @@ def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resum
         total = int(n_trials or study.user_attrs.get(ATTR_N_TRIALS) or cfg.tune.n_trials)
         if n_trials:
             study.set_user_attr(ATTR_N_TRIALS, total)
-        interrupted = fail_interrupted(study, storage)
-        log.info("resuming study %r: %d of %d trial(s) done, %d marked failed (the sweep had stopped)", resume,
-                 counted(study), total, len(interrupted))
-        return study, url, space, total, interrupted
+        failed = fail_stale(study, stale)
+        live = running(study)
+        for t in live:
+            log.info("trial %d of study %r is running in another sweep (its heartbeat is live); left alone",
+                     t.number, resume)
+        log.info("resuming study %r: %d of %d trial(s) started, %d marked failed (their sweep had stopped), "
+                 "%d running in another sweep", resume, counted(study), total, len(failed), len(live))
+        return Opened(study, storage, stale, url, space, total, failed)
     if not space_path:
         raise ConfigError("lakehouse tune needs --space conf/search/<name>.yaml (or --resume STUDY)")
     space = load_space(space_path, cfg)
@@ -50,20 +72,42 @@ def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resum
     if total < 1:
         raise ConfigError(f"--trials must be >= 1, got {total}")
     study = create_study(cfg, name, storage, url, total, space.text, space.enqueue)
-    return study, url, space, total, []
+    return Opened(study, storage, stale, url, space, total)
 
 
-def _close_interrupted_runs(client, trials) -> None:
+def _fail_runs(client, trials, reason: str = INTERRUPTED, only_running: bool = True) -> None:
+    """End the MLflow child runs of failed trials FAILED with tag `error` = `reason` (a run already ended is left as
+    it is, unless `only_running` is False)."""
     for t in trials:
         run_id = t.user_attrs.get(ATTR_RUN_ID)
         if not run_id:
             continue
         try:
-            if client.get_run(run_id).info.status == "RUNNING":
-                client.set_tag(run_id, "error", INTERRUPTED)
+            if not only_running or client.get_run(run_id).info.status == "RUNNING":
+                client.set_tag(run_id, "error", reason[:5000])
                 client.set_terminated(run_id, status="FAILED")
         except Exception as exc:
-            log.warning("could not mark the run %s of interrupted trial %d failed: %s", run_id, t.number, exc)
+            log.warning("could not mark the run %s of failed trial %d failed: %s", run_id, t.number, exc)
+
+
+def _tell(op: Opened, client, trial, outcome: TrialOutcome, **kwargs) -> TrialOutcome:
+    """Tell the study how this sweep's own trial ended. If another sweep failed it meanwhile (its heartbeat was not
+    seen for the grace period: this process stalled or lost the database), the trial is lost: the outcome becomes
+    FAIL saying so, its child run FAILED, and the sweep goes on."""
+    import optuna
+
+    try:
+        op.study.tell(trial, **kwargs)
+        return outcome
+    except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+        now = next((t for t in op.study.get_trials(deepcopy=False) if t.number == trial.number), None)
+        if now is None or not now.state.is_finished():
+            raise
+    reason = (f"trial {trial.number} was marked {now.state.name} by another sweep on study {op.study.study_name!r} "
+              f"while it ran here (no heartbeat seen for {op.stale.grace_s} s); its result is lost")
+    log.error("%s", reason)
+    _fail_runs(client, [now], reason, only_running=False)
+    return TrialOutcome(trial.number, "FAIL", None, outcome.run_id, reason=reason, epochs=outcome.epochs)
 
 
 def _pin_version(study, shared: SharedData) -> None:
@@ -98,17 +142,20 @@ def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
     return done
 
 
-def _next_trial(study, cfg: Config, space, shared: SharedData, parent, total: int, t0: float,
+def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
                 timeout: Optional[float]) -> Optional[TrialOutcome]:
     """One turn of the sweep: None when no trial is left to start (all `total` counted, or the timeout passed);
-    else ask the study for a trial, train it in its child run, tell the study, log the progress line and the best
-    so far. Returns the trial's outcome (a failure is an outcome; Ctrl-C and SIGTERM propagate)."""
+    else fail the trials whose sweep is gone, ask the study for a trial, train it in its child run while its
+    heartbeat is recorded, tell the study, log the progress line and the best so far. Returns the trial's outcome
+    (a failure is an outcome; Ctrl-C and SIGTERM propagate)."""
     from optuna.trial import TrialState
 
     from pipeline.tracking.runs import Terminated
 
+    study, space, total = op.study, op.space, op.total
     name = study.study_name
     metric = cfg.tune.metric
+    _fail_runs(parent.client, fail_stale(study, op.stale))  # as Optuna's optimize does before each trial
     done = counted(study)
     if done >= total:
         return None
@@ -118,26 +165,27 @@ def _next_trial(study, cfg: Config, space, shared: SharedData, parent, total: in
         return None
     trial = study.ask()
     started = time.monotonic()
-    try:
-        overrides = space.suggest(trial)
-        log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,
-                 ", ".join(f"{k}={v}" for k, v in overrides.items()))
-        outcome = run_trial(trial, cfg, overrides, shared, parent.run_id, name)
-    except (KeyboardInterrupt, Terminated) as exc:
-        record_error(trial, exc)
-        study.tell(trial, state=TrialState.FAIL)
-        log.error("sweep stopped during trial %d (%s); continue it with `lakehouse tune --resume %s`",
-                  trial.number, type(exc).__name__, name)
-        raise
-    except Exception as exc:
-        reason = record_error(trial, exc)
-        study.tell(trial, state=TrialState.FAIL)
-        outcome = TrialOutcome(trial.number, "FAIL", None, trial.user_attrs.get(ATTR_RUN_ID), reason=reason)
-    else:
-        if outcome.state == "PRUNED":
-            study.tell(trial, state=TrialState.PRUNED)
+    with Heartbeat(op.storage, study, trial.number, op.stale.heartbeat_s):
+        try:
+            overrides = space.suggest(trial)
+            log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,
+                     ", ".join(f"{k}={v}" for k, v in overrides.items()))
+            outcome = run_trial(trial, cfg, overrides, shared, parent.run_id, name)
+        except (KeyboardInterrupt, Terminated) as exc:
+            record_error(trial, exc)
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+            log.error("sweep stopped during trial %d (%s); continue it with `lakehouse tune --resume %s`",
+                      trial.number, type(exc).__name__, name)
+            raise
+        except Exception as exc:
+            reason = record_error(trial, exc)
+            outcome = TrialOutcome(trial.number, "FAIL", None, trial.user_attrs.get(ATTR_RUN_ID), reason=reason)
+            outcome = _tell(op, parent.client, trial, outcome, state=TrialState.FAIL)
         else:
-            study.tell(trial, outcome.value)
+            if outcome.state == "PRUNED":
+                outcome = _tell(op, parent.client, trial, outcome, state=TrialState.PRUNED)
+            else:
+                outcome = _tell(op, parent.client, trial, outcome, values=outcome.value)
     _pin_version(study, shared)
     outcome.elapsed_s = time.monotonic() - started
     best = best_trial(study)
@@ -158,27 +206,31 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     """
     from optuna.trial import TrialState
 
+    from pipeline.data.leases import JobLeases
     from pipeline.redact import redact_url
     from pipeline.tracking.runs import configure
     from pipeline.workflow import prepare_data
 
     quiet_optuna()
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
-    study, url, space, total, interrupted = _open(cfg, space_path, n_trials, resume)
+    op = _open(cfg, space_path, n_trials, resume)
+    study, url, space, total = op.study, op.url, op.space, op.total
     name = study.study_name
     timeout = timeout_s if timeout_s is not None else cfg.tune.timeout_s
     metric = cfg.tune.metric
-    shared = SharedData(lambda c: prepare_data(spark, c), study.user_attrs.get(ATTR_DELTA_VERSION))
+    # every cache entry the sweep converts or hits stays leased until the sweep ends: later trials reuse it
+    leases = JobLeases(f"tune study {name}")
+    shared = SharedData(lambda c: prepare_data(spark, c, leases), study.user_attrs.get(ATTR_DELTA_VERSION))
     # beside the config's own params (tune.* as configured): what this study resolved them to, and the space
     params = {"study.name": name, "study.storage": redact_url(url), "study.pruner": describe_pruner(cfg),
               "study.n_trials": total, **{f"space.{k}": v for k, v in space.describe().items()}}
     t0 = time.monotonic()
-    with parent_run(cfg, study, name, params) as parent:
-        _close_interrupted_runs(parent.client, interrupted)
+    with leases, parent_run(cfg, study, name, params) as parent:
+        _fail_runs(parent.client, op.failed)
         if not space.needs_conversion():
             shared.for_config(cfg)  # convert (or hit the cache) once, before the first trial
             _pin_version(study, shared)
-        while _next_trial(study, cfg, space, shared, parent, total, t0, timeout) is not None:
+        while _next_trial(op, cfg, shared, parent, t0, timeout) is not None:
             pass
 
         best = best_trial(study)
@@ -197,6 +249,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
             "complete": states.count(TrialState.COMPLETE),
             "pruned": states.count(TrialState.PRUNED),
             "failed": states.count(TrialState.FAIL),
+            "running": states.count(TrialState.RUNNING),  # trials of another sweep on the study, still training
             "best_trial": best.number if best is not None else None,
             "best_value": best.value if best is not None else None,
             "best_params": best.params if best is not None else None,
@@ -208,8 +261,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
             "model_version": int(registered["version"]) if registered.get("version") else None,
             "champion": bool(registered.get("champion")),
             "conversions": shared.conversions,
-            "failures": {str(t.number): t.user_attrs.get(ATTR_ERROR) for t in trials
-                         if t.state == TrialState.FAIL},
+            "failures": {str(t.number): failure_reason(t) for t in trials if t.state == TrialState.FAIL},
             "elapsed_s": round(time.monotonic() - t0, 1),
             "tracking_uri": redact_url(parent.tracking_uri),
         }

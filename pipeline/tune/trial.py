@@ -1,6 +1,13 @@
 """One trial: the trial's config, the shared converted data (re-planned for its batch size), a real pipeline training
 in an MLflow child run, and the driver side of pruning (the per-epoch metric reported to Optuna, the verdict
-handed back to rank 0)."""
+handed back to rank 0).
+
+A trial's value and its model come from the same epoch: the model logged (and registered, if the trial is the best)
+is the epoch checkpointed as best by `train.early_stopping.monitor`, and the trial's value is `tune.metric` read at
+that epoch (`trial_value`). The sweep refuses a `tune.metric` other than the monitor, or a `tune.direction` other
+than its mode (`study.check_metric`), so that epoch is also the best epoch of `tune.metric`: the value Optuna
+optimizes is the value of the model it picks. A pruned trial's value is its metric at the epoch it was pruned.
+"""
 from __future__ import annotations
 
 import json
@@ -148,12 +155,13 @@ class TrialOutcome:
     elapsed_s: float = 0.0
 
 
-def best_of(history, metric: str, direction: str) -> Optional[float]:
-    """The best finite per-epoch value of `metric` in a rank's history (the trial's value)."""
-    values = [float(h[metric]) for h in history if metric in h and math.isfinite(float(h[metric]))]
-    if not values:
+def trial_value(metrics: Dict[str, float], metric: str) -> Optional[float]:
+    """The trial's value: `metric` at the epoch the model was taken from (rank 0's `metrics`, the best epoch by
+    `train.early_stopping.monitor`); None when that epoch has no finite value of it."""
+    value = metrics.get(metric)
+    if value is None or not math.isfinite(float(value)):
         return None
-    return min(values) if direction == "minimize" else max(values)
+    return float(value)
 
 
 def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData, parent_run_id: str,
@@ -195,11 +203,11 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
                                  synchronous=True)
             return TrialOutcome(trial.number, "PRUNED", gate.reported.get(gate.pruned_epoch), run.run_id,
                                 reason=gate.reason, epochs=r0.epochs)
-        value = best_of(r0.history, metric, cfg.tune.direction)
+        value = trial_value(r0.metrics or {}, metric)
         if value is None:
             seen = sorted({k for h in r0.history for k in h})
-            raise TrialFailed(f"config key 'tune.metric': {metric!r} has no finite value in any epoch "
-                              f"(metrics: {', '.join(seen) or 'none'})")
+            raise TrialFailed(f"config key 'tune.metric': {metric!r} has no finite value at the model's epoch, the "
+                              f"best by train.early_stopping.monitor (metrics: {', '.join(seen) or 'none'})")
         if not r0.model_uri:
             raise TrialFailed("rank 0 returned no model")
         trial.set_user_attr(ATTR_MODEL_URI, r0.model_uri)

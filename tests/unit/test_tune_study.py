@@ -1,0 +1,127 @@
+"""Tune's study rules without Spark: the metric must be the early-stopping monitor (both keys named), the trial's value
+is read at the model's epoch, and Optuna's heartbeat on a real SQLite storage fails a trial whose sweep stopped beating
+while a live one stays RUNNING and can still be told; a trial lost to another sweep ends the sweep's turn cleanly."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.config import Config, ConfigError, apply_overrides
+from pipeline.tune.space import space_from_text
+from pipeline.tune.study import (INTERRUPTED, Heartbeat, StaleTrials, check_metric, fail_stale, failure_reason,
+                                 make_storage, quiet_optuna, running)
+from pipeline.tune.trial import TrialOutcome, trial_value
+
+
+def _cfg(**values):
+    return apply_overrides(Config(), values)
+
+
+def test_default_metric_and_monitor_agree():
+    check_metric(Config())  # val_loss / minimize against val_loss / min
+    check_metric(_cfg(**{"tune.metric": "val_acc", "tune.direction": "maximize",
+                         "train.early_stopping.monitor": "val_acc", "train.early_stopping.mode": "max"}))
+
+
+def test_metric_other_than_the_monitor_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        check_metric(_cfg(**{"tune.metric": "val_acc", "tune.direction": "maximize"}))
+    msg = str(err.value)
+    assert "'tune.metric' ('val_acc')" in msg and "'train.early_stopping.monitor' ('val_loss')" in msg
+
+
+def test_direction_against_the_monitor_mode_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        check_metric(_cfg(**{"tune.direction": "maximize"}))
+    msg = str(err.value)
+    assert "'tune.direction' ('maximize')" in msg and "'train.early_stopping.mode' ('min')" in msg
+
+
+@pytest.mark.parametrize("key,value", [("train.early_stopping.monitor", "val_acc"),
+                                       ("train.early_stopping.mode", "max")])
+def test_space_may_not_search_the_monitor(key, value):
+    with pytest.raises(ConfigError, match=f"config key '{key}' cannot be set per trial: the trial's value"):
+        space_from_text(f"params:\n  model.lr: {{type: float, low: 0.01, high: 0.1}}\nfixed:\n  {key}: {value}\n",
+                        Config(), "s.yaml")
+
+
+def test_trial_value_is_read_at_the_models_epoch():
+    # rank 0's metrics are those of the best epoch by the monitor (the checkpoint the model is taken from)
+    assert trial_value({"val_loss": 0.4, "val_acc": 0.8}, "val_loss") == 0.4
+    assert trial_value({"val_loss": float("nan")}, "val_loss") is None
+    assert trial_value({"val_acc": 0.8}, "val_loss") is None
+
+
+def test_failure_reason_of_a_trial_failed_by_heartbeat():
+    assert failure_reason(SimpleNamespace(user_attrs={})) == INTERRUPTED
+    assert failure_reason(SimpleNamespace(user_attrs={"error": "TrialFailed: x"})) == "TrialFailed: x"
+
+
+def _study(tmp_path, heartbeat_s=1):
+    import optuna
+
+    quiet_optuna()
+    stale = StaleTrials(heartbeat_s)
+    storage = make_storage(f"sqlite:///{tmp_path}/optuna.db", stale)
+    study = optuna.create_study(storage=storage, study_name="s", load_if_exists=True)
+    return study, storage, stale
+
+
+def test_heartbeat_fails_only_the_trial_whose_beat_stopped(tmp_path):
+    from optuna.trial import TrialState
+
+    study, storage, stale = _study(tmp_path)
+    dead, live = study.ask(), study.ask()
+    with Heartbeat(storage, study, dead.number, 1):
+        pass  # one beat, then its process "dies"
+    with Heartbeat(storage, study, live.number, 1):
+        assert fail_stale(study, stale) == []  # both beat just now: nothing is stale
+        time.sleep(stale.grace_s + 1.5)  # the dead one's last beat is now older than the grace period
+        # another sweep on the same study (its own storage object and collector) fails the dead trial only
+        other, other_storage, other_stale = _study(tmp_path)
+        failed = fail_stale(other, other_stale)
+        assert [t.number for t in failed] == [dead.number]
+        assert fail_stale(study, stale) == []  # failed once, by one sweep
+        assert [t.number for t in running(other)] == [live.number]
+        study.tell(live, 0.5)  # the live sweep tells its own trial: no crash
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {dead.number: TrialState.FAIL, live.number: TrialState.COMPLETE}
+    assert failure_reason(study.trials[dead.number]) == INTERRUPTED
+
+
+class _Client:
+    """Records what the sweep does to MLflow runs (unit test of the lost-trial rule only)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def get_run(self, run_id):
+        return SimpleNamespace(info=SimpleNamespace(status="FINISHED"))
+
+    def set_tag(self, run_id, key, value):
+        self.calls.append(("tag", run_id, key, value))
+
+    def set_terminated(self, run_id, status):
+        self.calls.append(("end", run_id, status))
+
+
+def test_a_trial_lost_to_another_sweep_becomes_a_failed_outcome(tmp_path):
+    from optuna.trial import TrialState
+
+    from pipeline.tune.sweep import Opened, _tell
+
+    study, storage, stale = _study(tmp_path)
+    mine = study.ask()
+    mine.set_user_attr("mlflow_run_id", "run-1")
+    other, _, _ = _study(tmp_path)
+    other.tell(mine.number, state=TrialState.FAIL)  # another sweep failed it while it trained here
+    op = Opened(study, storage, stale, "sqlite://", None, 1)
+    client = _Client()
+    out = _tell(op, client, mine, TrialOutcome(mine.number, "COMPLETE", 0.3, "run-1"), values=0.3)
+    assert out.state == "FAIL" and out.value is None
+    assert f"trial {mine.number} was marked FAIL by another sweep on study 's'" in out.reason
+    assert ("end", "run-1", "FAILED") in client.calls
+    assert any(c[0] == "tag" and c[2] == "error" and "its result is lost" in c[3] for c in client.calls)
+    assert study.trials[mine.number].state == TrialState.FAIL
