@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import tempfile
+import threading
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -23,18 +24,26 @@ from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
+_LOAD_LOCK = threading.Lock()
+
+
 def load_pyfunc(model_uri: str):
     """`mlflow.pyfunc.load_model(model_uri)` in a process that goes on working: MLflow prepends the model's code
     folder (a partial copy of `pipeline`) to sys.path for good, so processes spawned afterwards (Horovod ranks, the
     bench's controls) would import that copy and miss the rest of the package. The modules the model needs are
-    imported while it loads, so sys.path is put back once it has."""
+    imported while it loads, so sys.path is put back once it has.
+
+    One load at a time per process: a models-from-code model is handed over through a module global
+    (`mlflow.models.set_model`), so two threads loading at once can both get the same model (seen: two promotion
+    gates in one process scored two versions with one network); sys.path is process-wide too."""
     import sys
 
-    path = list(sys.path)
-    try:
-        return mlflow.pyfunc.load_model(model_uri)
-    finally:
-        sys.path[:] = path
+    with _LOAD_LOCK:
+        path = list(sys.path)
+        try:
+            return mlflow.pyfunc.load_model(model_uri)
+        finally:
+            sys.path[:] = path
 
 
 CONTENT_COLUMN = "content"

@@ -1,4 +1,20 @@
-"""Model registry: register a logged model as a version, and the promotion gate that moves the champion alias."""
+"""Model registry: register a logged model as a version, and the promotion gate that moves the champion alias.
+
+Concurrent gates (two trains, or `lakehouse promote` / `sync-run` beside a train, finishing together) are correct
+because the alias is moved with a compare-and-set that MLflow's registry does not offer, built here:
+  1. outside any lock, the gate scores its challenger and the current alias holder on the same held-out rows
+     (seconds to minutes);
+  2. it takes the alias's lease (pipeline.tracking.lease: a registered-model tag `gate_lease.<alias>`, one holder
+     at a time, bounded by a ttl) and re-reads the alias holder;
+  3. if the holder is one it has scored, it decides and, still under the lease (checked just before), moves the
+     alias; if the holder changed since it scored, it releases the lease, scores the new holder on the same rows,
+     and goes back to 2 (at most MAX_GATE_ROUNDS times).
+So every alias write is decided against the holder it replaces, on the same rows: the alias ends on the best of the
+versions the gates compared, and a gate that loses (its champion moved to a better model) says so in its decision.
+The assumption is the lease's: every gate uses the same lease times, a registry call completes within
+`LeaseTimes.settle_s` (each gate refuses a lease whose write took longer), and hosts' clocks agree to within the
+lease's margin. Something that moves the alias without this gate (by hand, another tool) is not excluded by it.
+"""
 from __future__ import annotations
 
 import math
@@ -11,12 +27,17 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from pipeline.log import get_logger
+from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseTimes
 
 log = get_logger(__name__)
 
 GATE_MODES = ("max", "min")
 # The tag on a model version that records what the gate decided about it.
 GATE_TAG = "gate_decision"
+# The registered-model tag holding the gate's lease on an alias (its key: LEASE_TAG + "." + alias).
+LEASE_TAG = "gate_lease"
+# How many times one gate re-scores a champion that moved while it scored before it gives up.
+MAX_GATE_ROUNDS = 5
 
 
 class RegistryError(RuntimeError):
@@ -173,6 +194,8 @@ class PromotionDecision:
     margin: float = 0.0
     rows: Optional[str] = None  # what both were scored on, e.g. "val split of work/delta/digits version 3 (361 rows)"
     error: Optional[str] = None  # why a model could not be scored (the decision is then "not promoted")
+    # the alias holders that moved while this gate scored (another gate crowned them), oldest first
+    moved_from: Optional[List[str]] = None
 
 
 def decide(version: str, value: Optional[float], champion_version: Optional[str], champion_value: Optional[float],
@@ -373,6 +396,31 @@ def _pinned_data(name: str, mv: ModelVersion) -> Tuple[str, int]:
                             f"{tags['delta_version']!r}, not a number") from None
 
 
+class _ModelTags:
+    """The registered model's tags as the lease's TagStore."""
+
+    def __init__(self, client: MlflowClient, name: str):
+        self.client, self.name = client, name
+
+    def get(self, key: str) -> Optional[str]:
+        return (self.client.get_registered_model(self.name).tags or {}).get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self.client.set_registered_model_tag(self.name, key, value)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_registered_model_tag(self.name, key)
+
+
+def _chain(holders: List[Optional[str]]) -> str:
+    """Alias holders in order, e.g. `version 4 -> version 6` (`no version` where the alias was unset)."""
+    return " -> ".join(f"version {v}" if v is not None else "no version" for v in holders)
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}"
+
+
 def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str]) -> None:
     for key, val in tags.items():
         try:
@@ -383,19 +431,23 @@ def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str])
 
 def promote(client: MlflowClient, name: str, version: str, metric: str = "val_acc", mode: str = "max",
             alias: str = "champion", margin: float = 0.0, val_fraction: float = 0.2,
-            held_out: Optional[HeldOutRows] = None, scorer: Scorer = score_on_rows) -> PromotionDecision:
+            held_out: Optional[HeldOutRows] = None, scorer: Scorer = score_on_rows,
+            lease: LeaseTimes = LeaseTimes()) -> PromotionDecision:
     """Score the challenger `version` and the `alias` holder on the same held-out rows; move `alias` only if the
-    challenger beats the holder by more than `margin` (see `decide`).
+    challenger beats the holder by more than `margin` (see `decide`), with the compare-and-set of the module
+    docstring: the holder is re-read under the alias's lease just before the move, and re-scored if it changed.
 
     The rows: the `val` split (`train` for a `train_*` metric) of the Delta version the challenger was trained on
     (its tags delta_table, delta_version; the split rule with its run's data.val_fraction, else `val_fraction`),
     unless `held_out` is given. Both figures, the rows and the decision are recorded as tags of the challenger
-    (gate_<metric>, gate_champion_<metric>, gate_champion_version, gate_rows, gate_margin, gate_decision).
-    A champion that cannot be loaded or scored leaves the alias where it is; the decision's `error` and reason
-    name its version, and it is logged as an error.
+    (gate_<metric>, gate_champion_<metric>, gate_champion_version, gate_rows, gate_margin, gate_decision, and
+    gate_champion_moved_from when the holder moved while it scored). A champion that cannot be loaded or scored
+    leaves the alias where it is; the decision's `error` and reason name its version, and it is logged as an error.
 
     Raises:
-        RegistryError: the challenger has no pinned data, or it cannot be loaded or scored.
+        RegistryError: the challenger has no pinned data, or it cannot be loaded or scored; the alias's lease was
+            held by another gate for longer than `lease.wait_s` (the message names it); the alias moved more than
+            MAX_GATE_ROUNDS times while this gate scored.
         ValueError: `mode` is not max/min, or `margin` < 0.
     """
     if mode not in GATE_MODES:
@@ -410,32 +462,87 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
     try:
         value = scorer(f"models:/{name}/{version}", held_out, metric)
     except Exception as exc:
-        why = f"model {name!r} version {version} could not be scored on the {held_out.describe()}: " \
-              f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}"
+        why = f"model {name!r} version {version} could not be scored on the {held_out.describe()}: {_one_line(exc)}"
         _record(client, name, version, {GATE_TAG: f"not promoted: {why}"})
         raise RegistryError(why) from exc
-    current = _champion(client, name, alias)
-    champion_version = str(current.version) if current is not None else None
-    champion_value: Optional[float] = None
-    champion_error: Optional[str] = None
-    if current is not None and champion_version != version:
+
+    scores: Dict[str, float] = {}  # every alias holder this gate scored, on `held_out`
+    errors: Dict[str, str] = {}  # ... or why it could not
+
+    def score_holder(holder: str) -> None:
         try:
-            champion_value = scorer(f"models:/{name}/{champion_version}", held_out, metric)
+            scores[holder] = scorer(f"models:/{name}/{holder}", held_out, metric)
         except Exception as exc:
-            champion_error = (f"model {name!r} version {champion_version} ({alias}) cannot be loaded or scored: "
-                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
-    decision = decide(version, value, champion_version, champion_value, metric, mode, margin, champion_error)
+            errors[holder] = f"model {name!r} version {holder} ({alias}) cannot be loaded or scored: {_one_line(exc)}"
+
+    def holder_now() -> Optional[str]:
+        current = _champion(client, name, alias)
+        return str(current.version) if current is not None else None
+
+    seen = [holder_now()]  # the holders this gate scored against, in order
+    decision: Optional[PromotionDecision] = None
+    for _ in range(MAX_GATE_ROUNDS):
+        holder = seen[-1]
+        if holder is not None and holder != version and holder not in scores and holder not in errors:
+            score_holder(holder)  # outside the lease: scoring takes seconds to minutes
+        gate_lease = Lease(_ModelTags(client, name), f"{LEASE_TAG}.{alias}",
+                           what=f"promotion gate of model {name!r} version {version}", times=lease)
+        try:
+            gate_lease.acquire()
+        except LeaseHeld as exc:
+            why = f"promotion gate for model {name!r} version {version}: alias {alias!r} not moved: {exc}"
+            _record(client, name, version, {f"gate_{metric}": f"{value:.6g}", GATE_TAG: f"not promoted: {why}"})
+            raise RegistryError(why) from None
+        try:
+            now = holder_now()
+            if now != holder:  # moved while this gate scored: score the new holder on the same rows, then again
+                log.warning("promotion gate for model %r version %s: alias %r moved %s while this gate scored; "
+                            "scoring the new holder on the same rows", name, version, alias, _chain([holder, now]))
+                seen.append(now)
+                continue
+            decision = decide(version, value, holder, scores.get(holder), metric, mode, margin, errors.get(holder))
+            if decision.promoted and holder != version:
+                gate_lease.check()
+                client.set_registered_model_alias(name, alias, version)
+            break
+        except LeaseLost as exc:  # stalled past its margin, or taken: nothing written, judge again
+            log.warning("promotion gate for model %r version %s: %s; trying again", name, version, exc)
+            decision = None
+        finally:
+            gate_lease.release()
+    if decision is None:
+        why = (f"promotion gate for model {name!r} version {version}: no decision in {MAX_GATE_ROUNDS} rounds (alias "
+               f"{alias!r} moved {_chain(seen)} while this gate scored; a lost lease is logged); alias not moved: "
+               f"run the gate again (`lakehouse promote`)")
+        _record(client, name, version, {f"gate_{metric}": f"{value:.6g}", GATE_TAG: f"not promoted: {why}"})
+        raise RegistryError(why)
+
+    champion_version, champion_error = decision.champion_version, decision.error
     decision.rows = held_out.describe()
-    if decision.promoted and champion_version != version:
-        client.set_registered_model_alias(name, alias, version)
+    moved = [str(v or "none") for v in seen[:-1]] if len(seen) > 1 else None
+    if moved:
+        decision.moved_from = moved
+        decision.reason += (f" (alias {alias!r} moved {_chain(seen)} while this gate scored; judged against the "
+                            f"last holder on the same rows)")
     tags = {f"gate_{metric}": f"{value:.6g}", "gate_rows": decision.rows, "gate_margin": f"{margin:g}",
             GATE_TAG: decision.reason}
     if champion_version is not None and champion_version != version:
         tags["gate_champion_version"] = champion_version
-        tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{champion_value:.6g}"
+        tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{decision.champion_value:.6g}"
+    if moved:
+        tags["gate_champion_moved_from"] = ",".join(moved)
+    elif "gate_champion_moved_from" in (mv.tags or {}):  # from an earlier gate of this version: not this decision's
+        try:
+            client.delete_model_version_tag(name, version, "gate_champion_moved_from")
+        except MlflowException as exc:
+            log.warning("could not remove the stale tag gate_champion_moved_from of model %r version %s: %s", name,
+                        version, exc)
     _record(client, name, version, tags)
     if champion_error:
         log.error("promotion gate for model %r version %s: %s", name, version, decision.reason)
+    elif moved and not decision.promoted:  # lost to a champion crowned while it scored: say so loudly
+        log.warning("promotion gate for model %r version %s on the %s: %s", name, version, decision.rows,
+                    decision.reason)
     else:
         log.info("promotion gate for model %r version %s on the %s: %s", name, version, decision.rows,
                  decision.reason)

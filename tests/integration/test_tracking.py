@@ -387,7 +387,8 @@ def test_sync_run_creates_the_run_where_the_server_never_had_it(sqlite_store, tm
     """A folder left offline, uploaded to a store that does not have its run: a new run with every epoch (also those
     the lost server had taken), the tags, artifacts and model, the true status, and a version through the gate."""
     from pipeline.config import to_yaml
-    from pipeline.tracking.offline import OfflineRun, SyncError, sync_run
+    from pipeline.tracking.offline import OfflineRun, SyncError
+    from pipeline.workflow import sync_run
 
     cfg = _cfg(*sqlite_store, f"sync-{tmp_path.name}")
     cfg.mlflow.registered_model = f"synced_{tmp_path.name}"

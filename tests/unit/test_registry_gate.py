@@ -8,8 +8,9 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.tracking.registry import (HeldOutRows, PromotionDecision, RegistryError, decide, promote, register_model,
-                                       split_of)
+from pipeline.tracking.lease import LeaseTimes
+from pipeline.tracking.registry import (LEASE_TAG, MAX_GATE_ROUNDS, HeldOutRows, PromotionDecision, RegistryError,
+                                       decide, promote, register_model, split_of)
 
 
 # --- the pure rule ---------------------------------------------------------------------------
@@ -192,3 +193,48 @@ def test_custom_alias_and_min_mode(registry):
     d = promote(client, name, v2, metric="val_loss", mode="min", alias="prod", held_out=ROWS, scorer=scores)
     assert not d.promoted and scores.calls[-1][2] == "val_loss"
     assert str(client.get_model_version_by_alias(name, "prod").version) == v1
+
+
+FAST_LEASE = LeaseTimes(settle_s=0.5, ttl_s=10.0, wait_s=10.0)  # SQLite writes take ~0.06 s here
+
+
+@pytest.mark.timeout(120)
+def test_alias_moving_under_the_gate_is_rescored_and_bounded(registry):
+    """Each time the gate scores the alias holder, the alias moves to another version (other gates): after
+    MAX_GATE_ROUNDS rounds the gate gives up naming every holder it saw, moves nothing, and releases its lease."""
+    client, exp_id = registry
+    name = "gate_moving"
+    others = [_version(client, exp_id, name) for _ in range(MAX_GATE_ROUNDS + 1)]
+    challenger = _version(client, exp_id, name)
+    client.set_registered_model_alias(name, "champion", others[0])
+    moves = iter(others[1:])
+
+    class Moving(Scores):
+        def __call__(self, uri, rows, metric):
+            got = super().__call__(uri, rows, metric)
+            following = next(moves, None) if uri.rsplit("/", 1)[1] != challenger else None
+            if following is not None:
+                client.set_registered_model_alias(name, "champion", following)
+            return got
+
+    scores = Moving({**{v: 0.1 for v in others}, challenger: 0.9})
+    with pytest.raises(RegistryError, match=rf"no decision in {MAX_GATE_ROUNDS} rounds .*version {others[0]} -> "
+                                            rf"version {others[1]} -> .*alias not moved"):
+        promote(client, name, challenger, held_out=ROWS, scorer=scores, lease=FAST_LEASE)
+    assert [u.rsplit("/", 1)[1] for u, _, _ in scores.calls] == [challenger] + others[:MAX_GATE_ROUNDS]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == others[MAX_GATE_ROUNDS]
+    assert "not promoted" in client.get_model_version(name, challenger).tags["gate_decision"]
+    assert f"{LEASE_TAG}.champion" not in client.get_registered_model(name).tags
+
+    # one move only: re-scored once, then crowned over the holder it replaced, which the decision names
+    client.set_registered_model_alias(name, "champion", others[0])
+    moves = iter([others[1]])
+    scores.calls.clear()
+    d = promote(client, name, challenger, held_out=ROWS, scorer=Moving({**{v: 0.1 for v in others},
+                                                                        challenger: 0.9}), lease=FAST_LEASE)
+    assert d.promoted and d.champion_version == others[1] and d.moved_from == [others[0]]
+    assert client.get_model_version(name, challenger).tags["gate_champion_moved_from"] == others[0]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == challenger
+    # gated again with nothing moving: the earlier decision's moved-from tag is not left to mislead
+    assert promote(client, name, challenger, held_out=ROWS, scorer=Scores({challenger: 0.9}), lease=FAST_LEASE).promoted
+    assert "gate_champion_moved_from" not in client.get_model_version(name, challenger).tags
