@@ -192,11 +192,15 @@ def test_append_during_pinned_training_and_retyped_append(spark, digits_dir, tab
     from deltalake import DeltaTable
 
     from pipeline.lakehouse.delta import SchemaMismatchError, get_engine
+    from pipeline.lakehouse.sample_data import render_digits
 
+    # new images (another size: other bytes; the table's own files again would be skipped as already in it)
+    more = tmp_path / "more_digits"
+    render_digits(str(more), size=24, limit=100)
     proc = _start_train(tmp_path, table, "train.max_epochs=2")
     try:
         _wait_for(lambda: "launching" in _log(tmp_path), 400, "the ranks to start", proc, tmp_path)
-        out = subprocess.run(cli("ingest", "--conf", str(ROOT / "conf/local.yaml"), "--source", str(digits_dir),
+        out = subprocess.run(cli("ingest", "--conf", str(ROOT / "conf/local.yaml"), "--source", str(more),
                                  f"delta.table={table}"),
                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
