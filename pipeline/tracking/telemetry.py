@@ -59,6 +59,11 @@ class SystemTelemetry:
                             "does not answer); left behind", self.run_id, timeout_s)
                 return
         try:
+            # what was sampled since the last interval (MLflow's loop drops it when stopped): a run shorter than one
+            # interval still gets its point
+            leftover = monitor.aggregate_metrics()
+            if leftover:
+                monitor.publish_metrics(leftover)
             monitor.mlflow_logger.flush()
         except Exception as exc:
             log.warning("last system metrics of run %s not sent (%s: %s)", self.run_id, type(exc).__name__, exc)

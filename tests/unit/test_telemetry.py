@@ -114,3 +114,14 @@ def test_rank_resources_name_every_rank_of_a_gather():
     metrics = RankResources().epoch_metrics(Trainer())
     assert metrics["peak_rss_mb_rank_1"] == pytest.approx(metrics["peak_rss_mb_rank_0"] + 1)
     assert len(metrics) == 6
+
+
+def test_a_run_shorter_than_one_interval_still_gets_its_sample(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("telemetry")).info.run_id
+    telemetry = SystemTelemetry(uri, run_id, interval_s=30)
+    telemetry.start()
+    time.sleep(0.5)  # the first sample is taken at the start; the interval never ends
+    telemetry.stop()
+    assert len(client.get_metric_history(run_id, "system/cpu_utilization_percentage")) == 1
