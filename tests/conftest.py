@@ -52,6 +52,14 @@ def make_config(tmp: Path, *overrides: str, profile: str = "conf/local.yaml"):
     return load_config(str(ROOT / profile), base + list(overrides))
 
 
+def restart_config(tmp_path: Path, name: str, table, *extra: str):
+    """A 2-rank arrow job that checkpoints every 2 steps, under `tmp_path/name` with a cache shared by the test's
+    jobs: what the restart tests relaunch from."""
+    return make_config(tmp_path / name, f"delta.table={table}", "data.reader=arrow", "data.batch_size=16",
+                       "train.np=-2", "train.max_epochs=2", "train.warmup_epochs=0",
+                       f"data.cache_dir={tmp_path}/cache", "train.checkpoint_every_n_steps=2", *extra)
+
+
 @pytest.fixture(autouse=True)
 def _sys_path_kept():
     """A test that loads a model with mlflow.pyfunc.load_model gets the model's code folder (a partial copy of

@@ -4,15 +4,12 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import restart_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-def _cfg(tmp_path, name, table, *extra):
-    return make_config(tmp_path / name, f"delta.table={table}", "data.reader=arrow", "data.batch_size=16",
-                       "train.np=-2", "train.max_epochs=2", "train.warmup_epochs=0",
-                       f"data.cache_dir={tmp_path}/cache", "train.checkpoint_every_n_steps=2", *extra)
+_cfg = restart_config
 
 
 def _digests(client, run_id, tmp_path):
