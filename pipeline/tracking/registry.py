@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from pipeline.config import MlflowConfig
 from pipeline.log import get_logger
 from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseTimes
 
@@ -196,35 +198,93 @@ class PromotionDecision:
     error: Optional[str] = None  # why a model could not be scored (the decision is then "not promoted")
     # the alias holders that moved while this gate scored (another gate crowned them), oldest first
     moved_from: Optional[List[str]] = None
+    chance: Optional[float] = None  # what a constant guess scores on the same rows (see `chance_level`); None: unknown
+    min_lift: Optional[float] = None  # the margin over `chance` a version must beat; None: no chance floor
+
+
+def chance_what(metric: str, mode: str) -> Optional[str]:
+    """What a constant guess scores for `metric` in `mode`, in words, or None where the gate knows no such baseline:
+    an accuracy (`*acc*`, max) -> the majority class's share; a loss (`*_loss`, min: cross-entropy) -> the entropy of
+    the labels (the class-prior guess's cross-entropy)."""
+    if mode == "max" and "acc" in metric:
+        return "a constant guess of the majority class"
+    if mode == "min" and metric.endswith("_loss"):
+        return "the class-prior guess's cross-entropy, the entropy of the labels"
+    return None
+
+
+def chance_level(metric: str, mode: str, labels: Sequence[Optional[str]]) -> Optional[float]:
+    """What the best constant guess scores on rows with these true `labels` (see `chance_what`); None when the metric
+    has no known baseline or there are no labelled rows.
+
+    Accuracy: the majority class's count over all rows (a row without a label is wrong for any guess, as the scorer
+    counts it). Loss: the entropy (nats) of the labelled rows' class distribution.
+    """
+    kind = chance_what(metric, mode)
+    counts = Counter(label for label in labels if label is not None)
+    if kind is None or not counts:
+        return None
+    if mode == "max":
+        return max(counts.values()) / len(labels)
+    total = sum(counts.values())
+    return float(-sum(n / total * math.log(n / total) for n in counts.values()))
+
+
+def clears_chance(value: Optional[float], chance: Optional[float], min_lift: Optional[float], mode: str) -> bool:
+    """`value` beats `chance` by more than `min_lift` (max: value > chance + lift; min: value < chance - lift); True
+    when there is no floor (`chance` or `min_lift` None); False for a value that is not a number."""
+    if value is None or math.isnan(value):
+        return False
+    if chance is None or min_lift is None:
+        return True
+    return value - chance > min_lift if mode == "max" else chance - value > min_lift
 
 
 def decide(version: str, value: Optional[float], champion_version: Optional[str], champion_value: Optional[float],
            metric: str = "val_acc", mode: str = "max", margin: float = 0.0,
-           champion_error: Optional[str] = None) -> PromotionDecision:
-    """The gate's pure rule: promote when there is no champion, or when `value` beats the champion's value (measured
-    on the same rows) by more than `margin` (max: value > champion + margin; min: value < champion - margin).
+           champion_error: Optional[str] = None, chance: Optional[float] = None,
+           min_lift: Optional[float] = None) -> PromotionDecision:
+    """The gate's pure rule: promote when `value` beats the chance level by more than `min_lift` (the floor, see
+    `chance_level`; none when `chance` or `min_lift` is None) and there is no champion, or it beats the champion's
+    value (measured on the same rows) by more than `margin` (max: value > champion + margin; min: value < champion -
+    margin).
 
     A tie never promotes; neither does a champion that could not be scored (`champion_error`) nor a value that
-    is not a number.
+    is not a number. The floor holds for the first version too: a useless first model is not crowned.
     """
     if mode not in GATE_MODES:
         raise ValueError(f"config key 'mlflow.gate_mode': {mode!r} is not one of {', '.join(GATE_MODES)}")
     if margin is None or not margin >= 0:
         raise ValueError(f"config key 'mlflow.gate_margin': {margin!r} must be a number >= 0")
+    if min_lift is not None and not min_lift >= 0:
+        raise ValueError(f"config key 'mlflow.gate_min_lift': {min_lift!r} must be a number >= 0 or null")
     version = str(version)
     champ = None if champion_version is None else str(champion_version)
     better_word = "higher" if mode == "max" else "lower"
 
     def out(promoted: bool, reason: str) -> PromotionDecision:
         return PromotionDecision(promoted, version, metric, value, champ, champion_value, reason, margin,
-                                 error=champion_error)
+                                 error=champion_error, chance=chance, min_lift=min_lift)
 
     if value is None or math.isnan(value):
         return out(False, f"version {version} has {metric}={value}, which cannot be compared; not promoted")
-    if champ is None:
-        return out(True, f"no champion yet; version {version} ({metric}={value:g}) becomes champion")
     if champ == version:
         return out(True, f"version {version} ({metric}={value:g}) is already the champion")
+    what = chance_what(metric, mode)
+    if min_lift is None:
+        floor = "no chance floor (mlflow.gate_min_lift is null)"
+    elif chance is None:
+        floor = (f"no chance floor: no known chance level for {metric} in {mode} mode" if what is None else
+                 f"no chance floor: no labelled rows to measure {what} on")
+    elif not clears_chance(value, chance, min_lift, mode):
+        kept = f"champion version {champ} kept" if champ is not None else "no champion yet, none crowned"
+        return out(False, f"version {version} {metric}={value:g} does not beat chance {metric}={chance:g} ({what} "
+                          f"on the same rows) by more than mlflow.gate_min_lift {min_lift:g} ({better_word} is "
+                          f"better); registered, not promoted ({kept})")
+    else:
+        floor = f"beats chance {chance:g} ({what}) by {abs(value - chance):g} > min lift {min_lift:g}"
+    if champ is None:
+        return out(True, f"no champion yet; version {version} ({metric}={value:g}) becomes champion; {floor}")
     if champion_error is not None:
         return out(False, f"champion version {champ} could not be scored ({champion_error}); version {version} "
                           f"({metric}={value:g}) is not promoted: fix or move the alias by hand")
@@ -235,7 +295,7 @@ def decide(version: str, value: Optional[float], champion_version: Optional[str]
     if gain > margin:
         return out(True, f"version {version} {metric}={value:g} beats champion version {champ} "
                          f"{metric}={champion_value:g} by {gain:g} > margin {margin:g} ({better_word} is better); "
-                         f"promoted")
+                         f"promoted; {floor}")
     return out(False, f"version {version} {metric}={value:g} does not beat champion version {champ} "
                       f"{metric}={champion_value:g} by more than margin {margin:g} ({better_word} is better); "
                       f"champion kept")
@@ -262,12 +322,16 @@ def split_of(metric: str) -> str:
     return "train" if metric.startswith("train_") else "val"
 
 
-def _catalog_table_rows(table: str, version: int):
-    """A catalog-named table (catalog.schema.table) at `version`, read through the active Spark session (the
-    catalog's: delta-rs cannot resolve the name), as an in-memory pyarrow dataset of the gate's columns."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
+def _catalog_split_rows(table: str, version: int, val_fraction: float, split: str):
+    """`split` of a catalog-named table (catalog.schema.table) at `version`, read through the active Spark session
+    (the catalog's: delta-rs cannot resolve the name), as a pyarrow Table of the gate's columns.
 
+    The split rule (pipeline.data.convert.split_frame, the one training uses) and the column selection run in Spark,
+    so the driver collects only the held-out rows: a large catalog table is never collected whole.
+    """
+    import pyarrow as pa
+
+    from pipeline.data.convert import split_frame
     from pipeline.lakehouse.delta import SparkDeltaEngine
 
     try:
@@ -289,13 +353,14 @@ def _catalog_table_rows(table: str, version: int):
     if missing:
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
                             f"{', '.join(missing)}; it has {df.columns}")
-    pdf = df.select("path", "content", "label").toPandas()
-    return ds.dataset(pa.Table.from_pandas(pdf, preserve_index=False))
+    train, val = split_frame(df.select("path", "content", "label").filter(df["path"].isNotNull()), val_fraction)
+    pdf = (val if split == "val" else train).toPandas()
+    return pa.Table.from_pandas(pdf, preserve_index=False)
 
 
 def held_out_rows(table: str, version: int, val_fraction: float, split: str = "val") -> HeldOutRows:
     """Read `split` of Delta `table` at `version` with delta-rs (no Spark; a catalog name through the active Spark
-    session): the training split rule on `path`.
+    session, split there): the training split rule on `path`.
 
     Raises:
         RegistryError: the table, version or a needed column is missing, or the split has no rows.
@@ -307,21 +372,22 @@ def held_out_rows(table: str, version: int, val_fraction: float, split: str = "v
 
     try:
         if catalog_name(table):
-            dataset = _catalog_table_rows(table, int(version))
+            rows = _catalog_split_rows(table, int(version), val_fraction, split)
         else:
             dataset = DeltaRsEngine()._open(table, int(version)).to_pyarrow_dataset()
+            missing = [c for c in ("path", "content", "label") if c not in dataset.schema.names]
+            if missing:
+                raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
+                                    f"{', '.join(missing)}; it has {dataset.schema.names}")
+            paths = dataset.to_table(columns=["path"]).column("path").to_pylist()
+            keep = [p for p in paths if p is not None and is_validation(p, val_fraction) == (split == "val")]
+            rows = dataset.to_table(columns=["path", "content", "label"], filter=pc.field("path").isin(keep))
     except DeltaError as exc:
         raise RegistryError(f"promotion gate: {exc}") from None
-    missing = [c for c in ("path", "content", "label") if c not in dataset.schema.names]
-    if missing:
-        raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
-                            f"{', '.join(missing)}; it has {dataset.schema.names}")
-    paths = dataset.to_table(columns=["path"]).column("path").to_pylist()
-    keep = [p for p in paths if p is not None and is_validation(p, val_fraction) == (split == "val")]
-    if not keep:
+    if rows.num_rows == 0:
         raise RegistryError(f"promotion gate: the {split} split of Delta table {table} version {version} "
                             f"(data.val_fraction={val_fraction}) has no rows to score")
-    rows = dataset.to_table(columns=["path", "content", "label"], filter=pc.field("path").isin(keep)).sort_by("path")
+    rows = rows.sort_by("path")
     return HeldOutRows(table, int(version), split, rows.column("content").to_pylist(),
                        [None if v is None else str(v) for v in rows.column("label").to_pylist()])
 
@@ -432,28 +498,34 @@ def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str])
 def promote(client: MlflowClient, name: str, version: str, metric: str = "val_acc", mode: str = "max",
             alias: str = "champion", margin: float = 0.0, val_fraction: float = 0.2,
             held_out: Optional[HeldOutRows] = None, scorer: Scorer = score_on_rows,
-            lease: LeaseTimes = LeaseTimes()) -> PromotionDecision:
+            lease: LeaseTimes = LeaseTimes(),
+            min_lift: Optional[float] = MlflowConfig.gate_min_lift) -> PromotionDecision:
     """Score the challenger `version` and the `alias` holder on the same held-out rows; move `alias` only if the
-    challenger beats the holder by more than `margin` (see `decide`), with the compare-and-set of the module
-    docstring: the holder is re-read under the alias's lease just before the move, and re-scored if it changed.
+    challenger beats the chance level of those rows by more than `min_lift` (`mlflow.gate_min_lift`; None: no such
+    floor) and the holder by more than `margin` (see `decide`), with the compare-and-set of the module docstring:
+    the holder is re-read under the alias's lease just before the move, and re-scored if it changed. A challenger
+    under the floor stays registered, unpromoted; the holder is then not scored (nothing it scores could crown it).
 
     The rows: the `val` split (`train` for a `train_*` metric) of the Delta version the challenger was trained on
     (its tags delta_table, delta_version; the split rule with its run's data.val_fraction, else `val_fraction`),
     unless `held_out` is given. Both figures, the rows and the decision are recorded as tags of the challenger
-    (gate_<metric>, gate_champion_<metric>, gate_champion_version, gate_rows, gate_margin, gate_decision, and
-    gate_champion_moved_from when the holder moved while it scored). A champion that cannot be loaded or scored
-    leaves the alias where it is; the decision's `error` and reason name its version, and it is logged as an error.
+    (gate_<metric>, gate_champion_<metric>, gate_champion_version, gate_rows, gate_margin, gate_chance_<metric> and
+    gate_min_lift when the floor applies, gate_decision, and gate_champion_moved_from when the holder moved while it
+    scored). A champion that cannot be loaded or scored leaves the alias where it is; the decision's `error` and
+    reason name its version, and it is logged as an error.
 
     Raises:
         RegistryError: the challenger has no pinned data, or it cannot be loaded or scored; the alias's lease was
             held by another gate for longer than `lease.wait_s` (the message names it); the alias moved more than
             MAX_GATE_ROUNDS times while this gate scored.
-        ValueError: `mode` is not max/min, or `margin` < 0.
+        ValueError: `mode` is not max/min, `margin` < 0, or `min_lift` < 0.
     """
     if mode not in GATE_MODES:
         raise ValueError(f"config key 'mlflow.gate_mode': {mode!r} is not one of {', '.join(GATE_MODES)}")
     if margin is None or not margin >= 0:
         raise ValueError(f"config key 'mlflow.gate_margin': {margin!r} must be a number >= 0")
+    if min_lift is not None and not min_lift >= 0:
+        raise ValueError(f"config key 'mlflow.gate_min_lift': {min_lift!r} must be a number >= 0 or null")
     version = str(version)
     mv = client.get_model_version(name, version)
     if held_out is None:
@@ -465,6 +537,7 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
         why = f"model {name!r} version {version} could not be scored on the {held_out.describe()}: {_one_line(exc)}"
         _record(client, name, version, {GATE_TAG: f"not promoted: {why}"})
         raise RegistryError(why) from exc
+    chance = chance_level(metric, mode, held_out.labels)
 
     scores: Dict[str, float] = {}  # every alias holder this gate scored, on `held_out`
     errors: Dict[str, str] = {}  # ... or why it could not
@@ -481,7 +554,9 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
 
     seen = [holder_now()]  # the holders this gate scored against, in order
     decision: Optional[PromotionDecision] = None
-    for _ in range(MAX_GATE_ROUNDS):
+    if not clears_chance(value, chance, min_lift, mode):  # nothing to move: no holder to score, no lease to take
+        decision = decide(version, value, seen[-1], None, metric, mode, margin, None, chance, min_lift)
+    for _ in range(MAX_GATE_ROUNDS if decision is None else 0):
         holder = seen[-1]
         if holder is not None and holder != version and holder not in scores and holder not in errors:
             score_holder(holder)  # outside the lease: scoring takes seconds to minutes
@@ -500,7 +575,8 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
                             "scoring the new holder on the same rows", name, version, alias, _chain([holder, now]))
                 seen.append(now)
                 continue
-            decision = decide(version, value, holder, scores.get(holder), metric, mode, margin, errors.get(holder))
+            decision = decide(version, value, holder, scores.get(holder), metric, mode, margin, errors.get(holder),
+                              chance, min_lift)
             if decision.promoted and holder != version:
                 gate_lease.check()
                 client.set_registered_model_alias(name, alias, version)
@@ -526,9 +602,12 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
                             f"last holder on the same rows)")
     tags = {f"gate_{metric}": f"{value:.6g}", "gate_rows": decision.rows, "gate_margin": f"{margin:g}",
             GATE_TAG: decision.reason}
+    if chance is not None and min_lift is not None:
+        tags.update({f"gate_chance_{metric}": f"{chance:.6g}", "gate_min_lift": f"{min_lift:g}"})
     if champion_version is not None and champion_version != version:
         tags["gate_champion_version"] = champion_version
-        tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{decision.champion_value:.6g}"
+        if champion_error or decision.champion_value is not None:  # unscored when the challenger is under chance
+            tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{decision.champion_value:.6g}"
     if moved:
         tags["gate_champion_moved_from"] = ",".join(moved)
     elif "gate_champion_moved_from" in (mv.tags or {}):  # from an earlier gate of this version: not this decision's
@@ -540,7 +619,8 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
     _record(client, name, version, tags)
     if champion_error:
         log.error("promotion gate for model %r version %s: %s", name, version, decision.reason)
-    elif moved and not decision.promoted:  # lost to a champion crowned while it scored: say so loudly
+    elif (moved and not decision.promoted) or not clears_chance(value, chance, min_lift, mode):
+        # lost to a champion crowned while it scored, or no better than a constant guess: say so loudly
         log.warning("promotion gate for model %r version %s on the %s: %s", name, version, decision.rows,
                     decision.reason)
     else:

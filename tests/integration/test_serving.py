@@ -354,7 +354,9 @@ def test_gate_scores_both_on_the_same_val_rows_and_a_tie_keeps_the_champion(regi
 
     cfg, pinned = registered
     name = "gate_clf"
-    gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name, gate_margin=0.0))
+    # the first version is an untrained net: no chance floor here (it is tested in test_gate_chance.py)
+    gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name, gate_margin=0.0,
+                                                               gate_min_lift=None))
     client = mlflow.MlflowClient(cfg.mlflow.tracking_uri)
     good, meta = load_network(pinned)
     torch.manual_seed(1)

@@ -151,7 +151,8 @@ def test_tracked_run_model_and_registry(store, tmp_path, gate_table):
         assert client.get_run(run_id).info.status == "RUNNING"  # logging the model did not end the run
         version = register_model(client, model_uri, name, run_id,
                                  {"delta_table": gate_table, "delta_version": "0", "val_acc": "0.55"})
-        decision = promote(client, name, version)  # scored on the val rows of the real table it names
+        # scored on the val rows of the real table it names (an untrained net: no chance floor, see test_gate_chance)
+        decision = promote(client, name, version, min_lift=None)
         assert decision.promoted and decision.champion_version is None and "val split" in decision.rows
 
     r = client.get_run(run_id)
@@ -251,16 +252,16 @@ def test_promotion_gate(store, tmp_path, gate_table):
             tags = {"delta_table": gate_table, "delta_version": "0"} if lineage else {}
             return register_model(run.client, model_uri, name, run.run_id, tags)
 
-    v1 = candidate(mid)
-    d1 = promote(client, name, v1)
+    v1 = candidate(mid)  # constant guesses, none above the majority's share: no chance floor (test_gate_chance)
+    d1 = promote(client, name, v1, min_lift=None)
     assert d1.promoted and d1.value == pytest.approx(share[mid])
     v2 = candidate(low)
-    d2 = promote(client, name, v2)
+    d2 = promote(client, name, v2, min_lift=None)
     assert not d2.promoted and d2.champion_version == v1
     assert (d2.value, d2.champion_value) == (pytest.approx(share[low]), pytest.approx(share[mid]))
     assert str(client.get_model_version_by_alias(name, "champion").version) == v1
     v3 = candidate(high)
-    d3 = promote(client, name, v3)
+    d3 = promote(client, name, v3, min_lift=None)
     assert d3.promoted and d3.champion_version == v1 and d3.value == pytest.approx(share[high])
     assert str(client.get_model_version_by_alias(name, "champion").version) == v3
     v4 = candidate(high, lineage=False)
