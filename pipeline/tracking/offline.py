@@ -5,6 +5,8 @@ the pinned Delta version, the true end status and whether the job would have reg
 `metrics.jsonl` (every epoch's metrics with their steps, and whether the server already took them), `artifacts/`
 (plots, ranks.json, ...) and `model/` (the network's weights and what rebuilds it). Rank 0 writes the metrics, plots
 and model; the driver the rest, through the same calls it makes on an MLflow client (`set_tag`, `log_dict`, ...).
+`lakehouse sync-run` records its own progress in run.json (`sync`: see `Upload`), so a sync that failed part way is
+resumed by the next one: one run, each metric value once, one registered version.
 """
 from __future__ import annotations
 
@@ -170,16 +172,56 @@ def _run_exists(client, run_id: str, experiment_id: str) -> bool:
     return run.info.experiment_id == experiment_id and run.info.lifecycle_stage == "active"
 
 
+# run.json's key recording what a `lakehouse sync-run` of the folder has done so far (see `Upload.record`)
+SYNC_KEY = "sync"
+# the name the model is logged under in the uploaded run (pipeline.tracking.pyfunc.log_model)
+MODEL_NAME = "model"
+
+
 @dataclass
 class Upload:
     """A run left offline and uploaded to the server: what `lakehouse sync-run` (pipeline.workflow.sync_run) goes
-    on with: registering the model, then ending the run (`end`)."""
+    on with: registering the model, then ending the run (`end`).
+
+    Each step of the sync is recorded in run.json under `sync` as soon as it completes (`record`): the run it
+    created or continued, the metric values logged, the artifacts, the logged model's URI, the registered version
+    and the gate's verdict. A sync that failed part way is resumed by the next one from there; a step that completed
+    on the server just before its record was written is found there (`resuming`: the server is asked)."""
 
     off: OfflineRun
     info: Dict[str, Any]  # run.json as the job left it
     cfg: Any  # the run's config (pipeline.config.Config) with the sync's overrides
     client: Any  # the MLflow client of the server uploaded to
     summary: Dict[str, Any]  # what `lakehouse sync-run` prints; registering fills in model_version, champion
+    state: Dict[str, Any]  # run.json's `sync` record: the steps done so far
+    resuming: bool = False  # an earlier sync-run of this folder got as far as a run on the server
+
+    def record(self, **steps: Any) -> None:
+        """Write the steps just completed into run.json's `sync` record (atomically, before the next step)."""
+        self.state.update(steps)
+        self.off.update(**{SYNC_KEY: dict(self.state)})
+
+    def resumed(self, step: str, value: Any) -> None:
+        """Note in the summary (`resumed`) a step an earlier sync-run of the folder had done."""
+        self.summary.setdefault("resumed", {})[step] = value
+
+    def registered_version(self, name: str) -> Optional[str]:
+        """The version of registered model `name` this run already has: the one recorded, else one the registry
+        holds for the run (registered by an earlier sync-run that failed before recording it), else None."""
+        if self.state.get("model_version") is not None:
+            self.resumed("model_version", str(self.state["model_version"]))
+            return str(self.state["model_version"])
+        run_id = self.summary["run_id"]
+        found = [mv for mv in self.client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+                 if str(mv.status) != "FAILED_REGISTRATION"]
+        if not found:
+            return None
+        version = str(min(int(mv.version) for mv in found))
+        log.warning("model %r version %s was registered from run %s by an earlier sync-run of %s; not registering "
+                    "it again", name, version, run_id, self.off.folder)
+        self.record(model_version=version)
+        self.resumed("model_version", version)
+        return version
 
     def end(self) -> Dict[str, Any]:
         """The run's true end status, and the folder marked uploaded (a second sync-run refuses it)."""
@@ -187,10 +229,27 @@ class Upload:
         self.client.set_terminated(s["run_id"], status=s["status"], end_time=self.info.get("end_time"))
         self.off.update(synced={"run_id": s["run_id"], "tracking_uri": s["tracking_uri"],
                                 "model_version": s["model_version"], "at": int(time.time() * 1000)})
-        log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s", self.off.folder, s["run_id"],
+        log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s%s", self.off.folder, s["run_id"],
                  "continued" if s["continued"] else "created", s["metrics"],
-                 f"; registered version {s['model_version']}" if s["model_version"] is not None else "")
+                 f"; registered version {s['model_version']}" if s["model_version"] is not None else "",
+                 f"; resumed an earlier sync-run: {json.dumps(s['resumed'])}" if s["resumed"] else "")
         return s
+
+
+def _created_before(client, experiment_id: str, offline_run_id: str, folder: str) -> Optional[str]:
+    """The run an earlier sync-run of `folder` created for `offline_run_id` but failed to record, or None."""
+    runs = client.search_runs([experiment_id], f"tags.`lakehouse.offline_run_id` = '{offline_run_id}'")
+    mine = [r for r in runs if r.data.tags.get("lakehouse.synced_from") == folder]
+    return min(mine, key=lambda r: r.info.start_time or 0).info.run_id if mine else None
+
+
+def _logged_model_of(client, run_id: str) -> Optional[str]:
+    """`models:/<id>` of the model named MODEL_NAME that run `run_id` output (its artifacts are uploaded), or None."""
+    run = client.get_run(run_id)
+    for out in (run.outputs.model_outputs if run.outputs else []):
+        if client.get_logged_model(out.model_id).name == MODEL_NAME:
+            return f"models:/{out.model_id}"
+    return None
 
 
 def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
@@ -199,13 +258,16 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     The run continues where the server has it (else a new run is created in the experiment, tagged with the
     original id): the metrics the server never took, the tags, the artifacts and the model (logged by the same code
     as online). The run is left running: the caller registers the model if the job would have, then `Upload.end`.
+    A sync-run that failed part way is resumed (see `Upload`): the same run, no metric value logged twice.
 
     Raises:
-        SyncError: the folder is not a run left offline, or was uploaded already.
+        SyncError: the folder is not a run left offline, or was uploaded already; the run an earlier sync-run of
+            the folder created or continued is no longer on the server (deleted).
     """
     from mlflow.entities import Metric, RunTag
 
     from pipeline.config import load_config
+    from pipeline.redact import redact_url
     from pipeline.tracking.runs import _connect, log_config, log_lineage
 
     off = OfflineRun(folder)
@@ -221,35 +283,83 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
         overrides.insert(0, f"mlflow.tracking_uri={info['tracking_uri']}")
     cfg = load_config(os.path.join(off.folder, "config.yaml"), overrides)
     client, experiment_id = _connect(cfg.mlflow)
+    offline_run_id = str(info["run_id"])
+    up = Upload(off=off, info=info, cfg=cfg, client=client, state=dict(info.get(SYNC_KEY) or {}),
+                summary={"folder": off.folder, "offline_run_id": offline_run_id, "model_version": None,
+                         "champion": False, "status": info.get("status", "FINISHED"),
+                         "tracking_uri": cfg.mlflow.tracking_uri, "resumed": {}})
 
-    run_id = str(info["run_id"])
-    continued = _run_exists(client, run_id, experiment_id)
+    # the run: the one an earlier sync-run recorded, else the job's own run where the server has it, else a new one
     lineage = info.get("lineage") or {}
-    if not continued:
-        run = client.create_run(experiment_id, run_name=info.get("run_name"), start_time=info.get("start_time"),
-                                tags={"lakehouse.offline_run_id": run_id})
-        run_id = run.info.run_id
+    state = up.state
+    if state.get("run_id"):
+        run_id, continued, up.resuming = str(state["run_id"]), bool(state.get("continued")), True
+        if not _run_exists(client, run_id, experiment_id):
+            raise SyncError(f"{off.folder}: MLflow run {run_id}, which an earlier `lakehouse sync-run` of this folder "
+                            f"{'continued' if continued else 'created'} on {state.get('tracking_uri')}, is not an "
+                            f"active run of experiment {cfg.mlflow.experiment!r} on "
+                            f"{redact_url(cfg.mlflow.tracking_uri)} (deleted?); restore it (`mlflow runs restore "
+                            f"--run-id {run_id}`), or remove the '{SYNC_KEY}' entry of "
+                            f"{off._path('run.json')} to upload the folder as a new run")
+        up.resumed("run_id", run_id)
+    else:
+        continued = _run_exists(client, offline_run_id, experiment_id)
+        run_id = offline_run_id if continued else _created_before(client, experiment_id, offline_run_id, off.folder)
+        if run_id is None:
+            run = client.create_run(experiment_id, run_name=info.get("run_name"), start_time=info.get("start_time"),
+                                    tags={"lakehouse.offline_run_id": offline_run_id,
+                                          "lakehouse.synced_from": off.folder})
+            run_id = run.info.run_id
+        elif not continued:  # created by an earlier sync-run that failed before recording it
+            up.resuming = True
+            up.resumed("run_id", run_id)
+        up.record(run_id=run_id, continued=continued, tracking_uri=redact_url(cfg.mlflow.tracking_uri))
+    up.summary.update(run_id=run_id, continued=continued)
+
+    if not continued and not state.get("params"):  # logging the same values again is allowed
         log_config(client, run_id, cfg)
         if lineage:
             log_lineage(client, run_id, lineage["table"], int(lineage["version"]), lineage.get("rows") or {})
+        up.record(params=True)
     tags = [RunTag(k, str(v)[:5000]) for k, v in (info.get("tags") or {}).items()]
     tags.append(RunTag("lakehouse.synced_from", off.folder))
-    for start in range(0, len(tags), 100):
+    for start in range(0, len(tags), 100):  # setting a tag again is harmless
         client.log_batch(run_id, tags=tags[start:start + 100], synchronous=True)
+
     metrics = [Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in off.metrics()
                if not (continued and m["sent"])]
-    for start in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
-    artifacts = os.path.join(off.folder, "artifacts")
-    if os.path.isdir(artifacts):
-        client.log_artifacts(run_id, artifacts)
-    model_uri = _log_offline_model(off, run_id)
+    done = min(int(state.get("metrics_logged", 0)), len(metrics))
+    on_server = set()
+    if up.resuming and done < len(metrics):  # a batch the server took just before its record failed
+        for key in sorted({m.key for m in metrics[done:]}):
+            on_server.update((key, m.step, m.timestamp) for m in client.get_metric_history(run_id, key))
+    logged = 0
+    for start in range(done, len(metrics), 1000):
+        batch = [m for m in metrics[start:start + 1000] if (m.key, m.step, m.timestamp) not in on_server]
+        if batch:
+            client.log_batch(run_id, metrics=batch, synchronous=True)
+        logged += len(batch)
+        up.record(metrics_logged=min(start + 1000, len(metrics)))
+    if logged < len(metrics):  # the rest an earlier sync-run logged
+        up.resumed("metrics", len(metrics) - logged)
 
-    summary: Dict[str, Any] = {"folder": off.folder, "run_id": run_id, "offline_run_id": str(info["run_id"]),
-                               "continued": continued, "metrics": len(metrics), "model_uri": model_uri,
-                               "status": info.get("status", "FINISHED"), "model_version": None, "champion": False,
-                               "tracking_uri": cfg.mlflow.tracking_uri}
-    return Upload(off=off, info=info, cfg=cfg, client=client, summary=summary)
+    artifacts = os.path.join(off.folder, "artifacts")
+    if state.get("artifacts"):
+        up.resumed("artifacts", True)
+    elif os.path.isdir(artifacts):
+        client.log_artifacts(run_id, artifacts)
+        up.record(artifacts=True)
+
+    model_uri = state.get("model_uri") or (_logged_model_of(client, run_id) if up.resuming else None)
+    if model_uri:
+        up.resumed("model_uri", model_uri)
+    else:
+        model_uri = _log_offline_model(off, run_id)
+    if state.get("model_uri") != model_uri:
+        up.record(model_uri=model_uri)
+
+    up.summary.update(metrics=logged, model_uri=model_uri)
+    return up
 
 
 def _log_offline_model(off: OfflineRun, run_id: str) -> str:
@@ -264,7 +374,7 @@ def _log_offline_model(off: OfflineRun, run_id: str) -> str:
     network = build_network(meta["arch"], meta["channels"], len(meta["class_names"]), meta["width"])
     network.load_state_dict(torch.load(os.path.join(off.folder, "model", "network.pt"), map_location="cpu"))
     network.eval()
-    return log_model(network, meta, "model", run_id=run_id, step=int(saved.get("step", 0)))
+    return log_model(network, meta, MODEL_NAME, run_id=run_id, step=int(saved.get("step", 0)))
 
 
 def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Dict[str, Any], r0,

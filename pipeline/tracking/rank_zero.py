@@ -2,9 +2,11 @@
 folder when the server never comes back."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.log import get_logger, is_rank_zero
 from pipeline.redact import redact_url
@@ -13,10 +15,20 @@ from pipeline.tracking.telemetry import SystemTelemetry
 log = get_logger(__name__)
 
 MAX_PENDING_EPOCHS = 10_000  # epochs of metrics held while the server is unreachable; older ones go to a file
+SLOW_ANSWER_S = 5.0  # a batch in flight longer than this at an epoch end is warned about
 
 
 class RankZeroTracker:
-    """Logs into an existing run by id; a no-op on any rank but 0 (the one rule: rank 0 alone writes)."""
+    """Logs into an existing run by id; a no-op on any rank but 0 (the one rule: rank 0 alone writes).
+
+    The training thread never waits on the network: epoch metrics and the precision tag go through MLflow's own
+    asynchronous logging (`synchronous=False`), and at most one batch of metrics is in flight at a time, so a server
+    that accepts connections and never answers holds one of MLflow's worker threads, not the ranks (the other ranks
+    would otherwise meet `train.stall_timeout_s` in the next collective). Epochs not yet taken wait in `pending` and
+    go with the next batch; at the end `close` waits for them at most one MLflow call's bound
+    (pipeline.tracking.runs.http_call_bound_s: `mlflow.retries` and MLFLOW_HTTP_REQUEST_TIMEOUT), and `finish`
+    leaves what was never taken in the job's offline folder (`lakehouse sync-run` uploads it).
+    """
 
     def __init__(self, tracking_uri: Optional[str], run_id: str, local_dir: Optional[str] = None) -> None:
         import mlflow
@@ -33,48 +45,108 @@ class RankZeroTracker:
         self.offline = None  # an OfflineRun once the server is given up on
         self.tags: Dict[str, str] = {}  # set by rank 0 (kept for a run left offline)
         self.unsent_tags: Dict[str, str] = {}
-        self.telemetry: Optional[SystemTelemetry] = None  # rank 0's machine, sampled in the background
+        self.telemetry: Optional[SystemTelemetry] = None  # rank 0's machine sampled in the background
+        self._stamps: Dict[int, int] = {}  # step -> its epoch's timestamp (ms): a value sent twice stays one value
+        self._inflight: Optional[Tuple[List, Any]] = None  # (the pending items sent, runs.Sending)
+        self._tag_sends: List[Tuple[str, str, Any]] = []  # (key, value, runs.Sending)
 
     def record_precision(self, precision: str) -> None:
-        """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
+        """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag, sent in
+        the background (checked in `finish`, sent again there if it did not arrive)."""
         if not is_rank_zero():
             return
+        from pipeline.tracking.runs import Sending
+
         self.tags["precision"] = precision
         try:
-            self.client.set_tag(self.run_id, "precision", precision)
+            sending = Sending(self.client.set_tag(self.run_id, "precision", precision, synchronous=False))
         except Exception as exc:  # kept, and sent with the model (or left offline with it)
             log.warning("MLflow did not take the precision tag (%s: %s)", type(exc).__name__, redact_url(str(exc)))
             self.unsent_tags["precision"] = precision
+            return
+        self._tag_sends.append(("precision", precision, sending))
 
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
-        """Send an epoch's metrics; while the server is unreachable they wait (oldest first, at most
-        MAX_PENDING_EPOCHS) and go with the next epoch that gets through, so training never waits on MLflow."""
+        """Queue an epoch's metrics and return at once (the training thread never waits on MLflow). While the
+        server is unreachable or slow they wait (oldest first, at most MAX_PENDING_EPOCHS) and go with the next
+        batch: one batch in flight at a time."""
         if not is_rank_zero():
             return
-        import time
-
+        now = int(time.time() * 1000)
         self.pending.append((int(step), dict(metrics)))
-        self.epochs.append((int(step), dict(metrics), int(time.time() * 1000)))
+        self.epochs.append((int(step), dict(metrics), now))
+        self._stamps[int(step)] = now
         if len(self.pending) > MAX_PENDING_EPOCHS:
             dropped = self.pending.pop(0)
             self._keep_locally([dropped])
-        self.flush()
+        self._collect()
+        if self._inflight is None:
+            self._send()
+            self._collect()  # a client that answered at once (a local store, a failure before queueing)
+        else:  # no answer yet: a slow store is not worth a warning, a silent server is
+            batch, sending = self._inflight
+            waited = time.monotonic() - sending.started
+            log.log(logging.WARNING if waited >= SLOW_ANSWER_S else logging.DEBUG,
+                    "MLflow has not answered for %.0f s (epoch(s) %s in flight); %d epoch(s) buffered, training goes "
+                    "on", waited, _steps(batch), len(self.pending))
 
-    def flush(self) -> bool:
-        """Send what waits, in order; False (with a warning) when the server is still unreachable."""
-        from pipeline.tracking.runs import log_epoch_metrics
+    def _send(self) -> None:
+        """Hand every pending epoch to MLflow's asynchronous logging, as one batch in flight."""
+        from pipeline.tracking.runs import Sending, epoch_metrics, send_metrics
 
-        while self.pending:
-            step, metrics = self.pending[0]
-            try:
-                log_epoch_metrics(self.client, self.run_id, metrics, step)
-            except Exception as exc:  # a metric late is not worth a training lost
-                log.warning("MLflow did not take epoch %d's metrics (%s: %s); %d epoch(s) buffered, sent when it "
-                            "answers again", step, type(exc).__name__, redact_url(str(exc)), len(self.pending))
+        if not self.pending:
+            return
+        batch = list(self.pending)
+        try:
+            items = [m for step, metrics in batch for m in epoch_metrics(metrics, step, self._stamps.get(step))]
+        except ValueError as exc:  # a metric that is not a number: named, and never taken
+            self._inflight = (batch, Sending(error=exc))
+            return
+        self._inflight = (batch, send_metrics(self.client, self.run_id, items))
+
+    def _collect(self) -> Optional[bool]:
+        """The answer to the batch in flight, without waiting: True taken (its epochs leave `pending`), False
+        refused or failed (they stay, with a warning), None nothing in flight or no answer yet."""
+        if self._inflight is None or not self._inflight[1].done():
+            return None
+        batch, sending = self._inflight
+        self._inflight = None
+        error = sending.error()
+        if error is None:
+            self.pending = [p for p in self.pending if not any(p is b for b in batch)]
+            self.sent.update(step for step, _ in batch)
+            return True
+        log.warning("MLflow did not take epoch(s) %s's metrics (%s: %s); %d epoch(s) buffered, sent when it answers "
+                    "again", _steps(batch), type(error).__name__, redact_url(str(error)), len(self.pending))
+        return False
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Send what waits and wait for the answer, at most `timeout_s` seconds (default: one MLflow call's bound,
+        pipeline.tracking.runs.http_call_bound_s); True when the server took everything. False, with a warning naming
+        how many metric values it did not take, when it refused them or did not answer in time (they stay pending)."""
+        from pipeline.tracking.runs import http_call_bound_s
+
+        bound = http_call_bound_s() if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + bound
+        tried = False  # a batch sent by this flush failed: the server is away now, no second try
+        while True:
+            answer = self._collect()
+            if answer is False and tried:
                 return False
-            self.pending.pop(0)
-            self.sent.add(step)
-        return True
+            if not self.pending and self._inflight is None:
+                return True
+            if self._inflight is None:
+                self._send()
+                tried = True
+                continue
+            if not self._inflight[1].wait(deadline - time.monotonic()):
+                values = sum(len(metrics) for _, metrics in self.pending)
+                log.warning("MLflow did not answer within %.0f s (one call's bound: MLFLOW_HTTP_REQUEST_TIMEOUT=%s s, "
+                            "MLFLOW_HTTP_REQUEST_MAX_RETRIES=%s, from 'mlflow.retries'): %d metric value(s) of %d "
+                            "epoch(s) of run %s not sent", bound, os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "120"),
+                            os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7"), values, len(self.pending),
+                            self.run_id)
+                return False
 
     def _keep_locally(self, items) -> None:
         """Metrics that could not be sent at all go to a local JSON-lines file (named in a warning)."""
@@ -124,6 +196,9 @@ class RankZeroTracker:
         if self.pending and server_back(self.client, self.run_id, wait_s, retry_s) and self.flush():
             self._drop_local_file()
         if not self.pending:
+            for key, value, sending in self._tag_sends:  # a tag that did not arrive (or has no answer yet) again
+                if not sending.done() or sending.error() is not None:
+                    self.unsent_tags[key] = value
             try:
                 for key, value in self.unsent_tags.items():
                     self.client.set_tag(self.run_id, key, value)
@@ -147,11 +222,12 @@ class RankZeroTracker:
 
         self.offline = OfflineRun(offline_folder(job.job_dir))
         self.offline.write_metrics((step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs)
-        self.offline.update(tags=self.tags)
+        unsent = sum(len(metrics) for _, metrics in self.pending)
+        self.offline.update(tags={**self.tags, "lakehouse.metrics_left_offline": str(unsent)})
         log.warning("MLflow at %s did not come back within %.0f s (config key 'mlflow.reconnect_wait_s'): run %s's "
-                    "metrics, plots and model are kept in %s; upload them with `lakehouse sync-run %s`",
-                    redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s, self.run_id, self.offline.folder,
-                    self.offline.folder)
+                    "metrics (%d value(s) the server never took), plots and model are kept in %s; upload them with "
+                    "`lakehouse sync-run %s`", redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s,
+                    self.run_id, unsent, self.offline.folder, self.offline.folder)
 
     def _plots(self, model, job, history, target) -> None:
         from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png
@@ -186,6 +262,11 @@ class RankZeroTracker:
         uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)
         log.info("logged the model to run %s as %s", self.run_id, uri)
         return uri
+
+
+def _steps(batch: List) -> str:
+    steps = [step for step, _ in batch]
+    return ", ".join(map(str, steps)) if len(steps) <= 5 else f"{steps[0]}..{steps[-1]}"
 
 
 def log_rank_hosts(client, run_id: str, results: List[Any]) -> None:

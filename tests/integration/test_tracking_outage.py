@@ -164,3 +164,135 @@ def test_server_that_never_comes_back_leaves_the_run_for_sync_run(table, tmp_pat
         assert len(client.search_model_versions("name='lakehouse_classifier'")) == 1
     finally:
         outage.close()
+
+
+class _Silent:
+    """A tracking server that accepts connections and never answers: a TCP socket on 127.0.0.1:`port` whose
+    connections are held open, unread (a hung server, a proxy whose backend is gone)."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        self.connections: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.connections.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for conn in self.connections:
+            conn.close()
+        self.sock.close()
+
+
+def test_rank_zero_never_waits_on_a_server_that_accepts_and_never_answers(tmp_path, monkeypatch):
+    """A real MlflowClient and MLflow's own asynchronous logging against a server that never answers: the epoch
+    ends cost nothing, the end waits at most one call's bound, and every epoch is kept."""
+    from pipeline.tracking.rank_zero import RankZeroTracker
+    from pipeline.tracking.runs import http_call_bound_s
+
+    for key, value in {"MLFLOW_HTTP_REQUEST_TIMEOUT": "2", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}.items():
+        monkeypatch.setenv(key, value)
+    bound = http_call_bound_s()
+    assert bound == 2 * 2 + 1 + 1
+    silent = _Silent(free_port())
+    try:
+        tracker = RankZeroTracker(f"http://127.0.0.1:{silent.sock.getsockname()[1]}", "a" * 32,
+                                  local_dir=str(tmp_path))
+        t0 = time.monotonic()
+        tracker.record_precision("32-true")
+        for step in range(4):
+            tracker.log_epoch({"train_loss": 1.0 / (step + 1), "val_acc": 0.2 * step}, step)
+        assert time.monotonic() - t0 < 1.0  # synchronous, that was (1 + 4) x (2 x 2 s + backoff)
+        deadline = time.monotonic() + 10
+        while not silent.connections and time.monotonic() < deadline:  # the batch really went out
+            time.sleep(0.05)
+        assert silent.connections
+        t0 = time.monotonic()
+        tracker.close()
+        assert time.monotonic() - t0 < bound + 1.5
+        lines = [json.loads(x) for x in (tmp_path / f"unsent_metrics_{'a' * 32}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == [0, 1, 2, 3] and tracker.sent == set()
+        assert [s for s, _ in tracker.pending] == [0, 1, 2, 3]  # finish(): the server waited for, else left offline
+    finally:
+        silent.close()
+
+
+def test_two_ranks_finish_while_the_server_accepts_and_never_answers(table, tmp_path, monkeypatch):
+    """Issue 25 item 8: rank 0 blocked (retries + 1) x timeout in each epoch end and rank 1 met the stall timeout in
+    the next collective. Now: 2 Horovod ranks train every epoch against a server that never answers (one blocked call
+    would be 3 x 8 s > train.stall_timeout_s=20), the run is left offline with every metric, and sync-run uploads it."""
+    from pipeline.tracking.runs import http_call_bound_s
+
+    timeout_s = 8
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))  # inherited by the job and its ranks
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
+    bound = http_call_bound_s({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s),
+                               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"})
+    assert bound > 20  # one synchronous call would outlast the stall timeout
+    outage = _Outage(tmp_path, table, "train.backend=horovod", "train.np=-2", "train.stall_timeout_s=20",
+                     "mlflow.retries=2", "mlflow.reconnect_wait_s=3")
+    proc, uri = outage.proc, outage.uri
+    silent = None
+    try:
+        _wait_epoch(proc, tmp_path, 0)
+        stop_mlflow_server(outage.server)
+        silent = _Silent(outage.port)  # the same address now accepts and never answers
+        t0 = time.monotonic()
+        summary = _finish(proc, timeout=600)
+        took = time.monotonic() - t0
+        log = _log(tmp_path)
+        assert proc.returncode == 3, log[-4000:]  # every epoch trained; the run offline, nothing registered
+        assert silent.connections and "within train.stall_timeout_s" not in log
+        assert re.search(r"metrics \(\d+ value\(s\) the server never took\)", log)  # the count, named
+        assert summary["epochs"] == EPOCHS and summary["model_version"] is None
+        folder = Path(summary["offline_run"])
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert sorted({m["step"] for m in lines if m["key"] == "val_loss"}) == list(range(EPOCHS))
+        assert {m["step"] for m in lines if m["sent"]} <= {0}  # nothing after the server hung was taken
+        info = json.loads((folder / "run.json").read_text())
+        assert int(info["tags"]["lakehouse.metrics_left_offline"]) >= (EPOCHS - 1) * 4  # named, in the run's tags
+        # the training thread never waited on the server: from one epoch end to the next, no more than the epoch
+        # itself and less than one HTTP timeout besides (a synchronous call: 3 x 8 s)
+        ends = {m["step"]: m["timestamp"] for m in lines if m["key"] == "val_loss"}
+        took_epoch = {m["step"]: m["value"] for m in lines if m["key"] == "epoch_time_s"}
+        for step in range(1, EPOCHS):
+            overhead = (ends[step] - ends[step - 1]) / 1000 - took_epoch[step]
+            assert overhead < timeout_s, (step, overhead)
+        # after the last epoch: rank 0's bounded flush, its probe, the driver's bounded end of the run
+        assert took < 300, took
+        silent.close()
+        silent = None
+        outage.restart_server()
+        out = subprocess.run(cli("sync-run", str(folder)), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        synced = json.loads(out.stdout.strip().splitlines()[-1])
+        assert synced["run_id"] == summary["run_id"] and synced["continued"] and synced["model_version"] == 1
+        client = MlflowClient(uri)
+        _check_run(client, summary["run_id"])
+        for metric in ("val_loss", "train_loss", "rows_read_rank_1"):  # every epoch, once
+            assert len(client.get_metric_history(summary["run_id"], metric)) == EPOCHS, metric
+    finally:
+        if silent is not None:
+            silent.close()
+        outage.close()
