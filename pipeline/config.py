@@ -20,6 +20,10 @@ class SparkConfig:
     app_name: str = "lakehouse"  # the Spark application's name
     # Extra Spark settings (e.g. spark.jars / spark.jars.packages for the Delta jars).
     conf: Dict[str, str] = field(default_factory=dict)
+    # Local folders every cluster host mounts at the same path (NFS, /dbfs, /Volumes). On a cluster (a master not on
+    # this machine) the table, data.cache_dir, train.checkpoint_dir and a file-based MLflow store must be under one
+    # of them or on cluster storage (dbfs:/, s3://, hdfs://); anything else is refused before a job starts.
+    shared_paths: List[str] = field(default_factory=lambda: ["/dbfs", "/Volumes"])
 
 
 @dataclass
@@ -131,6 +135,9 @@ class MlflowConfig:
     gate_mode: str = "max"  # max | min
     # promote only if the challenger beats the champion by more than this (same held-out rows; 0: strictly better)
     gate_margin: float = 0.0
+    # ... and, first model included, only if it beats a constant guess on the same rows by more than this (val_acc:
+    # the majority class's share; val_loss: the entropy of the labels; no floor for other metrics); null: no floor
+    gate_min_lift: Optional[float] = 0.05
     retries: int = 3  # each MLflow call is retried this many times ...
     retry_wait_s: float = 2.0  # ... this many seconds apart (doubling)
     # the server unreachable when training ends: rank 0 waits this long for it, then leaves the run (metrics, plots,
@@ -398,6 +405,8 @@ def validate(cfg: Config) -> None:
          "must not be 0 (N: folder N under the source, -N: folder N above the file)"),
         ("mlflow.system_metrics_interval_s", cfg.mlflow.system_metrics_interval_s >= 0, "must be >= 0 (0: off)"),
         ("mlflow.gate_margin", cfg.mlflow.gate_margin >= 0, "must be >= 0 (0: the challenger must be strictly better)"),
+        ("mlflow.gate_min_lift", cfg.mlflow.gate_min_lift is None or cfg.mlflow.gate_min_lift >= 0,
+         "must be >= 0 or null (null: no chance floor)"),
         ("tune.n_trials", cfg.tune.n_trials >= 1, "must be >= 1"),
         ("tune.startup_trials", cfg.tune.startup_trials >= 0, "must be >= 0"),
         ("tune.warmup_epochs", cfg.tune.warmup_epochs >= 0, "must be >= 0"),

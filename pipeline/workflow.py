@@ -34,13 +34,11 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
 
     `leases` (pipeline.data.leases.JobLeases, optional): the job's leases; the cache entry used is held in it, so no
     other job evicts or clears it until the job releases it (when its training ends)."""
-    from pipeline.data.convert import check_cache_visible, class_names_of, convert_for_training
-
+    from pipeline.data.convert import class_names_of, convert_for_training
     from pipeline.data.readers import require_reader
+    from pipeline.lakehouse.cluster import require_reachable
 
-    problem = check_cache_visible(cfg.data.cache_dir, cfg.spark.master)
-    if problem:
-        raise ConfigError(problem)
+    require_reachable(cfg)  # on a cluster: every path and address a rank or executor uses is on cluster storage
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
     if cfg.data.batch_size == "auto":  # planned for data.auto_batch_start; an out-of-memory halves it (launcher)
         from pipeline.config import apply_overrides
@@ -178,38 +176,54 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
 def register_and_promote(client, cfg: Config, model_uri: str, run_id: str, pinned, metrics: Dict[str, float],
                          extra_tags: Optional[Dict[str, Any]] = None):
     """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
-    lineage and logged gate metric; then, if `mlflow.promote`, the promotion gate (`gate`) decides the champion
-    alias. A gate that cannot judge the version (RegistryError) is logged as an error: the version stays unpromoted.
+    lineage and logged gate metric; then, if `mlflow.promote`, the promotion gate (`gate_version`) decides the
+    champion alias.
 
     Returns (version, PromotionDecision or None).
     """
-    from pipeline.tracking.registry import PromotionDecision, RegistryError, register_model
+    version = register_version(client, cfg, model_uri, run_id, pinned, metrics, extra_tags)
+    return version, gate_version(client, cfg, version)
+
+
+def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, metrics: Dict[str, float],
+                     extra_tags: Optional[Dict[str, Any]] = None) -> str:
+    """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
+    lineage, world size, backend and logged gate metric. Returns the version."""
+    from pipeline.tracking.registry import register_model
 
     metric = cfg.mlflow.gate_metric
-    value = metrics.get(metric)
     tags = {"run_id": run_id, "delta_table": pinned.table, "delta_version": str(pinned.version),
-            metric: str(value), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
+            metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
-    version = register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)
-    decision = None
-    if cfg.mlflow.promote:
-        try:
-            decision = gate(client, cfg, version)
-        except RegistryError as exc:  # registered, but the gate could not judge it: visible, never promoted
-            log.error("promotion gate: %s; version %s is registered but not promoted", exc, version)
-            decision = PromotionDecision(False, str(version), metric, None, None, None,
-                                         f"not promoted: {exc}", cfg.mlflow.gate_margin, error=str(exc))
-        log.info("promotion: %s", decision.reason)
-    return version, decision
+    return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)
+
+
+def gate_version(client, cfg: Config, version: str):
+    """The promotion gate (`gate`) on a registered `version` if `mlflow.promote`, else None. A gate that cannot judge
+    the version (RegistryError) is logged as an error: the version stays unpromoted. Returns the PromotionDecision."""
+    from pipeline.tracking.registry import PromotionDecision, RegistryError
+
+    if not cfg.mlflow.promote:
+        return None
+    try:
+        decision = gate(client, cfg, version)
+    except RegistryError as exc:  # registered, but the gate could not judge it: visible, never promoted
+        log.error("promotion gate: %s; version %s is registered but not promoted", exc, version)
+        decision = PromotionDecision(False, str(version), cfg.mlflow.gate_metric, None, None, None,
+                                     f"not promoted: {exc}", cfg.mlflow.gate_margin, error=str(exc))
+    log.info("promotion: %s", decision.reason)
+    return decision
 
 
 def gate(client, cfg: Config, version: str):
-    """The promotion gate on `version` with the config's metric, mode and margin (pipeline.tracking.registry.promote):
-    the challenger and the champion scored on the same held-out rows of the challenger's pinned Delta version."""
+    """The promotion gate on `version` with the config's metric, mode, margin and margin over chance
+    (pipeline.tracking.registry.promote): the challenger and the champion scored on the same held-out rows of the
+    challenger's pinned Delta version."""
     from pipeline.tracking.registry import promote
 
     return promote(client, cfg.mlflow.registered_model, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode,
-                   margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction)
+                   margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction,
+                   min_lift=cfg.mlflow.gate_min_lift)
 
 
 def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
@@ -288,18 +302,36 @@ def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, An
     `mlflow.tracking_uri=` in `overrides`), register its model through the same gate as `train` when the job would
     have registered it, then end the run with its true status. A folder already uploaded is not uploaded twice.
 
+    Idempotent: each step is recorded in the folder as it completes (`Upload.record`), so a sync-run that failed
+    part way is resumed by the next: the same run, no metric value twice, and never a second version for the run
+    (the registry is asked for one too). The summary's `resumed` says which steps an earlier sync-run had done.
+
     Raises:
-        SyncError: the folder is not a run left offline, or was uploaded already.
+        SyncError: the folder is not a run left offline, or was uploaded already; the run an earlier sync-run of
+            the folder created is no longer on the server.
     """
     from pipeline.lakehouse.delta import PinnedTable
     from pipeline.tracking.offline import upload
 
     up = upload(folder, overrides)
     if up.info.get("register") and up.summary["status"] == "FINISHED":  # nothing registered from a failed run
-        lineage = up.info.get("lineage") or {}
-        pinned = PinnedTable(table=lineage.get("table"), version=lineage.get("version"), num_files=-1, num_rows=None)
-        metrics = {k: float(v) for k, v in (up.info.get("gate_metrics") or {}).items()}
-        version, decision = register_and_promote(up.client, up.cfg, up.summary["model_uri"], up.summary["run_id"],
-                                                 pinned, metrics)
-        up.summary.update(model_version=int(version), champion=bool(decision and decision.promoted))
+        name = up.cfg.mlflow.registered_model
+        version = up.registered_version(name)
+        if version is None:
+            lineage = up.info.get("lineage") or {}
+            pinned = PinnedTable(table=lineage.get("table"), version=lineage.get("version"), num_files=-1,
+                                 num_rows=None)
+            metrics = {k: float(v) for k, v in (up.info.get("gate_metrics") or {}).items()}
+            version = register_version(up.client, up.cfg, up.summary["model_uri"], up.summary["run_id"], pinned,
+                                       metrics)
+            up.record(model_version=str(version))
+        if "champion" in up.state:  # the gate judged this version in an earlier sync-run
+            champion = bool(up.state["champion"])
+            up.resumed("champion", champion)
+        else:
+            decision = gate_version(up.client, up.cfg, version)
+            champion = bool(decision and decision.promoted)
+            if decision is not None:
+                up.record(champion=champion)
+        up.summary.update(model_version=int(version), champion=champion)
     return up.end()

@@ -23,7 +23,7 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 __all__ = ["ConversionError", "ConvertedData", "ConvertedSplit", "convert_for_training", "split_frame",
-           "prepare_split", "write_split", "plan_data", "class_names_of", "check_cache_visible"]
+           "prepare_split", "write_split", "plan_data", "class_names_of"]
 
 
 def split_frame(df, val_fraction: float):
@@ -341,19 +341,3 @@ def class_names_of(df) -> List[str]:
     if not pairs:
         return []
     return [pairs.get(i, f"class_{i}") for i in range(max(pairs) + 1)]
-
-
-def check_cache_visible(cache_dir: str, spark_master: str) -> Optional[str]:
-    """A reason the converted-data cache cannot serve a cluster's executors, or None.
-
-    A local path works when every process runs on this machine (local[N], a standalone cluster on
-    127.0.0.1); on a real cluster it must be storage every executor mounts (dbfs:/, s3://, hdfs://,
-    or a shared file system mount).
-    """
-    scheme = urlparse(cache_dir).scheme
-    is_local_master = spark_master.startswith("local") or "127.0.0.1" in spark_master or "localhost" in spark_master
-    if scheme in ("", "file") and not is_local_master and not os.environ.get("LAKEHOUSE_SHARED_FS"):
-        return (f"config key 'data.cache_dir' is {cache_dir!r}, a local path, but spark.master {spark_master!r} "
-                f"runs executors on other machines that cannot see it; point it at shared storage "
-                f"(dbfs:/..., s3://..., hdfs://...) or set LAKEHOUSE_SHARED_FS=1 if it is a shared mount")
-    return None

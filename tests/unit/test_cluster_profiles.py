@@ -1,4 +1,4 @@
-"""The profiles in conf/ load cleanly, the cluster ones point at shared storage, and the cache check refuses local paths on a real cluster."""
+"""The profiles in conf/ load cleanly, the cluster ones point at shared storage, and the cluster check refuses host-private paths and loopback addresses on a real cluster."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.data.convert import check_cache_visible
+from pipeline.lakehouse.cluster import cluster_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted(p.name for p in (ROOT / "conf").glob("*.yaml"))
@@ -47,12 +47,18 @@ def test_cluster_profile_runs_on_spark_tasks_with_shared_storage():
     assert cfg.train.np > 0
     assert cfg.data.cache_dir.startswith(("hdfs://", "s3://", "s3a://", "dbfs:/", "file:///mnt/"))
     assert cfg.mlflow.tracking_uri.startswith("http")
-    # the placeholder master is a one-machine cluster, and with a real master the cache stays visible
-    assert check_cache_visible(cfg.data.cache_dir, cfg.spark.master) is None
-    assert check_cache_visible(cfg.data.cache_dir, "spark://10.0.0.5:7077") is None
+    # the placeholder master is a one-machine cluster, and with a real master every path stays reachable
+    assert cluster_problems(cfg) == []
+    assert cluster_problems(with_master(cfg, "spark://10.0.0.5:7077")) == []
 
 
-def test_databricks_profile(monkeypatch):
+def with_master(cfg: Config, master: str, **keys) -> Config:
+    from pipeline.config import apply_overrides
+
+    return apply_overrides(cfg, {"spark.master": master, **keys})
+
+
+def test_databricks_profile():
     cfg = load_config(str(ROOT / "conf/databricks.yaml"))
     assert cfg.delta.engine == "spark"
     assert cfg.train.np == 2
@@ -61,44 +67,65 @@ def test_databricks_profile(monkeypatch):
     assert cfg.data.cache_dir.startswith("file:///Volumes/")
     # runs on both runtimes (17.3 ML ships neither Horovod nor Petastorm): Arrow reader, DDP via TorchDistributor
     assert (cfg.data.reader, cfg.train.backend) == ("arrow", "ddp")
-    # /Volumes is a FUSE mount on every node: the job cluster says so with LAKEHOUSE_SHARED_FS=1
-    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
-    assert "data.cache_dir" in check_cache_visible(cfg.data.cache_dir, cfg.spark.master)
-    monkeypatch.setenv("LAKEHOUSE_SHARED_FS", "1")
-    assert check_cache_visible(cfg.data.cache_dir, cfg.spark.master) is None
+    # /Volumes is a FUSE mount on every node: in spark.shared_paths by default
+    assert cluster_problems(cfg) == []
+    problems = cluster_problems(with_master(cfg, "databricks", **{"spark.shared_paths": ["/dbfs"]}))
+    assert len(problems) == 3 and all("/Volumes/" in p for p in problems), problems
 
 
-@pytest.mark.parametrize("cache_dir", ["work/petastorm_cache", "/tmp/cache", "file:///tmp/cache"])
+LOCAL = {"delta.table": "/data/t", "data.cache_dir": "/data/cache", "train.checkpoint_dir": "/data/ckpt",
+         "mlflow.tracking_uri": "http://mlflow.internal:5000", "mlflow.artifact_location": None, "train.np": 2}
+
+
+@pytest.mark.parametrize("key,value", [("data.cache_dir", "work/petastorm_cache"), ("data.cache_dir", "/tmp/cache"),
+                                       ("data.cache_dir", "file:///tmp/cache"), ("train.checkpoint_dir", "/tmp/c"),
+                                       ("delta.table", "work/delta/t"),
+                                       ("mlflow.tracking_uri", "sqlite:////tmp/mlflow.db"),
+                                       ("mlflow.artifact_location", "/tmp/artifacts")])
 @pytest.mark.parametrize("master", ["spark://10.0.0.5:7077", "yarn", "k8s://https://api:6443"])
-def test_cache_check_refuses_a_local_path_on_a_remote_cluster(monkeypatch, cache_dir, master):
-    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
-    problem = check_cache_visible(cache_dir, master)
-    assert problem is not None
-    assert "data.cache_dir" in problem and cache_dir in problem and master in problem
+def test_cluster_check_refuses_a_host_private_path_naming_its_key(key, value, master):
+    cfg = with_master(Config(), master, **{**LOCAL, "spark.shared_paths": ["/data"], key: value})
+    problems = cluster_problems(cfg)
+    assert len(problems) == 1, problems
+    assert f"'{key}'" in problems[0] and value in problems[0] and master in problems[0]
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "http://localhost:5000"])
+def test_cluster_check_refuses_a_loopback_tracking_server_when_ranks_run_on_executors(uri):
+    cfg = with_master(Config(), "spark://10.0.0.5:7077", **{**LOCAL, "spark.shared_paths": ["/data"],
+                                                             "mlflow.tracking_uri": uri})
+    problems = cluster_problems(cfg)
+    assert len(problems) == 1 and "'mlflow.tracking_uri'" in problems[0] and "another host" in problems[0], problems
+    # ranks in this process (train.np=1) or on this machine (-N) log from here: the loopback server is fine
+    assert cluster_problems(with_master(cfg, "spark://10.0.0.5:7077", **{"train.np": -2})) == []
 
 
 @pytest.mark.parametrize("master", ["local[2]", "local[*]", "local", "spark://127.0.0.1:7077",
                                     "spark://localhost:7077"])
-def test_cache_check_accepts_a_local_path_when_every_process_is_on_this_machine(monkeypatch, master):
-    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
-    assert check_cache_visible("work/petastorm_cache", master) is None
+def test_cluster_check_accepts_local_paths_when_every_process_is_on_this_machine(master):
+    assert cluster_problems(with_master(Config(), master, **{"train.np": 2})) == []
 
 
 @pytest.mark.parametrize("cache_dir", ["hdfs:///tmp/cache", "s3://bucket/cache", "dbfs:/tmp/cache"])
-def test_cache_check_accepts_shared_storage_on_a_remote_cluster(monkeypatch, cache_dir):
-    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
-    assert check_cache_visible(cache_dir, "spark://10.0.0.5:7077") is None
+def test_cluster_check_accepts_cluster_storage(cache_dir):
+    cfg = with_master(Config(), "spark://10.0.0.5:7077", **{**LOCAL, "spark.shared_paths": ["/data"],
+                                                             "data.cache_dir": cache_dir})
+    assert cluster_problems(cfg) == []
 
 
-def test_cache_check_accepts_a_local_path_declared_shared(monkeypatch):
-    monkeypatch.setenv("LAKEHOUSE_SHARED_FS", "1")
-    assert check_cache_visible("/mnt/nfs/cache", "spark://10.0.0.5:7077") is None
+def test_a_symlink_out_of_a_shared_folder_is_not_shared(tmp_path):
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "private").mkdir()
+    (tmp_path / "shared" / "link").symlink_to(tmp_path / "private")
+    cfg = with_master(Config(), "spark://10.0.0.5:7077",
+                      **{**LOCAL, "spark.shared_paths": ["/data", str(tmp_path / "shared")],
+                         "data.cache_dir": str(tmp_path / "shared" / "link" / "cache")})
+    assert [p for p in cluster_problems(cfg) if "data.cache_dir" in p]
 
 
-def test_the_refusal_reaches_the_user_as_a_config_error(monkeypatch):
+def test_the_refusal_reaches_the_user_as_a_config_error():
     from pipeline.workflow import prepare_data
 
-    monkeypatch.delenv("LAKEHOUSE_SHARED_FS", raising=False)
     cfg = load_config(str(ROOT / "conf/local.yaml"), ["spark.master=spark://10.0.0.5:7077"])
     with pytest.raises(ConfigError, match="data.cache_dir"):
         prepare_data(None, cfg)  # refused before any Spark work
@@ -150,6 +177,6 @@ def test_databricks_bundle_runs_the_four_jobs_with_the_target_profile():
         assert ".whl" not in json.dumps(task.get("libraries", []))
     cluster = job["job_clusters"][0]["new_cluster"]
     assert cluster["num_workers"] == 2
-    assert cluster["spark_env_vars"]["LAKEHOUSE_SHARED_FS"] == "1"
+    assert "LAKEHOUSE_SHARED_FS" not in cluster["spark_env_vars"]  # spark.shared_paths says it (/Volumes)
     assert "init-lakehouse.sh" in json.dumps(cluster["init_scripts"])
     assert (ROOT / "conf/databricks/README.md").is_file()
