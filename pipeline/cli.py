@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import List, Optional
@@ -188,8 +189,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.error("%s: %s", type(exc).__name__, exc)
         if os.environ.get("LAKEHOUSE_DEBUG"):
             raise
-        return 1
+        return _exit_past_abandoned_launches(1)
     return 0
+
+
+def _exit_past_abandoned_launches(rc: int) -> int:
+    """`rc`, or exit the process with it now when a launch given up on left threads waiting on a lost host (the
+    interpreter would wait for them at exit, for minutes): the failure is already logged and recorded."""
+    from pipeline.distributed.launcher import abandoned_threads
+
+    left = abandoned_threads()
+    if not left:
+        return rc
+    log.error("exiting without %d launcher thread(s) still waiting on a lost host", len(left))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -183,11 +184,21 @@ def _rank_classes(job: TrainJob) -> Dict[int, List[str]]:
     return found
 
 
+def _rank_host(path: str) -> str:
+    """The host a rank's `started` marker names ("" for an older marker)."""
+    try:
+        with open(path) as fh:
+            return (fh.read().split() or [""])[0]
+    except OSError:
+        return ""
+
+
 def _failures(job: TrainJob) -> str:
-    """Each rank's account of the attempt, in rank order: its error's first line, or that it ended without one."""
-    errors, done = _ranks_with(job, "error"), _ranks_with(job, "done")
+    """Each rank's account of the attempt, in rank order: its error's first line, or that it ended without one, and
+    the host it ran on."""
+    errors, done, started = _ranks_with(job, "error"), _ranks_with(job, "done"), _ranks_with(job, "started")
     parts = []
-    for rank in sorted(set(errors) | set(_ranks_with(job, "started"))):
+    for rank in sorted(set(errors) | set(started)):
         if rank in errors:
             with open(errors[rank]) as fh:
                 first = fh.readline().strip()
@@ -198,8 +209,104 @@ def _failures(job: TrainJob) -> str:
             first = SILENT_RANK
         else:
             continue
-        parts.append(f"rank {rank}: {first}")
+        host = _rank_host(started[rank]) if rank in started else ""
+        parts.append(f"rank {rank}: {first}" + (f" (on host {host})" if host else ""))
     return "; ".join(parts)
+
+
+def _spark_context():
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context
+
+
+def unanswering_executors(timeout_s: float = 2.0) -> List[str]:
+    """The executors (host:port of their block managers) that do not accept a connection now: a host lost, its link
+    cut, its machine stopped. Spark itself learns it only after `spark.network.timeout` (120 s by default)."""
+    import socket
+
+    sc = _spark_context()
+    if sc is None:
+        return []
+    driver = sc.getConf().get("spark.driver.host", "")
+    lost = []
+    for info in sc._jsc.sc().statusTracker().getExecutorInfos():
+        host, port = info.host(), info.port()
+        if host == driver:
+            continue
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError:
+            lost.append(f"{host}:{port}")
+    return lost
+
+
+# Threads a launch that `_bounded` gave up on left behind, still waiting on a lost host (Horovod's per-rank threads are
+# not daemons: the interpreter would wait for them at exit). The CLI exits without them (`abandoned_threads`).
+_ABANDONED: List[threading.Thread] = []
+
+
+def abandoned_threads() -> List[threading.Thread]:
+    """The threads of launches given up on (`_bounded`) that are still alive."""
+    return [t for t in _ABANDONED if t.is_alive()]
+
+
+@contextmanager
+def _signals_left_to_the_driver() -> Iterator[None]:
+    """Horovod's Gloo launcher installs SIGINT/SIGTERM handlers, which only the main thread may do. Run off it (inside
+    `_bounded`), its launch leaves signals to the driver: `forward_sigterm` passes SIGTERM on to the ranks."""
+    import horovod.runner.gloo_run as gloo_run
+
+    original = gloo_run.register_shutdown_event
+
+    def event_only() -> threading.Event:
+        return original() if threading.current_thread() is threading.main_thread() else threading.Event()
+
+    gloo_run.register_shutdown_event = event_only
+    try:
+        yield
+    finally:
+        gloo_run.register_shutdown_event = original
+
+
+def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
+    """`call()`, a launch of ranks as Spark tasks, with a bound: once a rank has reported an error, the launch must
+    return within `train.stall_timeout_s`. When a host is gone, Horovod's driver and Spark wait on it for minutes (the
+    task's executor is declared lost only after Spark's own timeouts); past the bound the application's Spark jobs are
+    cancelled and DistributedTrainingError names each rank with its host, and the executors that do not answer."""
+    box: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    before = set(threading.enumerate())
+    thread = threading.Thread(target=target, name="launch-ranks", daemon=True)
+    thread.start()
+    grace = float(job.cfg.train.stall_timeout_s)
+    failed_at = None
+    while thread.is_alive():
+        thread.join(timeout=1.0)
+        if failed_at is None and _ranks_with(job, "error"):
+            failed_at = time.monotonic()
+        if thread.is_alive() and failed_at is not None and time.monotonic() - failed_at > grace:
+            lost = unanswering_executors()
+            _ABANDONED.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
+            sc = _spark_context()
+            if sc is not None:
+                sc.cancelAllJobs()
+            log.error("the ranks' launch did not return within %g s after a rank failed; cancelled its Spark jobs",
+                      grace)
+            raise DistributedTrainingError(
+                f"training failed on {_failures(job)}; the launch did not return within train.stall_timeout_s="
+                f"{grace:g} s after the first rank failed"
+                + (f"; executor(s) not answering (host lost?): {', '.join(lost)}" if lost else "")
+                + "; its Spark jobs were cancelled", _rank_classes(job))
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def spark_schedules_gpus(local_mode: bool) -> bool:
@@ -230,6 +337,8 @@ def launch(job: TrainJob) -> List[RankResult]:
     with _rank_environment(job), forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
         try:
             return _launch(job)
+        except DistributedTrainingError:
+            raise  # already says what each rank reported (`_bounded`)
         except Exception as exc:
             if term.terminated or glob.glob(os.path.join(job.job_dir, "rank*.sigterm")):
                 from pipeline.errors import Terminated
@@ -283,7 +392,6 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
         ConfigError: out of memory at 1 sample per rank (`data.batch_size`).
     """
     import dataclasses
-    import time
 
     from pipeline.data.convert import plan_data
     from pipeline.distributed.backoff import backs_off, halved, is_out_of_memory
@@ -363,9 +471,10 @@ def _launch(job: TrainJob) -> List[RankResult]:
         import horovod.spark
 
         log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
-        return list(horovod.spark.run(horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
-                                      start_timeout=cfg.train.start_timeout_s,
-                                      env=executor_env(dict(os.environ)), verbose=0))
+        with _signals_left_to_the_driver():
+            return list(_bounded(job, lambda: horovod.spark.run(
+                horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
+                start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ)), verbose=0)))
     if backend in ("ddp", "fsdp"):
         from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -373,6 +482,7 @@ def _launch(job: TrainJob) -> List[RankResult]:
                  "on this machine" if np_ < 0 else "on the Spark cluster")
         # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
         dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=spark_schedules_gpus(np_ < 0))
-        result = dist.run(fsdp_worker if backend == "fsdp" else ddp_worker, job)
+        worker = fsdp_worker if backend == "fsdp" else ddp_worker
+        result = dist.run(worker, job) if np_ < 0 else _bounded(job, lambda: dist.run(worker, job))
         return [result]
     raise ValueError(f"config key 'train.backend': {backend!r} is not horovod, ddp, fsdp or single")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -288,7 +289,7 @@ def rank_record(job: TrainJob, rank: int) -> Iterator[None]:
 
     if rank != 0:
         without(os.environ, TRACKING_CREDENTIALS)
-    _write_marker(job, rank, "started")
+    _write_marker(job, rank, "started", f"{socket.gethostname()} {os.getpid()}")  # the host the launcher names
     try:
         yield
     except BaseException as exc:

@@ -1,0 +1,187 @@
+"""The pipeline across three hosts (network namespaces with private disks, tests/multihost/harness.py): ingest, train
+with each backend on two worker hosts, predict; a host-private path refused by key; a worker host lost for good."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from harness import HOSTS, PYTHON, SPARK_BIN, Cluster, can_make_hosts
+
+ROOT = Path(__file__).resolve().parents[2]
+WHY_NOT = can_make_hosts()
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200),
+              pytest.mark.skipif(WHY_NOT is not None, reason=f"no hosts here: {WHY_NOT}")]
+SUBMIT_TIMEOUT_S = 420
+# what a rank leaves behind, by name: none of it may be on a host's private disk
+RANK_FILES = re.compile(r"(\.ckpt|rank\d+\.(started|done|error|class)|\.parquet|mlflow\.db)$")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    made = Cluster(name="lhmt", net=232).up()
+    try:
+        yield made
+    finally:
+        left = made.down()
+        assert left == [], f"teardown left {left}"
+
+
+def submit(cluster: Cluster, script: str, args: List[str], name: str, timeout: float = SUBMIT_TIMEOUT_S):
+    """spark-submit jobs/<script> from the driver host; its output kept in the cluster's logs folder."""
+    cmd = [str(SPARK_BIN / "spark-submit"), "--master", cluster.spark_url, "--conf", "spark.executor.cores=1",
+           "--conf", "spark.task.cpus=1", "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
+           str(ROOT / "jobs" / script), *args]
+    done = cluster.run("drv", cmd, timeout=timeout)
+    (cluster.logs / f"{name}.out").write_text(done.stdout + "\n---- stderr\n" + done.stderr)
+    return done
+
+
+def settings(cluster: Cluster, run: str) -> List[str]:
+    """conf/local.yaml with everything the ranks share on the cluster storage and MLflow on the driver host."""
+    s = cluster.shared
+    return ["--conf", str(ROOT / "conf/local.yaml"), f"spark.master={cluster.spark_url}",
+            f"spark.shared_paths=[{s}]", f"delta.table={s}/delta/digits", f"data.cache_dir={s}/cache",
+            f"train.checkpoint_dir={s}/checkpoints/{run}", f"mlflow.tracking_uri={cluster.mlflow_uri}",
+            "mlflow.artifact_location=null", f"mlflow.experiment=multihost-{run}"]
+
+
+def last_json(text: str) -> dict:
+    lines = [line for line in text.strip().splitlines() if line.startswith("{")]
+    assert lines, f"no JSON line in:\n{text[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def client(cluster: Cluster):
+    """The MLflow server's store, read from outside the hosts (it is on the driver host's private disk)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{cluster.mlflow_db}")
+
+
+def private_rank_files(cluster: Cluster) -> List[str]:
+    """Files a rank writes (checkpoints, markers, converted data, a store) found on any host's private disk (the
+    MLflow server's own store on the driver host's is where it belongs)."""
+    found = []
+    for host in HOSTS:
+        for path in glob.glob(str(cluster.private(host) / "**" / "*"), recursive=True):
+            if RANK_FILES.search(path) and "spark-work" not in path and path != str(cluster.mlflow_db):
+                found.append(path)
+    return found
+
+
+def rank_processes(cluster: Cluster) -> List[str]:
+    """Processes on any host still running a rank."""
+    from harness import _netns_pids
+
+    left = []
+    for host in HOSTS:
+        for pid in _netns_pids(cluster.ns(host)):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+            except OSError:
+                continue
+            if "horovod.spark.task" in argv or "torch.distributed.run" in argv or "pipeline" in argv:
+                left.append(f"{host}: {pid} {argv[:120]}")
+    return left
+
+
+@pytest.fixture(scope="module")
+def table(cluster):
+    from pipeline.lakehouse.sample_data import render_digits
+
+    render_digits(str(cluster.shared / "digits"), limit=600)
+    done = submit(cluster, "ingest.py", ["--source", str(cluster.shared / "digits"), "--mode", "overwrite",
+                                         *settings(cluster, "ingest")], "ingest")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert last_json(done.stdout)["rows_written"] == 600
+    return cluster.shared / "delta" / "digits"
+
+
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_each_backend_trains_on_two_worker_hosts_and_registers(cluster, table, backend):
+    done = submit(cluster, "train.py", [*settings(cluster, backend), f"train.backend={backend}", "train.np=2",
+                                        "train.max_epochs=2", "train.warmup_epochs=0"], f"train-{backend}")
+    assert done.returncode == 0, f"train exited {done.returncode}:\n{done.stdout[-5000:]}\n{done.stderr[-2000:]}"
+    summary = last_json(done.stdout)
+    assert summary["world_size"] == 2 and summary["tracking_uri"] == cluster.mlflow_uri, summary
+
+    mlflow = client(cluster)
+    run = mlflow.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    if backend == "horovod":  # ranks tag their host: one on each worker host, none on the driver's
+        hosts = {run.data.tags["rank_0_host"], run.data.tags["rank_1_host"]}
+        assert hosts == {cluster.ns("w1"), cluster.ns("w2")}, run.data.tags
+    versions = mlflow.search_model_versions(f"name='{summary['model_name']}'")
+    assert [v.run_id for v in versions if v.run_id == summary["run_id"]] == [summary["run_id"]]
+    # everything the driver read back (markers, checkpoints, converted data) was on the cluster storage
+    assert list((cluster.shared / "checkpoints" / backend / summary["run_id"]).glob("*.ckpt"))
+    assert private_rank_files(cluster) == []
+
+    if backend == "horovod":  # the registered version scores the table on the executors
+        version = str(summary["model_version"])
+        out = submit(cluster, "predict.py", ["--model", f"models:/{summary['model_name']}/{version}", "--table",
+                                             str(table), "--version", "0", "--out",
+                                             str(cluster.shared / "delta" / "predictions"),
+                                             *settings(cluster, "predict")], "predict")
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+        predicted = last_json(out.stdout)
+        assert (predicted["rows"], predicted["errors"]) == (600, 0), predicted
+
+
+def test_a_host_private_path_is_refused_naming_its_key(cluster, table):
+    t0 = time.monotonic()
+    done = submit(cluster, "train.py", [*settings(cluster, "private"), "train.np=2", "data.cache_dir=/tmp/cache"],
+                  "train-private", timeout=180)
+    assert done.returncode != 0
+    assert "config key 'data.cache_dir' is '/tmp/cache', a path on this host only" in done.stdout + done.stderr
+    assert time.monotonic() - t0 < 120  # before any rank or conversion
+
+
+def test_a_worker_host_lost_for_good_fails_within_a_bound_naming_it(cluster, table):
+    """A worker host's link cut after the first checkpoint and never restored: the job fails within
+    train.stall_timeout_s (the ranks' collective) plus the launcher's bound (the same again), naming each rank with
+    its host and the executor that no longer answers; the run FAILED, nothing registered, no rank left running."""
+    stall = 20
+    ckpts = cluster.shared / "checkpoints" / "lost"
+    cut_at: List[float] = []
+
+    def cutter() -> None:
+        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
+        while not glob.glob(str(ckpts / "*" / "last.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.cut("w1")
+        cut_at.append(time.monotonic())
+
+    threading.Thread(target=cutter, daemon=True).start()
+    try:
+        done = submit(cluster, "train.py", [*settings(cluster, "lost"), "train.np=2", "train.max_epochs=6",
+                                            "train.warmup_epochs=0", "data.batch_size=16",
+                                            "train.checkpoint_every_n_steps=2", "train.early_stopping.enabled=false",
+                                            f"train.stall_timeout_s={stall}", "train.start_timeout_s=60"],
+                      "train-lost")
+        ended = time.monotonic()
+        assert cut_at, "no checkpoint was written before the job ended"
+        output = done.stdout + done.stderr
+        assert done.returncode != 0, output[-4000:]
+        took = ended - cut_at[0]
+        assert took < 2 * stall + 60, f"the job took {took:.0f} s after the cut"
+        assert cluster.addr("w1") in output and "not answering" in output, output[-4000:]
+        assert re.search(rf"rank \d: .*\(on host {cluster.ns('w1')}\)", output), output[-4000:]
+        mlflow = client(cluster)
+        runs = mlflow.search_runs([mlflow.get_experiment_by_name("multihost-lost").experiment_id])
+        assert [r.info.status for r in runs] == ["FAILED"]
+        assert not [v for v in mlflow.search_model_versions() if v.run_id == runs[0].info.run_id]
+        deadline = time.monotonic() + 30
+        while rank_processes(cluster) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert rank_processes(cluster) == []
+    finally:
+        cluster.restore("w1")
