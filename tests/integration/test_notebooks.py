@@ -50,7 +50,8 @@ def test_notebooks_run_in_order(tmp_path, digits_table, kernel_name, monkeypatch
         f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         f"mlflow.artifact_location={tmp_path}/mlartifacts",
         "mlflow.experiment=notebooks",
-        "train.max_epochs=1",
+        # enough to beat the gate's chance floor (mlflow.gate_min_lift): 1 warm-up epoch stays at chance level
+        "train.max_epochs=3", "train.warmup_epochs=0", "data.batch_size=16", "model.lr=0.02",
         "spark.app_name=lakehouse-notebooks",
     ]
     monkeypatch.setenv("LAKEHOUSE_CONF", "conf/local.yaml")

@@ -209,10 +209,12 @@ def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tm
                                       "ingest").stdout)
         assert ingested["delta_version"] == 0 and ingested["rows_written"] == 600, ingested
 
+        # 3 epochs without warm-up: a model that beats the gate's chance floor (mlflow.gate_min_lift)
         done = _submit(cluster, tmp_path, "train.py",
-                       [*settings, *master, "train.np=2", "train.max_epochs=1"], "train")
+                       [*settings, *master, "train.np=2", "train.max_epochs=3", "train.warmup_epochs=0",
+                        "data.batch_size=16", "model.lr=0.02"], "train")
         summary = _last_json(done.stdout)
-        assert summary["champion"], summary  # the first version: no champion to beat
+        assert summary["champion"], summary  # the first version: no champion to beat, and better than chance
         # the champion scores the table on the same cluster (spark_udf in the executors): one row per input row
         predicted = _last_json(_submit(cluster, tmp_path, "predict.py",
                                        ["--model", f"models:/{summary['model_name']}@champion",
