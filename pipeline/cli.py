@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    return _exit_past_abandoned_launches(_main(argv))
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
     from pipeline.config import ConfigError, load_config
@@ -189,19 +193,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.error("%s: %s", type(exc).__name__, exc)
         if os.environ.get("LAKEHOUSE_DEBUG"):
             raise
-        return _exit_past_abandoned_launches(1)
+        return 1
     return 0
 
 
 def _exit_past_abandoned_launches(rc: int) -> int:
     """`rc`, or exit the process with it now when a launch given up on left threads waiting on a lost host (the
-    interpreter would wait for them at exit, for minutes): the failure is already logged and recorded."""
+    interpreter would wait for them at exit, for minutes): the job's outcome is already printed and recorded, an
+    elastic relaunch's success too."""
+    if "pipeline.distributed.launcher" not in sys.modules:  # no launch in this process
+        return rc
     from pipeline.distributed.launcher import abandoned_threads
 
     left = abandoned_threads()
     if not left:
         return rc
-    log.error("exiting without %d launcher thread(s) still waiting on a lost host", len(left))
+    log.warning("exiting without %d launcher thread(s) still waiting on a lost host", len(left))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

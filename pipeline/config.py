@@ -116,6 +116,10 @@ class TrainConfig:
     start_timeout_s: int = 120  # every rank must have started within this many seconds
     # A rank that cannot finish a collective within this many seconds shuts the job down.
     stall_timeout_s: int = 120
+    # Elastic (train.np=N on a cluster): after a restartable failure with fewer task slots left than the job's ranks
+    # (a host lost), go on from the last checkpoint with the ranks that remain, down to this many (restated for the
+    # smaller global batch); null: always relaunch the same world size
+    min_np: Optional[int] = None
     fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
     fail_rank: Optional[int] = None  # ... on this rank only (None: every rank)
     # ... error (a RuntimeError) | oom (torch.OutOfMemoryError) | hang (the rank stops answering, alive)
@@ -395,6 +399,8 @@ def validate(cfg: Config) -> None:
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
         ("train.checkpoint_every_n_steps", (cfg.train.checkpoint_every_n_steps or 1) >= 1, "must be >= 1 or null"),
         ("train.max_restarts", cfg.train.max_restarts >= 0, "must be >= 0"),
+        ("train.min_np", cfg.train.min_np is None or (cfg.train.np > 1 and 1 <= cfg.train.min_np <= cfg.train.np),
+         "must be null, or between 1 and train.np when train.np > 1 (ranks as Spark tasks on a cluster)"),
         ("mlflow.reconnect_wait_s", cfg.mlflow.reconnect_wait_s >= 0, "must be >= 0 (0: leave the run offline at once)"),
         ("train.threads_per_rank", cfg.train.threads_per_rank is None or cfg.train.threads_per_rank >= 1,
          "must be >= 1 or null (null: 1 per rank when ranks share a host, else torch's default)"),

@@ -65,6 +65,17 @@ def _record_restart(run, n: int, cause: str) -> None:
         log.warning("could not record restart %d in MLflow: %s", n, exc)
 
 
+def _record_world(run, world: int, cause: str) -> None:
+    """An elastic relaunch (train.min_np) on fewer ranks: the `world_size_used` tag, the `world_size` metric and a tag
+    with its cause."""
+    try:
+        run.client.set_tag(run.run_id, "world_size_used", world)
+        run.client.log_metric(run.run_id, "world_size", world)
+        run.client.set_tag(run.run_id, f"world_size_{world}_cause", cause[:4000])
+    except Exception as exc:  # the training matters more than its record
+        log.warning("could not record the elastic change to %d rank(s) in MLflow: %s", world, exc)
+
+
 CHECKPOINT_NAMES = {"last": "last.ckpt", "best": "best.ckpt"}
 
 
@@ -160,7 +171,8 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     t0 = time.time()
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
         results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause),
-                                       on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause))
+                                       on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause),
+                                       on_world=lambda world, cause: _record_world(run, world, cause))
     log.info("training finished in %.1f s", time.time() - t0)
     from pipeline.tracking.offline import left_offline
 
@@ -271,6 +283,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
             "rows_train": rows_train,
             "rows_val": rows_val,
             "world_size": world,
+            "world_size_used": r0.world_size,  # fewer after an elastic relaunch (train.min_np)
             "backend": cfg.train.backend,
             "val_loss": r0.metrics.get("val_loss"),
             "val_acc": r0.metrics.get("val_acc"),

@@ -206,12 +206,12 @@ def _set_counts(node: Dict[str, Any], total: int, current: int) -> None:
 
 
 def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_steps: int, new_batch: int,
-                       lr_factor: float) -> int:
+                       lr_factor: float, new_world: Optional[int] = None, rank_batch: Optional[int] = None) -> int:
     """Write `src` (a Lightning checkpoint trained with `old_batch` per rank) to `dst` as if trained with `new_batch`:
     every step counter of the fit loop and the LR scheduler at the converted position (`converted_position`), the
     learning rates of the optimizer and scheduler times `lr_factor`, the data stream's steps per epoch, and its
-    `trained_with` record. Weights, optimizer moments, lineage and callbacks' states are kept. Returns the converted
-    global step."""
+    `trained_with` record (`new_world` ranks of `rank_batch` each, when given: the batches are then global). Weights, optimizer moments, lineage and callbacks' states are
+    kept. Returns the converted global step."""
     ckpt = _load(src)
     fit = ckpt["loops"]["fit_loop"]
     progress = fit["epoch_loop.batch_progress"]
@@ -223,6 +223,8 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
     for state in fit.get("state_dict", {}).get("combined_loader", []) or []:
         if isinstance(state, dict) and "steps_per_epoch" in state:
             state["steps_per_epoch"] = new_steps
+            if new_world is not None and "world_size" in state:
+                state["world_size"] = int(new_world)
     for opt in ckpt.get("optimizer_states", []):
         for group in opt.get("param_groups", []):
             for key in ("lr", "initial_lr"):
@@ -236,8 +238,11 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
     ckpt["global_step"] = total
     record = ckpt.get(TRAINED_WITH)
     if isinstance(record, dict):
-        ckpt[TRAINED_WITH] = {**record, "batch_size": new_batch, "steps_per_epoch": new_steps, "global_step": total,
+        ckpt[TRAINED_WITH] = {**record, "batch_size": rank_batch or new_batch, "steps_per_epoch": new_steps,
+                              "global_step": total,
                               "lr": float(record.get("lr", 0.0)) * lr_factor}
+        if new_world is not None:
+            ckpt[TRAINED_WITH]["world_size"] = int(new_world)
     tmp = dst + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, dst)
@@ -245,30 +250,32 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
 
 
 def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str) -> str:
-    """Checkpoint `path` for a launch with `batch_size` per rank (`steps_per_epoch`, `world_size` ranks): `path`
-    itself when it records that batch, else a copy beside it restated from the batch, steps and rate it records
-    (`rescale_checkpoint`; the rate by `train.lr_scaling`).
+    """Checkpoint `path` for a launch of `world_size` ranks with `batch_size` per rank (`steps_per_epoch`): `path`
+    itself when it records that batch and world size, else a copy beside it restated from what it records
+    (`rescale_checkpoint`). Positions and rates follow the global batch (per-rank batch x ranks): an OOM back-off
+    halves it, an elastic relaunch on fewer ranks (train.min_np) shrinks it; the rate by `train.lr_scaling`.
 
     Raises:
-        CheckpointError: it records no batch, another world size, or is a sharded (FSDP) checkpoint trained with
-            another batch; naming the file.
+        CheckpointError: it records no batch, or is a sharded (FSDP) checkpoint trained with another batch or world
+            size; naming the file.
     """
     record = trained_with(path)
-    old_batch = int(record["batch_size"])
-    if old_batch == batch_size:
+    old_batch, old_world = int(record["batch_size"]), int(record.get("world_size", world_size))
+    if (old_batch, old_world) == (batch_size, world_size):
         return path
-    if int(record.get("world_size", world_size)) != world_size:
-        raise CheckpointError(f"checkpoint {path} was trained on {record['world_size']} ranks, this launch has "
-                              f"{world_size}: it cannot be restated for another batch")
     if is_sharded_checkpoint(path):
-        raise CheckpointError(f"checkpoint {path} (sharded, trained with {old_batch} per rank) cannot be restated for "
-                              f"{batch_size} per rank; set a smaller data.batch_size")
+        raise CheckpointError(f"checkpoint {path} (sharded, trained with {old_batch} per rank on {old_world} ranks) "
+                              f"cannot be restated for {batch_size} per rank on {world_size}; set a smaller "
+                              f"data.batch_size, or train.min_np=null")
     stem = os.path.splitext(os.path.basename(path))[0]
-    dst = os.path.join(os.path.dirname(path), f"{stem}-batch{batch_size}.ckpt")
-    step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_batch, steps_per_epoch, batch_size,
-                              lr_batch_factor(batch_size, old_batch, lr_scaling))
-    log.info("checkpoint %s (%d per rank, step %s) restated for %d per rank at step %d: %s", path, old_batch,
-             record.get("global_step"), batch_size, step, dst)
+    name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
+    dst = os.path.join(os.path.dirname(path), f"{name}.ckpt")
+    old_global, new_global = old_batch * old_world, batch_size * world_size
+    step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_global, steps_per_epoch, new_global,
+                              lr_batch_factor(new_global, old_global, lr_scaling), new_world=world_size,
+                              rank_batch=batch_size)
+    log.info("checkpoint %s (%d per rank x %d, step %s) restated for %d per rank x %d at step %d: %s", path,
+             old_batch, old_world, record.get("global_step"), batch_size, world_size, step, dst)
     return dst
 
 

@@ -220,25 +220,57 @@ def _spark_context():
     return SparkContext._active_spark_context
 
 
+def _executors(sc) -> List[tuple]:
+    """(id, host, block manager port) of each executor the driver knows of (the lost ones too, until Spark's own
+    timeouts remove them)."""
+    keys = sc._jsc.sc().env().blockManager().master().getMemoryStatus().keys().iterator()
+    found = []
+    while keys.hasNext():
+        bm = keys.next()
+        if bm.executorId() != "driver":
+            found.append((bm.executorId(), bm.host(), bm.port()))
+    return found
+
+
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def unanswering_executors(timeout_s: float = 2.0) -> List[str]:
     """The executors (host:port of their block managers) that do not accept a connection now: a host lost, its link
     cut, its machine stopped. Spark itself learns it only after `spark.network.timeout` (120 s by default)."""
-    import socket
-
     sc = _spark_context()
     if sc is None:
         return []
-    driver = sc.getConf().get("spark.driver.host", "")
-    lost = []
-    for info in sc._jsc.sc().statusTracker().getExecutorInfos():
-        host, port = info.host(), info.port()
-        if host == driver:
-            continue
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-        except OSError:
-            lost.append(f"{host}:{port}")
-    return lost
+    return [f"{host}:{port}" for _, host, port in _executors(sc) if not _answers(host, port, timeout_s)]
+
+
+def cluster_slots(timeout_s: float = 2.0) -> int:
+    """Rank slots left on the cluster for an elastic relaunch (train.min_np): task slots on the executors that answer
+    now. Executors that do not are removed from the application first, so no task of the relaunch waits on them."""
+    sc = _spark_context()
+    if sc is None:
+        return 0
+    executors = _executors(sc)
+    conf = sc.getConf()
+    task_cpus = max(1, int(float(conf.get("spark.task.cpus", "1"))))
+    cores = conf.get("spark.executor.cores", None)
+    per = max(1, (int(cores) if cores else sc.defaultParallelism // max(1, len(executors))) // task_cpus)
+    live = 0
+    for executor_id, host, port in executors:
+        if _answers(host, port, timeout_s):
+            live += 1
+        else:
+            log.warning("executor %s on %s:%d does not answer: removed from the application", executor_id, host,
+                        port)
+            sc._jsc.sc().killExecutor(executor_id)
+    return live * per
 
 
 # Threads a launch that `_bounded` gave up on left behind, still waiting on a lost host (Horovod's per-rank threads are
@@ -373,8 +405,49 @@ def is_restartable(exc: BaseException) -> bool:
     return not any(names.intersection(found) for found in getattr(exc, "rank_classes", {}).values())
 
 
+def driver_nics() -> Optional[set]:
+    """The driver's network interface that the executors reach it on (the one holding `spark.driver.host`'s address),
+    for a Horovod launch of one Spark task: Horovod then takes the common interfaces of that one task alone, loopback
+    among them, and its rank would look for the rendezvous server on 127.0.0.1. None: not found (Horovod decides)."""
+    import socket
+
+    import psutil
+
+    sc = _spark_context()
+    host = sc.getConf().get("spark.driver.host", "") if sc is not None else ""
+    try:
+        address = socket.gethostbyname(host) if host else ""
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs) and not address.startswith("127."):
+            return {name}
+    return None
+
+
+def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
+    """The ranks a relaunch after `exc` gets: `world`, or with `train.min_np` set (ranks as Spark tasks) and fewer
+    task slots left on the cluster, the slots left.
+
+    Raises:
+        DistributedTrainingError: fewer slots left than `train.min_np`."""
+    min_np = job.cfg.train.min_np
+    if not min_np or job.cfg.train.np <= 1:
+        return world
+    slots = cluster_slots()
+    if slots >= world:
+        return world
+    if slots < min_np:
+        raise DistributedTrainingError(f"{exc}; the cluster has {slots} task slot(s) left for the ranks, fewer than "
+                                       f"train.min_np={min_np}", getattr(exc, "rank_classes", None)) from exc
+    log.warning("elastic: %d task slot(s) left of the %d ranks; going on with %d (train.min_np=%d)", slots, world,
+                slots, min_np)
+    return slots
+
+
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
-                         on_batch: Optional[Callable[[int, Any, str], None]] = None) -> List[RankResult]:
+                         on_batch: Optional[Callable[[int, Any, str], None]] = None,
+                         on_world: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
     """`launch`, and when it fails, stop every rank and relaunch all of them (same run, pinned version and data):
 
     - a rank died or a collective timed out: from the last checkpoint this job wrote, up to `train.max_restarts`
@@ -382,10 +455,13 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
     - a rank ran out of memory with `data.batch_size: auto` or `train.oom_backoff: true` (pipeline/distributed/
       backoff.py): with half the per-rank batch, the plan re-made for equal steps, from where the job started when it
       had written no checkpoint yet (not a restart), else from the last checkpoint (a restart, within
-      `train.max_restarts`).
+      `train.max_restarts`);
+    - elastic, with `train.min_np` (ranks as Spark tasks): a restart when fewer task slots are left than ranks (a host
+      lost) goes on with the slots left, down to `train.min_np`: the plan re-made for the new world size (equal
+      steps), the checkpoint restated for the smaller global batch (steps, schedule, rates).
 
-    `on_restart(n, cause)` is told of each restart and `on_batch(n, plan, cause)` of each back-off, with the new
-    shard plan (the driver records them in MLflow).
+    `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
+    shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow).
 
     Raises:
         DistributedTrainingError: the failure that spent the last restart (with how many were made).
@@ -429,12 +505,18 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             attempt += 1
             restore = last if fresh else restore_first
             data, was = job.data, batch
+            world = data.plan.train.world_size
+            new_world = world if oom else _elastic_world(job, world, exc)
             if oom:
                 backoffs += 1
                 batch = smaller
-                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, data.plan.train.world_size,
-                                                                batch))
-            if restore and os.path.exists(restore) and (fresh or batch != first_batch):
+            if oom or new_world != world:
+                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, new_world, batch))
+            if new_world != world:
+                job = dataclasses.replace(job, world_size=new_world)
+                if on_world is not None:
+                    on_world(new_world, cause)
+            if restore and os.path.exists(restore) and (fresh or batch != first_batch or new_world != world):
                 # trained with another batch than this launch's (it records which): steps, schedule, rates restated
                 from pipeline.distributed.checkpoints import restated  # torch: on the driver only when needed
 
@@ -455,8 +537,10 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
 
 def _launch(job: TrainJob) -> List[RankResult]:
     cfg = job.cfg
-    np_, backend = cfg.train.np, cfg.train.backend
-    if backend == "single" or np_ == 1:
+    backend = cfg.train.backend
+    # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
+    np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np
+    if backend == "single" or cfg.train.np == 1:
         if backend == "horovod":
             return [horovod_worker(job)]
         return [train(job)]
@@ -474,7 +558,8 @@ def _launch(job: TrainJob) -> List[RankResult]:
         with _signals_left_to_the_driver():
             return list(_bounded(job, lambda: horovod.spark.run(
                 horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
-                start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ)), verbose=0)))
+                start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ)), verbose=0,
+                nics=driver_nics() if np_ == 1 else None)))
     if backend in ("ddp", "fsdp"):
         from pyspark.ml.torch.distributor import TorchDistributor
 

@@ -46,6 +46,8 @@ class TrainJob:
     # the checkpoint this launch resumes from, as a path (the driver resolves train.ckpt_restore; a relaunch sets the
     # job's own last.ckpt); None: train.ckpt_restore as configured
     restore_from: Optional[str] = None
+    # the ranks of this launch when an elastic relaunch went on with fewer (train.min_np); None: train.np
+    world_size: Optional[int] = None
 
     @property
     def ckpt_dir(self) -> str:

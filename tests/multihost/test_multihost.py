@@ -34,11 +34,17 @@ def cluster():
         assert left == [], f"teardown left {left}"
 
 
-def submit(cluster: Cluster, script: str, args: List[str], name: str, timeout: float = SUBMIT_TIMEOUT_S):
+# A host lost: how long the driver's Spark waits on its executor (heartbeats, and the stop at the job's end); 120 s by
+# default. The launcher's own bound does not depend on it (the lost-for-good test keeps the default).
+LOST_HOST_CONF = ["--conf", "spark.network.timeout=30s", "--conf", "spark.executor.heartbeatInterval=5s"]
+
+
+def submit(cluster: Cluster, script: str, args: List[str], name: str, timeout: float = SUBMIT_TIMEOUT_S,
+           spark_conf: List[str] = ()):
     """spark-submit jobs/<script> from the driver host; its output kept in the cluster's logs folder."""
     cmd = [str(SPARK_BIN / "spark-submit"), "--master", cluster.spark_url, "--conf", "spark.executor.cores=1",
            "--conf", "spark.task.cpus=1", "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
-           str(ROOT / "jobs" / script), *args]
+           *spark_conf, str(ROOT / "jobs" / script), *args]
     done = cluster.run("drv", cmd, timeout=timeout)
     (cluster.logs / f"{name}.out").write_text(done.stdout + "\n---- stderr\n" + done.stderr)
     return done
@@ -108,7 +114,7 @@ def table(cluster):
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
 def test_each_backend_trains_on_two_worker_hosts_and_registers(cluster, table, backend):
     done = submit(cluster, "train.py", [*settings(cluster, backend), f"train.backend={backend}", "train.np=2",
-                                        "train.max_epochs=2", "train.warmup_epochs=0"], f"train-{backend}")
+                                        "train.max_epochs=1", "train.warmup_epochs=0"], f"train-{backend}")
     assert done.returncode == 0, f"train exited {done.returncode}:\n{done.stdout[-5000:]}\n{done.stderr[-2000:]}"
     summary = last_json(done.stdout)
     assert summary["world_size"] == 2 and summary["tracking_uri"] == cluster.mlflow_uri, summary
@@ -185,3 +191,63 @@ def test_a_worker_host_lost_for_good_fails_within_a_bound_naming_it(cluster, tab
         assert rank_processes(cluster) == []
     finally:
         cluster.restore("w1")
+
+
+def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, table):
+    """train.min_np=1: the host of one rank cut for good after the first checkpoint; the job goes on from the last
+    checkpoint on the one worker host left (the lost executor removed from the application), with the plan re-made
+    for one rank (equal steps: a 1-rank plan's steps per epoch), the checkpoint restated for the smaller global
+    batch, in the same MLflow run with world_size_used and the cause, and registers the model with its lineage."""
+    from pipeline.distributed.checkpoints import trained_with
+    from pipeline.lakehouse.partition import plan_split
+
+    stall = 20
+    ckpts = cluster.shared / "checkpoints" / "elastic"
+    cut_at: List[float] = []
+
+    def cutter() -> None:
+        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
+        while not glob.glob(str(ckpts / "*" / "last.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.cut("w2")
+        cut_at.append(time.monotonic())
+
+    threading.Thread(target=cutter, daemon=True).start()
+    try:
+        done = submit(cluster, "train.py", [*settings(cluster, "elastic"), "train.np=2", "train.min_np=1",
+                                            "train.max_restarts=1", "train.max_epochs=2", "train.warmup_epochs=0",
+                                            "data.batch_size=16", "data.reader=arrow",
+                                            "train.checkpoint_every_n_steps=2", "train.early_stopping.enabled=false",
+                                            f"train.stall_timeout_s={stall}", "train.start_timeout_s=60",
+                                            "mlflow.gate_min_lift=null"], "train-elastic",
+                      spark_conf=LOST_HOST_CONF)
+    finally:
+        cluster.restore("w2")
+    output = done.stdout + done.stderr
+    assert cut_at, "no checkpoint was written before the job ended"
+    assert done.returncode == 0, output[-6000:]
+    summary = last_json(done.stdout)
+    assert (summary["world_size"], summary["world_size_used"], summary["epochs"]) == (2, 1, 2), summary
+
+    mlflow = client(cluster)
+    run = mlflow.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["world_size_used"] == "1"
+    assert f"(on host {cluster.ns('w2')})" in run.data.tags["world_size_1_cause"], run.data.tags
+    assert [r.info.run_id for r in mlflow.search_runs([run.info.experiment_id])] == [summary["run_id"]]
+    # the relaunch's plan is a 1-rank plan: its steps per epoch, recorded in the restated checkpoint it resumed from
+    restated = glob.glob(str(ckpts / summary["run_id"] / "last-batch16-np1.ckpt"))
+    assert restated, sorted(os.listdir(ckpts / summary["run_id"]))
+    record = trained_with(restated[0])
+    assert record["world_size"] == 1
+    # the run's first plan (2 ranks), as logged: in the server's artifact store on the driver host's disk
+    logged = glob.glob(str(cluster.private("drv") / "tmp" / "mlflow" / "artifacts" / "**" / summary["run_id"] /
+                           "artifacts" / "shard_plan.json"), recursive=True)
+    assert len(logged) == 1, logged
+    shard_plan = json.loads(Path(logged[0]).read_text())
+    one_rank = plan_split("train", shard_plan["train"]["row_group_rows"], 1, 16)
+    assert shard_plan["train"]["world_size"] == 2  # the run's first plan
+    assert record["steps_per_epoch"] == one_rank.steps_per_epoch > shard_plan["train"]["steps_per_epoch"], record
+    versions = mlflow.search_model_versions(f"name='{summary['model_name']}'")
+    mine = [v for v in versions if v.run_id == summary["run_id"]]
+    assert len(mine) == 1 and mine[0].tags.get("delta_version") == str(summary["delta_version"])
