@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 PYTHON = sys.executable
+ROOT = Path(__file__).resolve().parents[2]
 SPARK_BIN = Path(__import__("pyspark").__file__).parent / "bin"
 HOSTS = ("drv", "w1", "w2")
 SPARK_PORT, SPARK_UI, MLFLOW_PORT = 7077, 8080, 5000
@@ -118,11 +119,13 @@ class Cluster:
     def _wrap(self, host: str, argv: List[str]) -> List[str]:
         """`argv` run on `host`: its network namespace, a new mount and UTS namespace with its private folders."""
         private = self.private(host)
-        # the software installed on every host (this Python's prefix, when it lives in the home folder) stays visible
-        # inside the private home, as on a cluster built from one image
-        keep = f"/root/{Path(sys.base_prefix).relative_to('/root')}" if sys.base_prefix.startswith("/root/") else ""
-        script = ('set -e; if [ -n "$5" ]; then mkdir -p "$2${5#/root}"; mount --bind "$5" "$2${5#/root}"; fi; '
-                  'mount --bind "$1" /tmp; mount --rbind "$2" /root; mount --bind "$3" /etc/hosts; '
+        # the software every host has (this Python, its venv, the project), as on a cluster built from one image:
+        # where it lies under /tmp or /root, it is bound into the host's private folder at the same place first
+        wanted = sorted({p for p in (sys.base_prefix, sys.prefix, str(ROOT)) if p.startswith(("/tmp/", "/root/"))})
+        keep = " ".join(p for p in wanted if not any(p.startswith(q + "/") for q in wanted))
+        script = ('set -e; for k in $5; do case "$k" in /tmp/*) d="$1${k#/tmp}";; *) d="$2${k#/root}";; esac; '
+                  'mkdir -p "$d"; mount --bind "$k" "$d"; done; '
+                  'mount --rbind "$1" /tmp; mount --rbind "$2" /root; mount --bind "$3" /etc/hosts; '
                   'hostname "$4"; shift 5; exec "$@"')
         return ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount", "--propagation", "private",
                 "sh", "-c", script, "sh", str(private / "tmp"), str(private / "home"), str(self.root / "hosts.txt"),
