@@ -36,7 +36,8 @@ def cluster():
 
 # A host lost: how long the driver's Spark waits on its executor (heartbeats, and the stop at the job's end); 120 s by
 # default. The launcher's own bound does not depend on it (the lost-for-good test keeps the default).
-LOST_HOST_CONF = ["--conf", "spark.network.timeout=30s", "--conf", "spark.executor.heartbeatInterval=5s"]
+LOST_HOST_CONF = ["--conf", "spark.network.timeout=30s", "--conf", "spark.network.timeoutInterval=10s",
+                  "--conf", "spark.executor.heartbeatInterval=5s"]
 
 
 def submit(cluster: Cluster, script: str, args: List[str], name: str, timeout: float = SUBMIT_TIMEOUT_S,
