@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -233,8 +234,6 @@ def _executors(sc) -> List[tuple]:
 
 
 def _answers(host: str, port: int, timeout_s: float) -> bool:
-    import socket
-
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
         return True
@@ -409,8 +408,6 @@ def driver_nics() -> Optional[set]:
     """The driver's network interface that the executors reach it on (the one holding `spark.driver.host`'s address),
     for a Horovod launch of one Spark task: Horovod then takes the common interfaces of that one task alone, loopback
     among them, and its rank would look for the rendezvous server on 127.0.0.1. None: not found (Horovod decides)."""
-    import socket
-
     import psutil
 
     sc = _spark_context()

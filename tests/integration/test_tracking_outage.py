@@ -121,6 +121,20 @@ def test_server_killed_at_epoch_1_and_back_at_epoch_3_loses_nothing(table, tmp_p
         outage.close()
 
 
+def _sync_and_check(folder, cwd, uri: str, run_id: str, metrics) -> MlflowClient:
+    """`lakehouse sync-run <folder>` against the server back: the same run continued, version 1, each of `metrics`
+    once per epoch; returns the client that checked it."""
+    out = subprocess.run(cli("sync-run", str(folder)), capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-4000:]
+    synced = json.loads(out.stdout.strip().splitlines()[-1])
+    assert synced["run_id"] == run_id and synced["continued"] and synced["model_version"] == 1
+    client = MlflowClient(uri)
+    _check_run(client, run_id)
+    for metric in metrics:  # every epoch, once
+        assert len(client.get_metric_history(run_id, metric)) == EPOCHS, metric
+    return client
+
+
 def test_server_that_never_comes_back_leaves_the_run_for_sync_run(table, tmp_path):
     outage = _Outage(tmp_path, table, "mlflow.reconnect_wait_s=3")
     proc, uri = outage.proc, outage.uri
@@ -146,14 +160,7 @@ def test_server_that_never_comes_back_leaves_the_run_for_sync_run(table, tmp_pat
         assert [(j["run_id"], j["status"]) for j in journal] == [(summary["run_id"], "FINISHED")]
 
         outage.restart_server()
-        out = subprocess.run(cli("sync-run", str(folder)), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-4000:]
-        synced = json.loads(out.stdout.strip().splitlines()[-1])
-        assert synced["run_id"] == summary["run_id"] and synced["continued"] and synced["model_version"] == 1
-        client = MlflowClient(uri)
-        _check_run(client, summary["run_id"])
-        for metric in ("val_loss", "train_loss"):  # no epoch twice
-            assert len(client.get_metric_history(summary["run_id"], metric)) == EPOCHS
+        client = _sync_and_check(folder, tmp_path, uri, summary["run_id"], ("val_loss", "train_loss"))
         artifacts = {a.path for a in client.list_artifacts(summary["run_id"], "plots")}
         assert "plots/learning_curves.png" in artifacts
         assert str(client.get_model_version_by_alias("lakehouse_classifier", "champion").version) == "1"
@@ -284,14 +291,7 @@ def test_two_ranks_finish_while_the_server_accepts_and_never_answers(table, tmp_
         silent.close()
         silent = None
         outage.restart_server()
-        out = subprocess.run(cli("sync-run", str(folder)), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-4000:]
-        synced = json.loads(out.stdout.strip().splitlines()[-1])
-        assert synced["run_id"] == summary["run_id"] and synced["continued"] and synced["model_version"] == 1
-        client = MlflowClient(uri)
-        _check_run(client, summary["run_id"])
-        for metric in ("val_loss", "train_loss", "rows_read_rank_1"):  # every epoch, once
-            assert len(client.get_metric_history(summary["run_id"], metric)) == EPOCHS, metric
+        _sync_and_check(folder, tmp_path, uri, summary["run_id"], ("val_loss", "train_loss", "rows_read_rank_1"))
     finally:
         if silent is not None:
             silent.close()

@@ -100,6 +100,21 @@ def rank_processes(cluster: Cluster) -> List[str]:
     return left
 
 
+def cut_after_first_checkpoint(cluster: Cluster, host: str, ckpts: Path) -> List[float]:
+    """In the background: once a run under `ckpts` has written last.ckpt, cut `host`'s link; the list gets the time."""
+    cut_at: List[float] = []
+
+    def cutter() -> None:
+        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
+        while not glob.glob(str(ckpts / "*" / "last.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.cut(host)
+        cut_at.append(time.monotonic())
+
+    threading.Thread(target=cutter, daemon=True).start()
+    return cut_at
+
+
 @pytest.fixture(scope="module")
 def table(cluster):
     from pipeline.lakehouse.sample_data import render_digits
@@ -158,16 +173,7 @@ def test_a_worker_host_lost_for_good_fails_within_a_bound_naming_it(cluster, tab
     its host and the executor that no longer answers; the run FAILED, nothing registered, no rank left running."""
     stall = 20
     ckpts = cluster.shared / "checkpoints" / "lost"
-    cut_at: List[float] = []
-
-    def cutter() -> None:
-        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
-        while not glob.glob(str(ckpts / "*" / "last.ckpt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        cluster.cut("w1")
-        cut_at.append(time.monotonic())
-
-    threading.Thread(target=cutter, daemon=True).start()
+    cut_at = cut_after_first_checkpoint(cluster, "w1", ckpts)
     try:
         done = submit(cluster, "train.py", [*settings(cluster, "lost"), "train.np=2", "train.max_epochs=6",
                                             "train.warmup_epochs=0", "data.batch_size=16",
@@ -204,16 +210,7 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
 
     stall = 20
     ckpts = cluster.shared / "checkpoints" / "elastic"
-    cut_at: List[float] = []
-
-    def cutter() -> None:
-        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
-        while not glob.glob(str(ckpts / "*" / "last.ckpt")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        cluster.cut("w2")
-        cut_at.append(time.monotonic())
-
-    threading.Thread(target=cutter, daemon=True).start()
+    cut_at = cut_after_first_checkpoint(cluster, "w2", ckpts)
     try:
         done = submit(cluster, "train.py", [*settings(cluster, "elastic"), "train.np=2", "train.min_np=1",
                                             "train.max_restarts=1", "train.max_epochs=2", "train.warmup_epochs=0",
