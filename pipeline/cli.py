@@ -185,7 +185,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         log.error("interrupted")
         return 130
     except Exception as exc:
-        from pipeline.tracking.runs import Terminated
+        from pipeline.errors import Terminated
 
         if isinstance(exc, Terminated):
             log.error("terminated: %s", exc)

@@ -147,7 +147,8 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     from pipeline.distributed.launcher import launch_with_restarts
     from pipeline.distributed.loop import TrainJob
     from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
-    from pipeline.tracking.runs import Terminated, log_config, log_lineage
+    from pipeline.errors import Terminated
+    from pipeline.tracking.lineage import log_config, log_lineage
 
     rows_train, rows_val = data.rows
     log_config(run.client, run.run_id, cfg)

@@ -268,7 +268,8 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
 
     from pipeline.config import load_config
     from pipeline.redact import redact_url
-    from pipeline.tracking.runs import _connect, log_config, log_lineage
+    from pipeline.tracking.lineage import log_config, log_lineage
+    from pipeline.tracking.runs import _connect
 
     off = OfflineRun(folder)
     info = off.read()
@@ -382,7 +383,7 @@ def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Di
     """The driver's part of a run left offline: the config, lineage, tags, gate metrics and the true end status
     (FINISHED: training ended normally), and whether the job would have registered the model."""
     from pipeline.redact import redact_url
-    from pipeline.tracking.runs import config_yaml
+    from pipeline.tracking.lineage import config_yaml
 
     off.log_text(run.run_id, config_yaml(cfg), "config.yaml")  # secrets redacted (pipeline.redact)
     shutil.move(off._path("artifacts", "config.yaml"), off._path("config.yaml"))

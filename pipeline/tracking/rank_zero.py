@@ -26,7 +26,7 @@ class RankZeroTracker:
     that accepts connections and never answers holds one of MLflow's worker threads, not the ranks (the other ranks
     would otherwise meet `train.stall_timeout_s` in the next collective). Epochs not yet taken wait in `pending` and
     go with the next batch; at the end `close` waits for them at most one MLflow call's bound
-    (pipeline.tracking.runs.http_call_bound_s: `mlflow.retries` and MLFLOW_HTTP_REQUEST_TIMEOUT), and `finish`
+    (pipeline.tracking.sending.http_call_bound_s: `mlflow.retries` and MLFLOW_HTTP_REQUEST_TIMEOUT), and `finish`
     leaves what was never taken in the job's offline folder (`lakehouse sync-run` uploads it).
     """
 
@@ -55,7 +55,7 @@ class RankZeroTracker:
         the background (checked in `finish`, sent again there if it did not arrive)."""
         if not is_rank_zero():
             return
-        from pipeline.tracking.runs import Sending
+        from pipeline.tracking.sending import Sending
 
         self.tags["precision"] = precision
         try:
@@ -92,7 +92,7 @@ class RankZeroTracker:
 
     def _send(self) -> None:
         """Hand every pending epoch to MLflow's asynchronous logging, as one batch in flight."""
-        from pipeline.tracking.runs import Sending, epoch_metrics, send_metrics
+        from pipeline.tracking.sending import Sending, epoch_metrics, send_metrics
 
         if not self.pending:
             return
@@ -122,9 +122,9 @@ class RankZeroTracker:
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         """Send what waits and wait for the answer, at most `timeout_s` seconds (default: one MLflow call's bound,
-        pipeline.tracking.runs.http_call_bound_s); True when the server took everything. False, with a warning naming
+        pipeline.tracking.sending.http_call_bound_s); True when the server took everything. False, with a warning naming
         how many metric values it did not take, when it refused them or did not answer in time (they stay pending)."""
-        from pipeline.tracking.runs import http_call_bound_s
+        from pipeline.tracking.sending import http_call_bound_s
 
         bound = http_call_bound_s() if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + bound

@@ -29,7 +29,8 @@ def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any]) -> I
     """
     from mlflow.entities import Param
 
-    from pipeline.tracking.runs import BATCH_LIMIT, configure, log_config, tracked_run
+    from pipeline.tracking.lineage import BATCH_LIMIT, log_config
+    from pipeline.tracking.runs import configure, tracked_run
     from pipeline.tune.study import ATTR_PARENT_RUN
 
     run_id = study.user_attrs.get(ATTR_PARENT_RUN)

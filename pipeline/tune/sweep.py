@@ -150,7 +150,7 @@ def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
     (a failure is an outcome; Ctrl-C and SIGTERM propagate)."""
     from optuna.trial import TrialState
 
-    from pipeline.tracking.runs import Terminated
+    from pipeline.errors import Terminated
 
     study, space, total = op.study, op.space, op.total
     name = study.study_name

@@ -25,9 +25,12 @@ from pipeline.model.nets import build_network
 from pipeline.tracking import plots
 from pipeline.tracking.pyfunc import log_model
 from pipeline.tracking.registry import promote, register_model
-from pipeline.tracking.runs import (Terminated, TrackingUnavailable, UnendedRuns, configure, log_config,
-                                    log_epoch_metrics, log_lineage, resolve_artifact_location, resolve_tracking_uri,
+from pipeline.errors import Terminated
+from pipeline.tracking.journal import UnendedRuns
+from pipeline.tracking.lineage import log_config, log_lineage
+from pipeline.tracking.runs import (TrackingUnavailable, configure, resolve_artifact_location, resolve_tracking_uri,
                                     tracked_run)
+from pipeline.tracking.sending import log_epoch_metrics
 
 pytestmark = pytest.mark.integration
 

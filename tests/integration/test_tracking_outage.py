@@ -215,7 +215,7 @@ def test_rank_zero_never_waits_on_a_server_that_accepts_and_never_answers(tmp_pa
     """A real MlflowClient and MLflow's own asynchronous logging against a server that never answers: the epoch
     ends cost nothing, the end waits at most one call's bound, and every epoch is kept."""
     from pipeline.tracking.rank_zero import RankZeroTracker
-    from pipeline.tracking.runs import http_call_bound_s
+    from pipeline.tracking.sending import http_call_bound_s
 
     for key, value in {"MLFLOW_HTTP_REQUEST_TIMEOUT": "2", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}.items():
@@ -249,7 +249,7 @@ def test_two_ranks_finish_while_the_server_accepts_and_never_answers(table, tmp_
     """Issue 25 item 8: rank 0 blocked (retries + 1) x timeout in each epoch end and rank 1 met the stall timeout in
     the next collective. Now: 2 Horovod ranks train every epoch against a server that never answers (one blocked call
     would be 3 x 8 s > train.stall_timeout_s=20), the run is left offline with every metric, and sync-run uploads it."""
-    from pipeline.tracking.runs import http_call_bound_s
+    from pipeline.tracking.sending import http_call_bound_s
 
     timeout_s = 8
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))  # inherited by the job and its ranks

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pipeline.tracking.runs import delta_dataset
+from pipeline.tracking.lineage import delta_dataset
 
 
 @pytest.mark.parametrize("version", [0, 3])

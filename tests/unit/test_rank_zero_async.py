@@ -10,7 +10,7 @@ import pytest
 from mlflow.utils.async_logging.run_operations import RunOperations
 
 from pipeline.tracking import rank_zero
-from pipeline.tracking.runs import Sending, http_call_bound_s
+from pipeline.tracking.sending import Sending, http_call_bound_s
 
 FAST = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "1", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}

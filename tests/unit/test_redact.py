@@ -115,7 +115,7 @@ def _secret_config():
 
 
 def test_config_params_and_yaml_hide_secrets_and_keep_the_rest(tmp_path):
-    from pipeline.tracking.runs import config_params, config_yaml
+    from pipeline.tracking.lineage import config_params, config_yaml
 
     cfg = _secret_config()
     assert cfg.spark.conf["spark.hadoop.fs.s3a.secret.key"] == "SUPERSECRET123"

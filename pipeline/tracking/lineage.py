@@ -1,0 +1,104 @@
+"""What a run was trained from: the config as params and artifact (secrets redacted), the Delta table and version as
+the run's input, and the code's git commit."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.data.delta_dataset_source import DeltaDatasetSource
+from mlflow.entities import DatasetInput, InputTag, Param
+
+from pipeline.config import Config
+from pipeline.redact import redacted
+
+# MLflow servers before 1.x/2.x accepted 500 characters per param value; newer ones more. The whole
+# config is also logged as config.yaml, so truncating long values loses nothing.
+PARAM_VALUE_LIMIT = 500
+BATCH_LIMIT = 100
+
+
+def _param_value(value: Any) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= PARAM_VALUE_LIMIT else text[:PARAM_VALUE_LIMIT - 3] + "..."
+
+
+def config_yaml(cfg: Config) -> str:
+    """The config as YAML with its secrets redacted (pipeline.redact): what `config.yaml` artifacts and the offline
+    folder keep. `lakehouse sync-run` reloads it; only the redacted values (never the secrets) are then missing."""
+    import yaml
+
+    return yaml.safe_dump(redacted(cfg.to_dict()), sort_keys=False)
+
+
+def config_params(cfg: Config) -> Dict[str, Any]:
+    """The flattened config (`train.np`, `spark.conf`, ...) as logged in params, secrets redacted (pipeline.redact)."""
+    return redacted(cfg.flat())
+
+
+def log_config(client: MlflowClient, run_id: str, cfg: Config) -> None:
+    """Log the resolved config as artifact `config.yaml` and as flattened params (`train.np`, ...), secrets redacted
+    in both (`spark.conf` secret values, passwords in URLs such as `tune.storage`; pipeline.redact)."""
+    client.log_text(run_id, config_yaml(cfg), "config.yaml")
+    params = [Param(str(k), _param_value(v)) for k, v in sorted(config_params(cfg).items())]
+    for start in range(0, len(params), BATCH_LIMIT):
+        client.log_batch(run_id, params=params[start:start + BATCH_LIMIT], synchronous=True)
+
+
+def git_commit(cwd: Optional[str] = None) -> Optional[str]:
+    """The commit checked out where the package lives (or `cwd`), or None outside a git checkout."""
+    where = cwd or str(Path(__file__).resolve().parents[2])
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None
+
+
+class PinnedDeltaSource(DeltaDatasetSource):
+    """A Delta table version as an MLflow dataset source; MLflow's own leaves out version 0 (a falsy check)."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**super().to_dict(), "delta_table_version": self._delta_table_version}
+
+
+def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlflow.data.meta_dataset.MetaDataset":
+    """The Delta table at `version` as an MLflow dataset (no Spark needed)."""
+    from mlflow.data.meta_dataset import MetaDataset
+
+    digest = hashlib.sha256(f"{table}@{version}".encode()).hexdigest()[:16]
+    ds_name = name or f"{Path(str(table).rstrip('/')).name or table}@v{version}"
+    return MetaDataset(source=PinnedDeltaSource(path=str(table), delta_table_version=int(version)),
+                       name=ds_name, digest=digest)
+
+
+def log_lineage(client: MlflowClient, run_id: str, table: str, version: int, rows: Dict[str, int],
+                extra_tags: Optional[Dict[str, Any]] = None) -> None:
+    """Tag the run with the Delta table, version and row counts, and log the table as the run's input.
+
+    `rows` maps split name to row count ({'train': 800, 'val': 200} -> tags rows_train, rows_val).
+    `extra_tags` (world_size, backend, ...) are added; `git_commit` too when the code is a git checkout.
+    """
+    if version is None or int(version) < 0:
+        raise ValueError(f"log_lineage: delta version must be a pinned version >= 0, got {version!r}")
+    tags: Dict[str, str] = {"delta_table": str(table), "delta_version": str(int(version))}
+    for split, count in rows.items():
+        tags[f"rows_{split}"] = str(int(count))
+    tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
+    commit = git_commit()
+    if commit and "git_commit" not in tags:
+        tags["git_commit"] = commit
+        tags.setdefault("mlflow.source.git.commit", commit)
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k, v[:5000]) for k, v in tags.items()]
+    for start in range(0, len(items), BATCH_LIMIT):
+        client.log_batch(run_id, tags=items[start:start + BATCH_LIMIT], synchronous=True)
+    dataset = delta_dataset(table, int(version))
+    # Dataset._to_mlflow_entity is what mlflow.log_input uses; the client call needs no active run.
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
+                                                     tags=[InputTag("mlflow.data.context", "training")])])
