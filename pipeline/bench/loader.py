@@ -48,7 +48,7 @@ def measure_loader(cfg: Config, prep, sizes: Sizes, reader: str, uncached: bool 
     threads neither prefetch for free nor take CPU from the reference. `uncached`: with data.memory_cache_mb=0.
     The figure's key carries the reader unless it is the configured one.
     """
-    from pipeline.data.datamodule import PixelsToTensor
+    from pipeline.data.batches import PixelsToTensor
 
     mine = configured_reader(cfg)
     cfg = with_reader(cfg, reader, **({"memory_cache_mb": 0} if uncached else {}))

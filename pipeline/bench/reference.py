@@ -59,7 +59,7 @@ def memory_batch_list(data, count: int = 32, batch_size: int = 0) -> List[Tuple[
     import pyarrow.parquet as pq
     import torch
 
-    from pipeline.data.datamodule import PixelsToTensor
+    from pipeline.data.batches import PixelsToTensor
 
     bs = batch_size or data.plan.train.batch_size
     transform = PixelsToTensor(data.channels, data.image_size)

@@ -7,7 +7,7 @@ from pipeline.config import Config
 
 def measure_shard_balance(cfg: Config, prep) -> Result:
     """One full pass (num_epochs=1) of each rank's shard of the 2-rank train plan; counts are exact, no timing."""
-    from pipeline.data.datamodule import ShardLoader
+    from pipeline.data.loader import ShardLoader
 
     data = prep.data
     plan = data.plan.train

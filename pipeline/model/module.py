@@ -39,7 +39,7 @@ warnings.filterwarnings("ignore", message="Found .* module\\(s\\) in eval mode a
 
 def normalize_pixels(x: torch.Tensor) -> torch.Tensor:
     """uint8 pixels (N, C, H, W) -> normalised float32 on their own device; the loader's formula
-    (pipeline.data.datamodule.PixelsToTensor.normalize), so both paths give the same values."""
+    (pipeline.data.batches.PixelsToTensor.normalize), so both paths give the same values."""
     return x.to(torch.float32).mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD)
 
 

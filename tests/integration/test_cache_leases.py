@@ -24,7 +24,7 @@ def _convert(spark, cfg, table, leases=None):
 
 def _read_whole(data):
     """Every rank reads its whole shard of both splits with the arrow reader, as the plan says."""
-    from pipeline.data.datamodule import ShardLoader
+    from pipeline.data.loader import ShardLoader
 
     for split in ("train", "val"):
         plan = getattr(data.plan, split)

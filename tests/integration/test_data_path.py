@@ -73,7 +73,7 @@ def test_entry_of_another_format_is_rebuilt_not_misread(spark, digits_table, tmp
 
 
 def _one_pass_ids(data, reader, rank, split="val"):
-    from pipeline.data.datamodule import ShardLoader
+    from pipeline.data.loader import ShardLoader
 
     s = getattr(data, split)
     plan = getattr(data.plan, split)

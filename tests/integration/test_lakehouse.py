@@ -259,7 +259,8 @@ def test_shard_kept_in_memory_after_one_pass(spark, digits_table, tmp_path, read
     require_reader(reader)
     from pipeline.config import DataConfig
     from pipeline.data.convert import class_names_of, convert_for_training
-    from pipeline.data.datamodule import ShardLoader, make_datamodule
+    from pipeline.data.datamodule import make_datamodule
+    from pipeline.data.loader import ShardLoader
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16", "data.partitions_per_worker=4")
     df, _ = _read(spark, cfg)

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.data.datamodule import BatchAssembler, PixelsToTensor
+from pipeline.data.batches import BatchAssembler, PixelsToTensor
 
 Chunk = namedtuple("Chunk", ["pixels", "label_index"])
 SHAPE = (1, 4, 4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.data.datamodule import PixelsToTensor
+from pipeline.data.batches import PixelsToTensor
 from pipeline.distributed.callbacks import StopSignals
 from pipeline.model.module import ImageClassifier, normalize_pixels
 

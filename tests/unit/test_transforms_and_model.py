@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.data.datamodule import PixelsToTensor
+from pipeline.data.batches import PixelsToTensor
 from pipeline.data.transforms import decode_batch
 from pipeline.images import ImageDecodeError, decode_image, inspect_image
 from pipeline.model.module import scaled_lr
