@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pipeline.lakehouse.ingest import SKIP_REASONS, label_rule, list_source
+from pipeline.lakehouse.source import SKIP_REASONS, label_rule, list_source
 
 EXTS = [".png", ".jpg"]
 
