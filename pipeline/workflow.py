@@ -36,15 +36,11 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
     other job evicts or clears it until the job releases it (when its training ends)."""
     from pipeline.data.convert import class_names_of, convert_for_training
     from pipeline.data.readers import require_reader
+    from pipeline.distributed.backoff import start_batch_size
     from pipeline.lakehouse.cluster import require_reachable
 
     require_reachable(cfg)  # on a cluster: every path and address a rank or executor uses is on cluster storage
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
-    if cfg.data.batch_size == "auto":  # planned for data.auto_batch_start; an out-of-memory halves it (launcher)
-        from pipeline.config import apply_overrides
-        from pipeline.distributed.backoff import start_batch_size
-
-        cfg = apply_overrides(cfg, {"data.batch_size": start_batch_size(cfg.data)})
     df, pinned = read_pinned(spark, cfg)
     log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
     class_names = class_names_of(df)
@@ -52,7 +48,10 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
         from pipeline.lakehouse.partition import PlanError
 
         raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
-    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned, leases=leases)
+    # the batch in use is the plan's (data.batch_size: auto starts at data.auto_batch_start and an out-of-memory halves
+    # it in the launcher); the user's config stays as given
+    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned, leases=leases,
+                                batch_size=start_batch_size(cfg.data))
     return data, pinned
 
 
@@ -214,7 +213,8 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
 def gate_version(client, cfg: Config, version: str):
     """The promotion gate (`gate`) on a registered `version` if `mlflow.promote`, else None. A gate that cannot judge
     the version (RegistryError) is logged as an error: the version stays unpromoted. Returns the PromotionDecision."""
-    from pipeline.tracking.registry import PromotionDecision, RegistryError
+    from pipeline.tracking.gate import PromotionDecision
+    from pipeline.tracking.registry import RegistryError
 
     if not cfg.mlflow.promote:
         return None
@@ -230,9 +230,9 @@ def gate_version(client, cfg: Config, version: str):
 
 def gate(client, cfg: Config, version: str):
     """The promotion gate on `version` with the config's metric, mode, margin and margin over chance
-    (pipeline.tracking.registry.promote): the challenger and the champion scored on the same held-out rows of the
+    (pipeline.tracking.gate.promote): the challenger and the champion scored on the rows both held out, of the
     challenger's pinned Delta version."""
-    from pipeline.tracking.registry import promote
+    from pipeline.tracking.gate import promote
 
     return promote(client, cfg.mlflow.registered_model, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode,
                    margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction,

@@ -284,9 +284,11 @@ def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch
 
 
 def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: List[str],
-                         pinned: Any = None, leases: Optional[cache.JobLeases] = None) -> ConvertedData:
+                         pinned: Any = None, leases: Optional[cache.JobLeases] = None,
+                         batch_size: Optional[int] = None) -> ConvertedData:
     """Split, decode and convert the pinned DataFrame (or reuse the cache entry with the same content key), then plan
-    the shards before any rank starts.
+    the shards before any rank starts. `batch_size`: the per-rank batch to plan for (the job's batch in use, which
+    `data.batch_size: auto` leaves to the driver); default `data.batch_size`.
 
     With `leases` (the job's, held until its training ends), the entry is leased before it is looked at, so neither
     another job's size bound nor `lakehouse cache clear` deletes it between here and the end of training.
@@ -316,7 +318,8 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: L
         s = manifest["splits"][name]
         splits[name] = split_from_manifest(name, f"{url}/{s['folder']}", s["files"])
         verify_split(splits[name], s["files"])
-    plan = plan_data(splits["train"], splits["val"], world_size, cfg.data.batch_size)
+    plan = plan_data(splits["train"], splits["val"], world_size,
+                     batch_size if batch_size is not None else cfg.data.batch_size)
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
                          image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)
