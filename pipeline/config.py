@@ -46,7 +46,11 @@ class IngestConfig:
 class DataConfig:
     batch_size: Union[int, str] = 64  # per rank; auto: from data.auto_batch_start, halved on out-of-memory
     auto_batch_start: int = 256  # data.batch_size=auto starts here (per rank), down to 1
-    val_fraction: float = 0.2  # the held-out share of rows (a stable hash of each row's path picks them)
+    val_fraction: float = 0.2  # the held-out share of rows (a stable hash of each row's data.split_key picks them)
+    # content: the SHA-256 of the image bytes picks a row's split, the same wherever the files were mounted at ingest
+    # (re-ingesting from another mount moves no row) | path: the absolute path, the rule of runs before this key
+    # (a run that records no data.split_key was split by path; the gate reads each version's own rule)
+    split_key: str = "content"
     cache_dir: str = "work/data_cache"  # converted Parquet, content-keyed, kept across jobs (`lakehouse cache`)
     cache_max_gb: float = 20.0  # least recently used entries are evicted above this; 0 = no bound
     reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
@@ -92,6 +96,11 @@ class EarlyStoppingConfig:
     min_delta: float = 0.01  # a smaller change is no improvement
     patience: int = 10  # epochs without improvement before training stops
     stopping_threshold: Optional[float] = None  # stop once the metric reaches this
+    # Early stopping never stops before this many epochs (a non-finite metric, a NaN loss or SIGTERM still stop).
+    # null: train.warmup_epochs + 2 x patience, at most train.max_epochs: a small table's val_loss can rise for a
+    # patience window after the warm-up while BatchNorm's statistics settle (a 360-image, 4-class table stopped at
+    # epoch 3 near chance, and reached 0.86 by epoch 8 without the stop). 0: no minimum
+    min_epochs: Optional[int] = None
 
 
 @dataclass
@@ -213,6 +222,7 @@ CHOICES = {
     "ingest.on_bad_file": ("skip", "fail"),
     "model.optimizer": ("sgd", "adam"),
     "model.schedule": ("warmup_cosine", "constant"),
+    "data.split_key": ("content", "path"),
     "train.backend": ("horovod", "ddp", "fsdp", "single"),
     "train.lr_scaling": ("linear", "sqrt", "none"),
     "train.fail_with": ("error", "oom", "hang"),
@@ -405,6 +415,8 @@ def validate(cfg: Config) -> None:
         ("train.threads_per_rank", cfg.train.threads_per_rank is None or cfg.train.threads_per_rank >= 1,
          "must be >= 1 or null (null: 1 per rank when ranks share a host, else torch's default)"),
         ("train.early_stopping.patience", cfg.train.early_stopping.patience >= 0, "must be >= 0"),
+        ("train.early_stopping.min_epochs", (cfg.train.early_stopping.min_epochs or 0) >= 0,
+         "must be >= 0 or null (null: train.warmup_epochs + 2 x patience, at most train.max_epochs)"),
         ("delta.version", cfg.delta.version is None or cfg.delta.version >= 0, "must be >= 0 or null"),
         ("delta.table", bool(cfg.delta.table), "must not be empty"),
         ("ingest.label_depth", cfg.ingest.label_depth != 0,

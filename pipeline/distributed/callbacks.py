@@ -1,5 +1,6 @@
-"""Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, random states in
-checkpoints, atomic checkpoint writes (what a checkpoint records of its run: pipeline/distributed/checkpoints.py)."""
+"""Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, early stopping with
+a minimum of epochs, random states in checkpoints, atomic checkpoint writes (what a checkpoint records of its run:
+pipeline/distributed/checkpoints.py)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import EarlyStopping
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from pipeline.log import get_logger
@@ -271,3 +273,41 @@ class DriverVerdict(pl.Callback):
 
 def host_and_pid() -> Dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def min_epochs_of(min_epochs: Optional[int], patience: int, warmup_epochs: int, max_epochs: int) -> int:
+    """The epochs early stopping must let run (`train.early_stopping.min_epochs`); null: the warm-up plus two
+    patience windows (see the key's comment in pipeline/config.py), never more than `max_epochs`."""
+    wanted = warmup_epochs + 2 * patience if min_epochs is None else min_epochs
+    return max(0, min(int(wanted), int(max_epochs)))
+
+
+class MinEpochsEarlyStopping(EarlyStopping):
+    """Lightning's EarlyStopping that cannot stop before `min_epochs` epochs have run: before then a patience or
+    threshold stop is held (counted, logged, not acted on), so at the first epoch allowed it stops if patience is
+    still exhausted. A non-finite metric still stops at once.
+
+    Not Trainer(min_epochs=...): Lightning's minimum holds back every `trainer.should_stop`, so a SIGTERM or a NaN
+    loss (StopSignals) would keep training until the minimum; this holds back early stopping alone.
+    """
+
+    def __init__(self, *args: Any, min_epochs: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_epochs = int(min_epochs)
+        self._epoch = 0
+        self.held: List[int] = []  # the epochs whose early stop was held back by the minimum
+
+    def _run_early_stopping_check(self, trainer: "pl.Trainer") -> None:
+        self._epoch = trainer.current_epoch
+        super()._run_early_stopping_check(trainer)
+
+    def _evaluate_stopping_criteria(self, current: torch.Tensor):
+        should_stop, reason = super()._evaluate_stopping_criteria(current)
+        if should_stop and bool(torch.isfinite(current)) and self._epoch + 1 < self.min_epochs:
+            self.held.append(self._epoch)
+            if hasattr(self, "stopping_reason"):
+                self.stopping_reason = type(self.stopping_reason).NOT_STOPPED
+            log.info("early stopping held at epoch %d (train.early_stopping.min_epochs=%d): %s", self._epoch,
+                     self.min_epochs, reason)
+            return False, None
+        return should_stop, reason

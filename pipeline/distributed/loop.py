@@ -116,8 +116,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
     from pipeline.distributed.backoff import lr_batch_factor
-    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, RngCheckpoint,
-                                                StopSignals, host_and_pid)
+    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
+                                                MinEpochsEarlyStopping, RngCheckpoint, StopSignals, host_and_pid,
+                                                min_epochs_of)
     from pipeline.distributed.checkpoints import (CheckpointRecord, check_checkpoint_lineage, consolidated_state,
                                                   resolve_checkpoint)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
@@ -188,9 +189,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if gate is not None:
         callbacks.append(gate)
     if es.enabled:
-        callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, min_delta=es.min_delta,
-                                       patience=es.patience, stopping_threshold=es.stopping_threshold,
-                                       check_finite=True, verbose=False))
+        callbacks.append(MinEpochsEarlyStopping(
+            monitor=es.monitor, mode=es.mode, min_delta=es.min_delta, patience=es.patience,
+            stopping_threshold=es.stopping_threshold, check_finite=True, verbose=False,
+            min_epochs=min_epochs_of(es.min_epochs, es.patience, cfg.train.warmup_epochs, cfg.train.max_epochs)))
     trainer = pl.Trainer(
         max_epochs=cfg.train.max_epochs, accelerator="gpu" if cuda else "cpu", precision=precision,
         devices=devices, num_nodes=num_nodes,
