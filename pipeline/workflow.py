@@ -130,11 +130,13 @@ def _record_batch(run, n: int, plan, cause: str) -> None:
         log.warning("could not record OOM back-off %d in MLflow: %s", n, exc)
 
 
-def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None):
+def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None,
+                 marks: Optional[Dict[str, float]] = None):
     """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
 
     `epoch_gate` (optional) is a context manager with a `folder` attribute, entered while the ranks run: rank 0
-    hands it each epoch's metrics there and obeys its verdict (`lakehouse tune` prunes this way).
+    hands it each epoch's metrics there and obeys its verdict (`lakehouse tune` prunes this way). `marks` (optional):
+    the job's timeline, which gets the launch's wall-clock time as `launch`.
     Returns rank 0's RankResult.
 
     Raises:
@@ -169,6 +171,8 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         job.epoch_gate_dir = epoch_gate.folder
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s
     t0 = time.time()
+    if marks is not None:
+        marks["launch"] = t0
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
         results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause),
                                        on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause),
@@ -256,15 +260,18 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
     from pipeline.tracking.offline import left_offline, record_job
     from pipeline.tracking.runs import configure, tracked_run
 
+    marks = {"train_called": time.time()}  # the job's timeline (wall clock), summed up in the summary's `phases`
     client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
     data, pinned = prepare_data(spark, cfg, leases)
+    marks["data_ready"] = time.time()
     rows_train, rows_val = data.rows
     world = world_size_of(cfg)
     summary: Dict[str, Any] = {}
     # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
     tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
-        r0 = train_in_run(run, cfg, data, pinned, tags)
+        r0 = train_in_run(run, cfg, data, pinned, tags, marks=marks)
+        marks["ranks_returned"] = time.time()
         offline = left_offline(job_dir_of(cfg, run.run_id))
         if offline is not None:  # the server never came back: `lakehouse sync-run <folder>` uploads the run
             record_job(offline, run, cfg, pinned, {"train": rows_train, "val": rows_val}, tags, r0, run_name)
@@ -275,6 +282,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
         if not r0.model_uri:
             raise RuntimeError("rank 0 returned no model; nothing registered")
         version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics)
+        marks["gated"] = time.time()
         summary = {
             "run_id": run.run_id,
             "model_name": cfg.mlflow.registered_model,
@@ -293,8 +301,22 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
             "stopped_early": r0.stopped_early,
             "champion": bool(decision and decision.promoted),
             "tracking_uri": redact_url(run.tracking_uri),
+            "phases": phases(marks),
         }
     return summary
+
+
+def phases(marks: Dict[str, float]) -> Dict[str, Any]:
+    """Where a train job's time went, from its timeline: seconds pinning, converting and planning the data (MLflow's
+    connection included), opening the run until the launch, in the ranks (their start, every epoch and rank 0's model
+    logging), and registering and gating; with the timeline itself (wall clock, `launch` included) so a caller can
+    place the ranks' own marks (their `epoch_time_s` metrics) in it (pipeline.bench.job_phases)."""
+    order = ("train_called", "data_ready", "launch", "ranks_returned", "gated")
+    names = ("prepare_data_s", "run_setup_s", "ranks_s", "register_and_gate_s")
+    out: Dict[str, Any] = {name: round(marks[b] - marks[a], 3) for name, a, b in zip(names, order, order[1:])
+                           if a in marks and b in marks}
+    out["at"] = {k: round(v, 3) for k, v in marks.items()}
+    return out
 
 
 def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
