@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="input table version (default: the latest)")
     p.add_argument("--out", required=True, help="output Delta table of predictions")
     p.add_argument("--mode", choices=["append", "overwrite"], default="append")
+    p.add_argument("--run-key", default=None,
+                   help="part of the job's identity (with the model version and the input table and version): an "
+                        "append whose identity is already in --out writes nothing (a retry); give another key to "
+                        "append the same predictions again")
     _add_conf(p)
 
     p = sub.add_parser("export", help="export a registered model version to ONNX or TorchScript with its contract")
@@ -161,7 +165,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             if args.command == "predict":
                 from pipeline.serving.predict import predict_table
 
-                print(json.dumps(predict_table(spark, cfg, args.model, args.table, args.out, args.version, args.mode)))
+                print(json.dumps(predict_table(spark, cfg, args.model, args.table, args.out, args.version, args.mode,
+                                               run_key=args.run_key)))
                 return 0
             if args.command == "tune":
                 from pipeline.tune.sweep import run_tune

@@ -40,6 +40,8 @@ class ConcurrentWriteError(DeltaError):
 # The key under which every commit this project writes records who wrote it (inside `userMetadata`, as JSON):
 # {"writer": a uuid per write, "claim": the claim of a conditional write, "read_version": what it was derived from}.
 COMMIT_KEY = "lakehouse.commit"
+# Commits of one conditional write's files after conflicts with commits that do not carry its claim (delta-rs).
+COMMIT_RETRIES = 5
 
 
 def _commit_record(entry: dict) -> dict:
@@ -188,6 +190,13 @@ class DeltaEngine:
     def history(self, spark, table: str) -> List[dict]:
         raise NotImplementedError
 
+    def claimed_versions(self, spark, table: str, claim: str) -> List[int]:
+        """The versions whose commit carries `claim` (a conditional write's), oldest first; [] when none does or the
+        table does not exist. How a writer that claims its own identity (predict) finds that it already committed."""
+        if not self.exists(spark, table):
+            return []
+        return claims_after(self.history(spark, table), claim, None)
+
     def commit_metadata(self, spark, table: str, version: Optional[int] = None) -> Dict[str, Any]:
         """The `commit_metadata` written with `version` (latest when None); {} when the commit has none."""
         version = self.latest_version(spark, table) if version is None else version
@@ -325,6 +334,13 @@ class DeltaRsEngine(DeltaEngine):
         write (`claim`) commits from a snapshot at `read_version` with a Delta app transaction (`txn`) whose id is
         the claim: delta-rs's conflict checker fails a commit whose app ids a commit after its read version also
         set, which is exactly "another claimant committed after what I read".
+
+        A conditional write loses only to a claimant. When its commit fails for another reason (the table was
+        created meanwhile by another writer, or an overwrite landed after the snapshot), the history since
+        `read_version` is searched for the claim: none there, the same files are committed again from the latest
+        version (the app transaction still guards what comes after it), at most COMMIT_RETRIES times, so a
+        writer whose files cost minutes to compute (predict's scoring) never recomputes them for a race it did
+        not lose.
         """
         import shutil
 
@@ -339,14 +355,14 @@ class DeltaRsEngine(DeltaEngine):
         if local_path(table) is None:
             raise DeltaError(f"the delta-rs engine writes local tables only; {table} needs delta.engine=spark")
         exists = self.exists(None, table)
-        if claim is not None and (read_version is None) == exists:
-            if exists:  # created by someone else since this write's content was derived
-                raise _lost_race(table, claim, None, claims_after(self.history(None, table), claim, None))
+        if claim is not None and read_version is not None and not exists:
             raise DeltaError(f"Delta table {table} does not exist, but the write was derived from its version "
                              f"{read_version}")
+        base = read_version  # the version a conditional write commits from
+        if claim is not None and read_version is None and exists:  # created by another writer since it was read
+            base = self._unclaimed_since(table, claim, None, None)  # raises the race when a claimant created it
         if exists and mode == "append":
-            spark = df.sparkSession
-            self.check_append_schema(spark, table, df)
+            self.check_append_schema(df.sparkSession, table, df)
         start = DeltaTable(root).version() if exists else -1
         writer_id = uuid.uuid4().hex
         batch_dir = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{writer_id[:8]}"
@@ -387,28 +403,68 @@ class DeltaRsEngine(DeltaEngine):
             custom_metadata={"userMetadata": _user_metadata(commit_metadata, writer_id, claim, read_version)},
             app_transactions=[Transaction(claim, (read_version if read_version is not None else -1) + 1, now_ms)]
             if claim is not None else None)
+        committed = False
         try:
-            if not exists:
-                create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
-                                              partition_by=list(partition_by) or None, commit_properties=props)
-            else:
-                dt = DeltaTable(root, version=read_version) if claim is not None else DeltaTable(root)
-                dt.create_write_transaction(adds, mode=mode,
-                                            schema=dt.schema() if mode == "append" else Schema.from_arrow(full_schema),
-                                            partition_by=list(partition_by) or None, commit_properties=props)
-        except Exception as exc:
-            shutil.rmtree(target, ignore_errors=True)  # ours alone (a fresh uuid), never in the log
-            if claim is None:
-                raise
-            created_meanwhile = not exists and self.exists(None, table)
-            if isinstance(exc, CommitFailedError) or created_meanwhile:
-                history = self.history(None, table)
-                raise _lost_race(table, claim, read_version,
-                                 claims_after(history, claim, read_version, writer=writer_id)) from exc
-            raise
+            for attempt in range(1, COMMIT_RETRIES + 1):
+                try:
+                    if not exists:
+                        create_table_with_add_actions(root, Schema.from_arrow(full_schema), adds, mode="error",
+                                                      partition_by=list(partition_by) or None,
+                                                      commit_properties=props)
+                    else:
+                        dt = DeltaTable(root, version=base) if claim is not None else DeltaTable(root)
+                        dt.create_write_transaction(adds, mode=mode, schema=dt.schema() if mode == "append"
+                                                    else Schema.from_arrow(full_schema),
+                                                    partition_by=list(partition_by) or None, commit_properties=props)
+                    committed = True
+                    break
+                except Exception as exc:
+                    if self._find_own(table, writer_id, start) is not None:  # it landed; what failed came after
+                        log.warning("Delta table %s: the commit landed, then delta-rs raised: %s", table, exc)
+                        committed = True
+                        break
+                    created_meanwhile = not exists and self.exists(None, table)
+                    if claim is None or not (isinstance(exc, CommitFailedError) or created_meanwhile):
+                        raise
+                    # raises the lost race when a claimant committed after read_version
+                    latest = self._unclaimed_since(table, claim, read_version, writer_id, cause=exc)
+                    if attempt == COMMIT_RETRIES:
+                        raise DeltaError(f"Delta table {table}: {attempt} commits of this write failed on conflicts "
+                                         f"with commits claiming nothing of its own ({claim!r}); last: {exc}") from exc
+                    if not exists and mode == "append":
+                        self.check_append_schema(df.sparkSession, table, df)  # created by another writer
+                    log.info("Delta table %s: commit from version %s failed (%s); no commit since claims %r, "
+                             "committing the same files from version %d", table, base, exc, claim, latest)
+                    exists, base = True, latest
+        finally:
+            if not committed:
+                shutil.rmtree(target, ignore_errors=True)  # ours alone (a fresh uuid), never in the log
         version = self._own_version(table, writer_id, start)
         log.info("committed %d file(s) to Delta table %s as version %d", len(adds), table, version)
         return version
+
+    def _unclaimed_since(self, table: str, claim: str, read_version: Optional[int], writer: Optional[str],
+                         cause: Optional[BaseException] = None) -> int:
+        """The table's latest version, after checking that no commit after `read_version` up to it carries `claim`
+        (else the lost race is raised, naming them): a conditional write may commit from that version."""
+        dt = self._open(table)
+        latest = dt.version()
+        floor = -1 if read_version is None else read_version
+        history = dt.history(limit=latest - floor) if latest > floor else []
+        winners = claims_after(history, claim, read_version, before=latest + 1, writer=writer)
+        if winners:
+            lost = _lost_race(table, claim, read_version, winners)
+            if cause is not None:
+                raise lost from cause
+            raise lost
+        return latest
+
+    def _find_own(self, table: str, writer_id: str, start: int) -> Optional[int]:
+        if not self.exists(None, table):
+            return None
+        dt = self._open(table)
+        latest = dt.version()
+        return own_commit(dt.history(limit=max(1, latest - start)), writer_id) if latest > start else None
 
     def _own_version(self, table: str, writer_id: str, start: int) -> int:
         dt = self._open(table)
@@ -418,6 +474,22 @@ class DeltaRsEngine(DeltaEngine):
             raise DeltaError(f"Delta table {table}: the commit of writer {writer_id} is not in the history of "
                              f"versions {start + 1} to {latest} (was the log rewritten meanwhile?)")
         return version
+
+    def claimed_versions(self, spark, table: str, claim: str) -> List[int]:
+        """The snapshot's app transaction for `claim` says whether any commit carries it (no history read when
+        none does); its version (the claimant's read version + 1) bounds how far back the history is searched."""
+        if not self.exists(spark, table):
+            return []
+        dt = self._open(table)
+        since = dt.transaction_version(claim)
+        if since is None:
+            return []
+        latest = dt.version()
+        found = claims_after(dt.history(limit=max(1, latest - since + 1)), claim, since - 1, before=latest + 1)
+        if not found:
+            raise DeltaError(f"Delta table {table}: app transaction {claim!r} is recorded (version {since}), but no "
+                             f"commit from version {since} to {latest} carries it (was the log cleaned up?)")
+        return found
 
 
 class SparkDeltaEngine(DeltaEngine):
@@ -467,12 +539,10 @@ class SparkDeltaEngine(DeltaEngine):
         spark = df.sparkSession
         exists = self.exists(spark, table)
         if claim is not None:
-            if exists != (read_version is not None):
-                if exists:
-                    raise _lost_race(table, claim, None, claims_after(self.history(spark, table), claim, None))
+            if read_version is not None and not exists:
                 raise DeltaError(f"Delta table {table} does not exist, but the write was derived from its version "
                                  f"{read_version}")
-            if exists:
+            if exists:  # (read_version None: created by another writer since; only a claimant among them wins)
                 winners = claims_after(self.history(spark, table), claim, read_version)
                 if winners:
                     raise _lost_race(table, claim, read_version, winners)
@@ -499,6 +569,20 @@ class SparkDeltaEngine(DeltaEngine):
 
 
 ENGINES = {"delta-rs": DeltaRsEngine, "spark": SparkDeltaEngine}
+
+
+def commit_files(table: str, version: int) -> Optional[List[str]]:
+    """The local paths of the data files commit `version` of `table` added (whichever engine wrote it), read from
+    the Delta log: the files of the table at `version` that it did not hold at `version - 1`. None for a table that
+    is not on this filesystem. What a writer counts as its own output, never "whatever appeared since it started"."""
+    from deltalake import DeltaTable
+
+    if local_path(table) is None:
+        return None
+    uri = table_uri(table)
+    now = set(DeltaTable(uri, version=version).file_uris())
+    before = set(DeltaTable(uri, version=version - 1).file_uris()) if version > 0 else set()
+    return sorted(local_path(u) for u in now - before)
 
 
 def get_engine(name: str) -> DeltaEngine:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import time
-from typing import Any, Dict, Iterator, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional
 
 from pipeline.log import get_logger
 
@@ -47,32 +49,46 @@ def session_conf(spark, settings: Dict[str, str]) -> Iterator[None]:
                 spark.conf.set(key, value)
 
 
-def _table_files(table: str) -> Set[str]:
-    from deltalake import DeltaTable
-
-    from pipeline.lakehouse.delta import local_path, table_uri
-
-    if local_path(table) is None or not DeltaTable.is_deltatable(table_uri(table)):
-        return set()
-    return set(DeltaTable(table_uri(table)).file_uris())
+# A predict commit claims its job's identity (DeltaEngine.write's conditional write, the mechanism ingest's label
+# claims use): a retry finds its earlier commit by that claim and writes nothing, and two jobs of one identity at once
+# cannot both commit (delta-rs: the Delta app transaction whose id is the claim; delta.engine=spark: the history).
+CLAIM_PREFIX = "lakehouse.predict."
+METADATA_KEY = "lakehouse.predict"
 
 
-def _count_committed(table: str, before: Set[str]) -> Optional[Dict[str, int]]:
-    """Rows and error rows in the files the last commit added (local tables; None elsewhere)."""
+def job_identity(pinned_model, input_table: str, input_version: int, mode: str, run_key: Optional[str]) -> Dict[str, Any]:
+    """What makes two predict runs the same job: the model version (and the run that made it: the same name and
+    version in another registry is another model), the input table and version, the mode and the run key. A
+    scheduler's retry repeats all of them; a second, wanted run of the same job gives another run key."""
+    from pipeline.lakehouse.delta import table_uri
+
+    return {"model_name": pinned_model.name, "model_version": str(pinned_model.version),
+            "model_run_id": pinned_model.run_id, "input_table": table_uri(input_table),
+            "input_version": int(input_version), "mode": mode, "run_key": run_key or ""}
+
+
+def identity_claim(identity: Dict[str, Any]) -> str:
+    """The claim (and Delta app id) of a job identity: a digest, so the id stays short and carries no path."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return CLAIM_PREFIX + digest
+
+
+def count_commit(table: str, version: int) -> Optional[Dict[str, int]]:
+    """Rows and error rows in the files that commit `version` of `table` added: this job's own output, whatever
+    other writers added meanwhile (local tables; None elsewhere)."""
     import pyarrow.parquet as pq
 
-    from pipeline.lakehouse.delta import local_path
+    from pipeline.lakehouse.delta import commit_files
 
-    if local_path(table) is None:
+    files = commit_files(table, version)
+    if files is None:
         return None
-    added = sorted(_table_files(table) - before)
     rows = errors = 0
-    for uri in added:
-        path = local_path(uri)
+    for path in files:
         col = pq.read_table(path, columns=["error"]).column("error")
         rows += len(col)
         errors += len(col) - col.null_count
-    return {"rows": rows, "errors": errors, "files": len(added)}
+    return {"rows": rows, "errors": errors, "files": len(files)}
 
 
 def scoring_partitions(current: int, cores: int, local: bool) -> int:
@@ -128,13 +144,19 @@ def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
 
 
 def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Optional[int] = None,
-                  mode: str = "append") -> Dict[str, Any]:
+                  mode: str = "append", run_key: Optional[str] = None) -> Dict[str, Any]:
     """Score Delta `table` at `version` (latest when None) with `model_uri`; write `out` in one commit.
 
     The alias in `model_uri` is resolved once, at the start: every row is scored by the same version,
     recorded in each row. Returns what the CLI prints as its JSON line.
+
+    The version and the row counts reported are those of this job's own commit (its files, read from the Delta
+    log), whatever other writers commit to `out` meanwhile. The commit claims the job's identity (`job_identity`:
+    model version, input table and version, mode, `run_key`): an append whose identity is already committed to
+    `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing and reports
+    that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same table).
     """
-    from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.delta import ConcurrentWriteError, get_engine
     from pipeline.serving.models import resolve
     from pipeline.tracking.runs import configure
 
@@ -148,24 +170,53 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     engine = get_engine(cfg.delta.engine)
     df, pinned = engine.read(spark, table, version)
     rows_in = pinned.num_rows if pinned.num_rows is not None else df.count()
-    log.info("scoring Delta table %s version %d (%d rows) with model %r version %s", table, pinned.version, rows_in,
-             pinned_model.name, pinned_model.version)
-    scored = scored_frame(spark, df, pinned_model, table, pinned.version)
-    before = _table_files(out) if mode == "append" else set()
-    with session_conf(spark, {ARROW_BATCH_KEY: str(ARROW_BATCH_ROWS)}):
-        out_version = engine.write(scored, out, mode)
-    counts = _count_committed(out, before)
-    if counts is not None and counts["rows"] != rows_in:
-        raise PredictError(f"predictions for Delta table {table} version {pinned.version}: {counts['rows']} rows "
-                           f"written to {out} version {out_version}, but the input has {rows_in}")
-    seconds = time.monotonic() - started
+    identity = job_identity(pinned_model, table, pinned.version, mode, run_key)
+    claim = identity_claim(identity)
     result = {
         "model_name": pinned_model.name, "model_version": pinned_model.version, "model_uri": model_uri,
-        "input_table": table, "input_version": pinned.version, "rows": rows_in,
-        "errors": counts["errors"] if counts else None,
-        "out_table": out, "out_version": out_version, "seconds": round(seconds, 2),
-        "rows_per_s": round(rows_in / seconds, 1) if seconds > 0 else None,
+        "input_table": table, "input_version": pinned.version, "rows": rows_in, "out_table": out,
+        "run_key": run_key, "claim": claim,
     }
-    log.info("wrote %d prediction rows (%s undecodable) to %s version %d in %.1f s", rows_in, result["errors"], out,
-             out_version, seconds)
+    out_version: Optional[int] = None
+    # read first, then look for the claim: a commit of this job up to read_version is found here, one after it
+    # makes this write lose its race (and is reported the same way)
+    read_version = engine.latest_version(spark, out) if engine.exists(spark, out) else None
+    already: List[int] = engine.claimed_versions(spark, out, claim) if mode == "append" else []
+    if already:
+        out_version = already[0]
+        log.info("predictions of model %r version %s for Delta table %s version %d (run key %r) are already in %s "
+                 "version %d: nothing written", pinned_model.name, pinned_model.version, table, pinned.version,
+                 run_key, out, out_version)
+    else:
+        log.info("scoring Delta table %s version %d (%d rows) with model %r version %s", table, pinned.version,
+                 rows_in, pinned_model.name, pinned_model.version)
+        scored = scored_frame(spark, df, pinned_model, table, pinned.version)
+        try:
+            with session_conf(spark, {ARROW_BATCH_KEY: str(ARROW_BATCH_ROWS)}):
+                out_version = engine.write(scored, out, mode, commit_metadata={METADATA_KEY: {**identity,
+                                                                                             "rows": rows_in}},
+                                           read_version=read_version, claim=claim)
+        except ConcurrentWriteError as exc:  # the same job, started twice, committed first
+            if exc.committed is not None:  # seen only after both committed (delta.engine=spark)
+                raise PredictError(f"predictions for Delta table {table} version {pinned.version} by model "
+                                   f"{pinned_model.name!r} version {pinned_model.version} (run key {run_key!r}) "
+                                   f"are in {out} twice, versions {', '.join(map(str, exc.winners))} and "
+                                   f"{exc.committed}: another run of this job committed them at the same time; "
+                                   f"remove one") from exc
+            out_version = exc.winners[0]
+            log.warning("%s; its predictions of the same job are reported", exc)
+            already = [out_version]
+    counts = count_commit(out, out_version)
+    if counts is not None and counts["rows"] != rows_in:
+        raise PredictError(f"predictions for Delta table {table} version {pinned.version}: {counts['rows']} rows "
+                           f"in the commit of {out} version {out_version}, but the input has {rows_in}")
+    seconds = time.monotonic() - started
+    result.update({
+        "errors": counts["errors"] if counts else None, "out_version": out_version,
+        "already_in_table": bool(already), "seconds": round(seconds, 2),
+        "rows_per_s": round(rows_in / seconds, 1) if seconds > 0 and not already else None,
+    })
+    if not already:
+        log.info("wrote %d prediction rows (%s undecodable) to %s version %d in %.1f s", rows_in, result["errors"],
+                 out, out_version, seconds)
     return result
