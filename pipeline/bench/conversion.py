@@ -106,7 +106,7 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
 
     def plain() -> float:
         d, _ = engine.read(spark, table, version)
-        frames = [decoded_frame(f, cfg, world) for f in split_frame(d, cfg.data.val_fraction)]
+        frames = [decoded_frame(f, cfg, world) for f in split_frame(d, cfg.data.val_fraction, cfg.data.split_key)]
         t0 = time.perf_counter()
         for split, frame in zip(("train", "val"), frames):
             frame.write.mode("overwrite").parquet(f"{scratch}/{split}")

@@ -10,29 +10,48 @@ import math
 import os
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from pipeline.config import Config
 from pipeline.data import cache
 from pipeline.data.shards import (COLUMNS, FORMAT_VERSION, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedData,
                                   ConvertedSplit)
-from pipeline.lakehouse.partition import SPLIT_BUCKETS, ShardPlan, num_partitions, plan_split
+from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, ShardPlan, num_partitions,
+                                         plan_split, split_rule)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
 __all__ = ["ConversionError", "ConvertedData", "ConvertedSplit", "convert_for_training", "split_frame",
-           "prepare_split", "write_split", "plan_data", "class_names_of"]
+           "held_out_frame", "prepare_split", "write_split", "plan_data", "class_names_of"]
 
 
-def split_frame(df, val_fraction: float):
-    """(train, val) by the CRC-32 bucket of `path`, the same rule as `partition.is_validation`."""
+def _bucket(split_key: str):
+    """The Spark column of a row's split bucket under `split_key`: partition.split_bucket(partition.row_key(...))."""
     from pyspark.sql import functions as F
 
-    bucket = F.pmod(F.crc32(F.col("path").cast("binary")), F.lit(SPLIT_BUCKETS))
+    split_rule(split_key)  # a key that is not one of partition.SPLIT_KEYS is refused, naming the config key
+    key = F.sha2(F.col("content"), 256) if split_key == "content" else F.col("path")
+    return F.pmod(F.crc32(key.cast("binary")), F.lit(SPLIT_BUCKETS))
+
+
+def split_frame(df, val_fraction: float, split_key: str = LEGACY_SPLIT_KEY):
+    """(train, val) by the CRC-32 bucket of the row's `split_key` (`data.split_key`), the rule of
+    `partition.is_validation(partition.row_key(...))`. The one place Spark splits a table."""
+    bucket = _bucket(split_key)
     threshold = round(val_fraction * SPLIT_BUCKETS)
-    return df.filter(bucket >= threshold), df.filter(bucket < threshold)
+    return df.filter(bucket.isNotNull() & (bucket >= threshold)), df.filter(bucket < threshold)
+
+
+def held_out_frame(df, conditions: Tuple[HoldOut, ...], split: str = "val"):
+    """The rows of `df` in `split` under every one of `conditions` (partition.held_out_by_all): `val`, the rows every
+    model held out; `train`, the rows every model trained on. Same rule as `partition.in_split`, run in Spark."""
+    for c in conditions:
+        bucket = _bucket(c.split_key)
+        threshold = round(c.val_fraction * SPLIT_BUCKETS)
+        df = df.filter(bucket < threshold) if split == "val" else df.filter(bucket.isNotNull() & (bucket >= threshold))
+    return df
 
 
 def prepare_split(df, cfg: Config, world_size: int):
@@ -230,7 +249,7 @@ def _key_inputs(df, cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
     return {
         "table": getattr(pinned, "table", None), "version": getattr(pinned, "version", None),
         "input_files": hashlib.sha256("\n".join(files).encode()).hexdigest(), "input_file_count": len(files),
-        "val_fraction": cfg.data.val_fraction, "split_rule": f"crc32(path) % {SPLIT_BUCKETS}",
+        "val_fraction": cfg.data.val_fraction, "split_rule": split_rule(cfg.data.split_key),
         "image_size": cfg.data.image_size, "channels": cfg.data.channels, "world_size": world_size,
         "partitions_per_worker": cfg.data.partitions_per_worker, "row_groups_per_rank": cfg.data.row_groups_per_rank,
         "max_row_group_mb": cfg.data.max_row_group_mb, "min_row_group_mb": cfg.data.min_row_group_mb,
@@ -246,7 +265,7 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
     """
     import pyarrow as pa
 
-    train_df, val_df = split_frame(df, cfg.data.val_fraction)
+    train_df, val_df = split_frame(df, cfg.data.val_fraction, cfg.data.split_key)
     row_bytes = cfg.data.channels * cfg.data.image_size ** 2
     run = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # concurrent writers never mix files
     total = total_rows if total_rows is not None else df.count()

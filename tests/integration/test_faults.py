@@ -227,15 +227,17 @@ def test_append_during_pinned_training_and_retyped_append(spark, digits_dir, tab
 def _val_fraction_for(table: Path, val_rows: int) -> float:
     """A data.val_fraction that puts exactly `val_rows` rows of `table` in the val split.
 
-    The split keys on each row's absolute path, so a fixed fraction gives a different count in every
-    temporary folder (0.003 of 600 rows was 0 rows in about one folder in six).
+    The split keys on each row's data.split_key (a fixed fraction gave a different count in every temporary folder
+    when it was the absolute path: 0.003 of 600 rows was 0 rows in about one folder in six).
     """
     from deltalake import DeltaTable
 
-    from pipeline.lakehouse.partition import SPLIT_BUCKETS, split_bucket
+    from pipeline.config import Config
+    from pipeline.lakehouse.partition import SPLIT_BUCKETS, row_key, split_bucket
 
-    paths = DeltaTable(str(table)).to_pyarrow_table(columns=["path"])["path"].to_pylist()
-    buckets = sorted(split_bucket(p) for p in paths)
+    rows = DeltaTable(str(table)).to_pyarrow_table(columns=["path", "content"]).to_pylist()
+    key = Config().data.split_key
+    buckets = sorted(split_bucket(row_key(key, r["path"], r["content"])) for r in rows)
     assert buckets[val_rows - 1] < buckets[val_rows], f"two paths share a bucket at the cut of {val_rows} rows"
     return (buckets[val_rows - 1] + 1) / SPLIT_BUCKETS
 

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from pipeline.tracking.pyfunc import log_model
-from pipeline.tracking.registry import chance_level, held_out_rows, register_model
+from pipeline.lakehouse.partition import LEGACY_SPLIT_KEY, HoldOut
+from pipeline.tracking.heldout import chance_level, held_out_rows
+from pipeline.tracking.registry import register_model
 from pipeline.tracking.runs import configure, tracked_run
 from test_tracking import CLASS_NAMES, META, _always, _cfg, sqlite_store  # noqa: F401
 
@@ -115,7 +117,7 @@ def test_first_version_at_chance_is_registered_not_crowned_and_a_learned_one_is(
     name = "chance_acc"
     gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name))
     assert gcfg.mlflow.gate_min_lift == 0.05 and gcfg.mlflow.gate_metric == "val_acc"
-    val = held_out_rows(shades_table, 0, gcfg.data.val_fraction)
+    val = held_out_rows(shades_table, 0, HoldOut(gcfg.data.val_fraction, LEGACY_SPLIT_KEY))  # runs with no params
     chance = chance_level("val_acc", "max", val.labels)
     majority = max(CLASS_NAMES, key=val.labels.count)
     assert 0.34 < chance < 0.9, (chance, val.labels)
@@ -154,7 +156,7 @@ def test_loss_gate_floor_is_the_label_entropy(gate, shades_table):
     name = "chance_loss"
     gcfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model=name,
                                                                gate_metric="val_loss", gate_mode="min"))
-    val = held_out_rows(shades_table, 0, gcfg.data.val_fraction)
+    val = held_out_rows(shades_table, 0, HoldOut(gcfg.data.val_fraction, LEGACY_SPLIT_KEY))  # runs with no params
     entropy = chance_level("val_loss", "min", val.labels)
     shares = [val.labels.count(c) / len(val.labels) for c in CLASS_NAMES]
     assert entropy == pytest.approx(-sum(p * math.log(p) for p in shares if p))
@@ -171,11 +173,12 @@ def test_loss_gate_floor_is_the_label_entropy(gate, shades_table):
 
 
 @pytest.mark.timeout(600)
-def test_catalog_table_is_split_in_spark_before_it_is_collected(spark, shades_table, monkeypatch):
-    """A three-part catalog name goes through the Spark session: the split and the column selection run in Spark
-    (pipeline.data.convert.split_frame), so the driver collects only the split's rows, and they are exactly the rows,
-    in order, that delta-rs gives for the path. This machine has no Delta jars (Maven is unreachable), so the
-    catalog's read of the table is a real Spark DataFrame of the same rows, with one extra column."""
+def test_catalog_table_is_split_in_spark_and_streamed_in_chunks(spark, shades_table, monkeypatch):
+    """A three-part catalog name goes through the Spark session: the split (pipeline.data.convert.held_out_frame, the
+    rule training uses) and the column selection run in Spark, so the driver receives only the split's rows, streamed
+    (toLocalIterator) in chunks, never collected whole; they are exactly the rows delta-rs gives for the path. This
+    machine has no Delta jars (Maven is unreachable), so the catalog's read of the table is a real Spark DataFrame of
+    the same rows, with one extra column."""
     from deltalake import DeltaTable
 
     from pipeline.lakehouse.delta import PinnedTable, SparkDeltaEngine
@@ -184,30 +187,37 @@ def test_catalog_table_is_split_in_spark_before_it_is_collected(spark, shades_ta
     whole = DeltaTable(shades_table).to_pyarrow_table().to_pandas()
     whole["label_index"] = [CLASS_NAMES.index(v) for v in whole["label"]]
     frame = spark.createDataFrame(whole)
-    reads, collected = [], []
+    reads, streamed = [], []
     DataFrame = type(frame)  # pyspark's classic DataFrame (pyspark.sql.DataFrame is its interface in Spark 4)
 
     def read(self, session, table, version=None):
         reads.append((table, version))
         return frame, PinnedTable(table=table, version=version, num_files=-1, num_rows=None)
 
-    to_pandas = DataFrame.toPandas
+    local_iterator = DataFrame.toLocalIterator
 
-    def counted(self):
-        out = to_pandas(self)
-        collected.append((len(out), list(out.columns)))
-        return out
+    def counted(self, *args, **kwargs):
+        rows = list(local_iterator(self, *args, **kwargs))
+        streamed.append((len(rows), list(self.columns)))
+        return iter(rows)
+
+    def whole_collect(self, *args, **kwargs):
+        raise AssertionError("the gate collected a whole DataFrame")
 
     monkeypatch.setattr(SparkDeltaEngine, "read", read)
-    monkeypatch.setattr(DataFrame, "toPandas", counted)
+    monkeypatch.setattr(DataFrame, "toLocalIterator", counted)
+    monkeypatch.setattr(DataFrame, "toPandas", whole_collect)
     sizes = {}
-    for split in ("val", "train"):
-        by_path = held_out_rows(shades_table, 0, 0.2, split)
-        by_name = held_out_rows(name, 0, 0.2, split)
-        assert by_name.labels == by_path.labels and by_name.contents == by_path.contents, split
-        assert by_name.table == name and by_name.split == split
-        sizes[split] = len(by_name.labels)
-    assert reads == [(name, 0), (name, 0)]
-    assert sizes["val"] + sizes["train"] == 120 and 0 < sizes["val"] < 60
-    # what reached the driver: each split alone, only the gate's columns
-    assert collected == [(sizes["val"], ["path", "content", "label"]), (sizes["train"], ["path", "content", "label"])]
+    for split, rule in (("val", 0.2), ("train", 0.2), ("val", (HoldOut(0.3, "content"), HoldOut(0.2, "path")))):
+        by_path = held_out_rows(shades_table, 0, rule, split)
+        by_name = held_out_rows(name, 0, rule, split)
+        chunks = list(by_name.chunks(7))
+        assert all(len(c) <= 7 and len(c) == len(lab) for c, lab in chunks)
+        assert (sorted(zip(by_name.labels, [c for cs, _ in chunks for c in cs])) ==
+                sorted(zip(by_path.labels, [c for cs, _ in by_path.chunks(7) for c in cs]))), split
+        assert by_name.table == name and by_name.split == split and by_name.rule == by_path.rule
+        sizes[(split, str(rule))] = len(by_name.labels)
+    assert reads == [(name, 0)] * 3
+    assert sizes[("val", "0.2")] + sizes[("train", "0.2")] == 120 and 0 < sizes[("val", "0.2")] < 60
+    # what reached the driver: the split's labels, then its rows for one pass, only the gate's columns
+    assert streamed[:2] == [(sizes[("val", "0.2")], ["label"]), (sizes[("val", "0.2")], ["content", "label"])]
