@@ -35,15 +35,19 @@ SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwords", "passwd"
 # out of params too)
 KEY_DESCRIBED_BY = frozenset({"column", "columns", "col", "cols", "field", "fields", "name", "names", "by", "type",
                               "prefix", "size", "bits", "length", "len", "store", "tab", "format", "func", "fn"})
-# ... and preceded by one of these, a key of the data: cache_key, partition_key, sort_key, primary_key, join_key
+# ... and preceded by one of these, a key of the data: cache_key, partition_key, sort_key, primary_key, join_key,
+# split_key (data.split_key: what picks a row's train/val split)
 DATA_KEY_OWNERS = frozenset({"cache", "partition", "sort", "primary", "foreign", "join", "group", "dict", "row",
-                             "shuffle", "lookup", "hash", "dedup", "idempotency"})
+                             "shuffle", "lookup", "hash", "dedup", "idempotency", "split"})
 # query parameters that carry a signature (Azure SAS `sig`, S3 presigned `X-Amz-Signature`)
 _SIGNATURE_PARAMS = frozenset({"sig", "signature", "x-amz-signature"})
 
-# MLflow's credentials (basic auth, bearer token): rank 0 alone writes to MLflow, so only it needs them; the launcher
+# MLflow's credentials (basic auth, bearer token; a Databricks workspace's host and token, with which MLflow reaches the
+# workspace's tracking server from a worker): rank 0 alone writes to MLflow, so only it needs them; the launcher
 # forwards them to every rank only because the launch paths give all ranks one environment, and ranks but 0 drop them
-TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+WORKSPACE_CREDENTIALS = ("DATABRICKS_HOST", "DATABRICKS_TOKEN")
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                        *WORKSPACE_CREDENTIALS)
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _SEPARATORS = re.compile(r"[._\-]+")
@@ -132,5 +136,5 @@ def without(environ: MutableMapping[str, str], names: Iterable[str]) -> list:
     return removed
 
 
-__all__ = ["REDACTED", "TRACKING_CREDENTIALS", "is_secret_key", "redact_url", "redact_value", "redacted", "without",
+__all__ = ["REDACTED", "TRACKING_CREDENTIALS", "WORKSPACE_CREDENTIALS", "is_secret_key", "redact_url", "redact_value", "redacted", "without",
            "word_parts"]

@@ -397,3 +397,12 @@ def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
 def fsdp_worker(job: TrainJob) -> RankResult:
     """The FSDP entry (train.backend=fsdp): launched like DDP, the model sharded over the ranks."""
     return ddp_worker(job, sharded=True)
+
+
+def with_env(worker: Callable[[TrainJob], RankResult], job: TrainJob, env: Dict[str, str]) -> RankResult:
+    """A TorchDistributor rank on a Spark executor, which gets none of the driver's environment: the variables the
+    launcher hands ranks (launcher.executor_env: tracking settings, and the credentials rank 0 needs, which the
+    other ranks drop in `rank_record`) that this process lacks are set, then `worker` runs."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return worker(job)
