@@ -25,11 +25,11 @@ def _label(i: int) -> str:
     return CLASS_NAMES[(i * 7 + i // 5) % 3]
 
 
-def _write_table(root) -> str:
+def _write_table(root, mount: str) -> str:
     import pyarrow as pa
     from deltalake import write_deltalake
 
-    write_deltalake(str(root), pa.table({"path": [f"/mnt/a/shapes/{_label(i)}/{i:03d}.png" for i in range(N_ROWS)],
+    write_deltalake(str(root), pa.table({"path": [f"{mount}/shapes/{_label(i)}/{i:03d}.png" for i in range(N_ROWS)],
                                          "label": [_label(i) for i in range(N_ROWS)],
                                          "content": [_png(i) for i in range(N_ROWS)]}))
     return str(root)
@@ -39,7 +39,7 @@ def _write_table(root) -> str:
 def tables(tmp_path_factory):
     """Two real Delta tables (delta-rs, version 0): the same rows ingested from two mounts, two tables."""
     root = tmp_path_factory.mktemp("fair")
-    return _write_table(root / "shapes"), _write_table(root / "shapes_elsewhere")
+    return _write_table(root / "shapes", "/mnt/a"), _write_table(root / "shapes_elsewhere", "/mnt/b")
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,24 @@ def test_a_champion_trained_on_another_table_is_not_compared_and_the_reason_is_r
 
     same = register(name, "square", tables[0] + "/", params)  # the champion's table, spelled with a trailing slash
     assert promote(client, name, same, min_lift=None).error is None
+
+
+@pytest.mark.timeout(600)
+def test_training_split_in_spark_is_the_gate_s_and_does_not_move_with_the_mount(spark, tables, rows):
+    """The split training applies in Spark (pipeline.data.convert.split_frame) holds out the rows the gate scores; by
+    content the same images are held out when the table is re-ingested from another mount, by path they are not."""
+    import pandas as pd
+    from deltalake import DeltaTable
+
+    from pipeline.data.convert import split_frame
+
+    def val_contents(table: str, key: str) -> set:
+        df = spark.createDataFrame(pd.DataFrame(DeltaTable(table).to_pyarrow_table().to_pylist()))
+        _, val = split_frame(df, 0.3, key)
+        return {bytes(r["content"]) for r in val.select("content").collect()}
+
+    by_content = val_contents(tables[0], "content")
+    assert by_content == {r["content"] for r in rows if in_split("val", (HoldOut(0.3, "content"),), r["path"],
+                                                                 r["content"])}
+    assert val_contents(tables[1], "content") == by_content  # re-ingested from /mnt/b: the same rows held out
+    assert val_contents(tables[0], "path") != val_contents(tables[1], "path")  # the old rule moved them
