@@ -129,11 +129,6 @@ class TrainConfig:
     # (a host lost), go on from the last checkpoint with the ranks that remain, down to this many (restated for the
     # smaller global batch); null: always relaunch the same world size
     min_np: Optional[int] = None
-    fail_at_step: Optional[int] = None  # fault injection for tests: raise on this global step
-    fail_rank: Optional[int] = None  # ... on this rank only (None: every rank)
-    # ... error (a RuntimeError) | oom (torch.OutOfMemoryError) | hang (the rank stops answering, alive)
-    fail_with: str = "error"
-    nan_at_step: Optional[int] = None  # fault injection for tests: NaN loss from this global step
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
@@ -186,6 +181,21 @@ class TuneConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Fault injection for tests (pipeline/distributed/faults.py): read by a callback, never by the model, so none of
+    it is saved in a checkpoint's hyperparameters or the registered model. Every fault hits the first attempt only."""
+
+    fail_at_step: Optional[int] = None  # raise on this global step (and every later one)
+    fail_rank: Optional[int] = None  # ... on this rank only (null: every rank); debug.kill_while_saving too
+    # ... error (a RuntimeError) | oom (torch.OutOfMemoryError) | hang (the rank stops answering, alive)
+    fail_with: str = "error"
+    nan_at_step: Optional[int] = None  # the training loss is NaN from this global step
+    # SIGKILL the rank while it writes last.ckpt at this global step or later: once its part (its FSDP shard; rank 0's
+    # file otherwise) is on disk and before the checkpoint is complete
+    kill_while_saving: Optional[int] = None
+
+
+@dataclass
 class Config:
     spark: SparkConfig = field(default_factory=SparkConfig)
     delta: DeltaConfig = field(default_factory=DeltaConfig)
@@ -195,6 +205,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)  # fault injection for tests
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,7 +236,6 @@ CHOICES = {
     "data.split_key": ("content", "path"),
     "train.backend": ("horovod", "ddp", "fsdp", "single"),
     "train.lr_scaling": ("linear", "sqrt", "none"),
-    "train.fail_with": ("error", "oom", "hang"),
     "train.precision": ("auto", "32-true", "bf16-mixed", "16-mixed"),
     "train.early_stopping.mode": ("min", "max"),
     "mlflow.gate_mode": ("min", "max"),
@@ -234,6 +244,7 @@ CHOICES = {
     "tune.sampler": ("tpe", "random"),
     "tune.pruner": ("median", "none"),
     "data.reader": ("petastorm", "arrow"),
+    "debug.fail_with": ("error", "oom", "hang"),
 }
 
 
@@ -431,6 +442,7 @@ def validate(cfg: Config) -> None:
         ("tune.timeout_s", cfg.tune.timeout_s is None or cfg.tune.timeout_s > 0, "must be > 0 or null"),
         ("tune.verdict_timeout_s", cfg.tune.verdict_timeout_s > 0, "must be > 0"),
         ("tune.heartbeat_s", cfg.tune.heartbeat_s >= 1, "must be >= 1"),
+        ("debug.fail_rank", cfg.debug.fail_rank is None or cfg.debug.fail_rank >= 0, "must be >= 0 or null"),
     ]
     for key, ok, why in checks:
         if not ok:

@@ -66,7 +66,7 @@ def cost_result(whole: List[float], cut: List[float], epoch_s: List[float], star
 def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
     """`repeats` pairs of the same `workflow.train` (2 Horovod ranks on this machine, `EPOCHS` epochs, a checkpoint
     per epoch, early stopping off) on `prep` (the sample) with a warm converted-data cache: uninterrupted, and with
-    rank 1 failing at the last step of epoch `FAIL_EPOCH` (`train.fail_at_step`: the rank raises and exits, Horovod's
+    rank 1 failing at the last step of epoch `FAIL_EPOCH` (`debug.fail_at_step`: the rank raises and exits, Horovod's
     launcher stops the other; the injected failure hits the first attempt only) and `train.max_restarts=1`, which
     relaunches both ranks from the last checkpoint. Pairs alternate their order; an uninterrupted warm-up run
     comes first. Registration goes to `<mlflow.registered_model>-bench-restarts` (never promoted; deleted after).
@@ -101,7 +101,7 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
     def one(name: str, i: int, fail_step: int = None) -> Dict[str, Any]:
         extra = {"train.checkpoint_dir": os.path.join(root, f"{name}-{i}")}
         if fail_step is not None:
-            extra.update({"train.max_restarts": 1, "train.fail_at_step": fail_step, "train.fail_rank": FAIL_RANK})
+            extra.update({"train.max_restarts": 1, "debug.fail_at_step": fail_step, "debug.fail_rank": FAIL_RANK})
         del launches[:]
         t0 = time.perf_counter()
         out = workflow.train(spark, apply_overrides(base, extra), run_name=f"bench-restart-{name}-{i}")

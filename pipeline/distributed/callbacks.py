@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -15,32 +14,25 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from pipeline.distributed.checkpoints import write_atomically
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes a checkpoint to a temporary file in the same folder, fsyncs it, then renames it into place.
+    """Writes a checkpoint to a temporary file in the same folder, fsyncs it, then renames it into place
+    (`checkpoints.write_atomically`; FSDP's sharded folders: `checkpoints.write_sharded`).
 
     A crash during the write leaves the previous file under the final name intact.
     """
 
+    # a test's fault hook (pipeline/distributed/faults.py): called with the checkpoint's path once its bytes are on
+    # disk, before the rename
+    part_written: Optional[Callable[[str], None]] = None
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        path = os.fspath(path)
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                torch.save(checkpoint, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomically(checkpoint, os.fspath(path), self.part_written)
 
 
 class RngCheckpoint(pl.Callback):

@@ -1,7 +1,12 @@
-"""Checkpoints: reading them safely, what each records, the lineage check, restating one for a smaller batch, and
-rebuilding a trained classifier from one.
+"""Checkpoints: writing them whole or not at all, reading them safely, what each records, the lineage check, restating
+one for a smaller batch, and rebuilding a trained classifier from one.
 
 A checkpoint is a Lightning file (`*.ckpt`) or, with FSDP, a folder of per-rank shards plus Lightning's `meta.pt`.
+Either appears whole or not at all: a file is written beside its name and renamed into place (`write_atomically`); a
+sharded folder is written by every rank into a new folder beside its name (`<name>.tmp-<step>-<id>`), and only once
+every shard and `meta.pt` are on disk (a barrier) does rank 0 swap it in: the old folder renamed aside
+(`<name>.old-<id>`), the new one renamed in, the old one removed (`write_sharded`). `settle` finishes or undoes a swap
+a crash interrupted and removes what an interrupted write left; every reader of a checkpoint name settles it first.
 Every one the loop writes records, beside the weights, the Delta table and version it was trained on (`lakehouse`)
 and how it was trained (`trained_with`: per-rank batch, world size, steps per epoch, global step, learning rate):
 an OOM back-off restates a checkpoint from what it records, never from when it was written.
@@ -17,8 +22,11 @@ import dataclasses
 import enum
 import os
 import pickle
+import shutil
+import tempfile
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytorch_lightning as pl
 import torch
@@ -35,6 +43,8 @@ META_FILE = "meta.pt"  # Lightning's file of the non-tensor state inside a shard
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded folder's tensors (a pickle)
 LINEAGE = "lakehouse"  # checkpoint key: the Delta table and version trained on
 TRAINED_WITH = "trained_with"  # checkpoint key: batch_size (per rank), world_size, steps_per_epoch, global_step, lr
+STAGED = ".tmp-"  # <name>.tmp-<step>-<id>: a sharded checkpoint being written by every rank (never read as such)
+ASIDE = ".old-"  # <name>.old-<id>: the previous folder of <name>, renamed aside while the new one is renamed in
 
 
 class CheckpointError(RuntimeError):
@@ -43,6 +53,161 @@ class CheckpointError(RuntimeError):
 
 class CheckpointLineageError(CheckpointError):
     """A checkpoint was trained on another Delta table or version than this job."""
+
+
+# ------------------------------------------------------------------------------------ writing: whole or not at all
+def _fsync_folder(folder: str) -> None:
+    """Make the renames in `folder` durable (where the file system lets a folder be opened and synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomically(obj: Dict[str, Any], path: str, part_written: Optional[Callable[[str], None]] = None) -> None:
+    """`torch.save(obj)` to a temporary file beside `path`, fsynced, then renamed into place: a crash during the write
+    leaves the previous file under `path` intact. `part_written(path)` (a test's fault hook, pipeline/distributed/
+    faults.py) is called once the bytes are on disk, before the rename."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".ckpt", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if part_written is not None:
+            part_written(path)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(folder)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _is_complete(folder: str) -> bool:
+    """A staged folder every rank finished: meta.pt (written by rank 0 after every shard and the index) is there."""
+    return os.path.isfile(os.path.join(folder, META_FILE)) and os.path.isfile(os.path.join(folder, DCP_METADATA))
+
+
+def _staged_step(name: str) -> int:
+    try:
+        return int(name.rsplit(STAGED, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return -1
+
+
+def leftovers(path: str) -> Tuple[List[str], List[str]]:
+    """(staged folders, folders set aside) of checkpoint `path` that an interrupted write or swap left beside it."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    try:
+        entries = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    staged = sorted((e for e in entries if e.startswith(name + STAGED)), key=_staged_step)
+    aside = sorted(e for e in entries if e.startswith(name + ASIDE))
+    return [os.path.join(folder, e) for e in staged], [os.path.join(folder, e) for e in aside]
+
+
+def settle(path: str) -> Optional[str]:
+    """Leave checkpoint `path` as its last complete write left it, and nothing else beside it.
+
+    A crash between the two renames of a swap (`swap_in`) left no `path`, the old checkpoint set aside and the new one
+    staged and complete: the new one is renamed in (the old one when the staged folder is incomplete). Then every
+    staged folder (a write interrupted before its swap: shards of an epoch no checkpoint completed) and every folder
+    set aside are removed. Safe when several processes settle the same path at once (each rename is tried once and a
+    rename another process made first is taken as done); never while ranks are writing that checkpoint.
+
+    Returns `path` when a checkpoint is there afterwards, else None.
+    """
+    path = os.path.abspath(os.fspath(path))
+    staged, aside = leftovers(path)
+    if aside and not os.path.lexists(path):
+        complete = [s for s in staged if _is_complete(s)]
+        source = complete[-1] if complete else max(aside, key=lambda a: os.path.getmtime(a)
+                                                   if os.path.lexists(a) else 0.0)
+        try:
+            os.replace(source, path)
+            _fsync_folder(os.path.dirname(path))
+            log.warning("checkpoint %s: a swap interrupted by a crash finished from %s", path,
+                        "the new folder" if complete else "the previous folder")
+        except FileNotFoundError:
+            pass  # another process settled it first
+    for stale in staged + aside:
+        if os.path.lexists(stale):
+            log.info("checkpoint %s: removing %s, left by an interrupted write", path, os.path.basename(stale))
+            _remove(stale)
+    return path if os.path.lexists(path) else None
+
+
+def swap_in(staged: str, path: str) -> None:
+    """Put the complete folder `staged` in place of checkpoint `path`: the old one renamed aside, the new one renamed
+    in, the old one removed. A crash between the renames leaves both, which `settle` resolves to the new one."""
+    aside = None
+    if os.path.lexists(path):
+        aside = f"{path}{ASIDE}{uuid.uuid4().hex[:8]}"
+        os.replace(path, aside)
+    os.replace(staged, path)
+    _fsync_folder(os.path.dirname(path))
+    if aside is not None:
+        _remove(aside)
+
+
+def write_sharded(strategy: Any, checkpoint: Dict[str, Any], path: Any,
+                  part_written: Optional[Callable[[str], None]] = None) -> None:
+    """An FSDP checkpoint, whole or not at all, called on every rank (`strategy`: Lightning's FSDP strategy, its
+    `broadcast`, `barrier` and `global_rank`): rank 0 settles `path` and makes a new staged folder beside it; every
+    rank writes its shard of the weights and optimizer state there (torch.distributed.checkpoint, which also writes
+    the index); rank 0 writes `meta.pt` (the rest of `checkpoint`, atomically); after a barrier (every rank done)
+    rank 0 swaps the folder in (`swap_in`). A rank that dies on the way leaves `path` as it was.
+
+    `part_written(path)` (a test's fault hook, pipeline/distributed/faults.py) is called on each rank once its shard
+    is on disk, before the checkpoint is complete."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    final = os.path.abspath(os.fspath(strategy.broadcast(os.fspath(path))))
+    ident = uuid.uuid4().hex[:8] if strategy.global_rank == 0 else ""
+    staged = strategy.broadcast(f"{final}{STAGED}{int(checkpoint.get('global_step', 0))}-{ident}")
+    if strategy.global_rank == 0:
+        settle(final)  # what an earlier interrupted save left goes first
+        os.makedirs(staged)
+    strategy.barrier("lakehouse-checkpoint-staged")
+
+    class ShardWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            written.wait()  # this rank's shard is on disk (the index is written after every rank's)
+            if part_written is not None:
+                part_written(final)
+            return written
+
+    state = {"model": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": opt for i, opt in enumerate(checkpoint.pop("optimizer_states", []))})
+    save(state, storage_writer=ShardWriter(staged))
+    if strategy.global_rank == 0:
+        write_atomically(checkpoint, os.path.join(staged, META_FILE))
+    strategy.barrier("lakehouse-checkpoint-written")  # every shard, the index and meta.pt are on disk
+    if strategy.global_rank == 0:
+        swap_in(staged, final)
+    strategy.barrier("lakehouse-checkpoint-swapped")
 
 
 # ---------------------------------------------------------------------------------------------------------- reading
@@ -156,6 +321,7 @@ def resolve_checkpoint(value: Optional[str], checkpoint_dir: str) -> Optional[st
     if not value:
         return None
     path = os.path.join(checkpoint_dir, "last.ckpt") if value == "last" else value
+    settle(path)  # a swap a crash interrupted is finished, an interrupted write's folder removed
     if not os.path.exists(path):
         raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist")
     return path

@@ -1,12 +1,14 @@
-"""`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo); its sharded checkpoints are read
-in pipeline/distributed/checkpoints.py."""
+"""`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo); its sharded checkpoints are
+written (whole or not at all) and read by pipeline/distributed/checkpoints.py."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from pytorch_lightning.strategies import FSDPStrategy
+
+from pipeline.distributed.checkpoints import write_sharded
 
 # Modules holding at least this many parameters get their own FSDP unit: each is gathered only while it runs, so a
 # rank holds its shard plus one unit's full weights, not the whole model.
@@ -30,7 +32,13 @@ class LakehouseFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy, also on CPU ranks: Lightning refuses its own class on a CPU accelerator and torch's
     FSDP asks for an accelerator unless it is given `device_id=cpu`; with gloo, torch >= 2.4 runs it there (used
     for tests and CPU clusters; GPUs with NCCL are what it is for). Checkpoints are sharded (a folder per
-    checkpoint, each rank writing its shard): `checkpoints.consolidated_state` turns one into a full state dict."""
+    checkpoint, each rank writing its shard into a new folder, swapped in once every rank is done:
+    `checkpoints.write_sharded`, not Lightning's write in place); `checkpoints.consolidated_state` turns one into a
+    full state dict."""
+
+    # a test's fault hook (pipeline/distributed/faults.py): called on a rank with the checkpoint's path once its shard
+    # is on disk, before the checkpoint is complete
+    part_written: Optional[Callable[[str], None]] = None
 
     def __init__(self, process_group_backend: str, min_unit_params: int = MIN_UNIT_PARAMS, **kw: Any) -> None:
         from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
@@ -49,3 +57,7 @@ class LakehouseFSDPStrategy(FSDPStrategy):
                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
                                         **self.kwargs)
 
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("the FSDP strategy writes its sharded checkpoints itself: storage_options are not supported")
+        write_sharded(self, checkpoint, filepath, self.part_written)

@@ -524,6 +524,10 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             return launch(job)
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
+            # a swap of FSDP's last.ckpt a killed rank interrupted is finished first (torch: on the driver only here)
+            from pipeline.distributed.checkpoints import settle
+
+            settle(last)
             # only a checkpoint this job wrote; an older last.ckpt in the folder belongs to another job
             fresh = os.path.exists(last) and os.path.getmtime(last) >= started
             oom = is_restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)

@@ -122,6 +122,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pipeline.distributed.checkpoints import (CheckpointRecord, check_checkpoint_lineage, consolidated_state,
                                                   resolve_checkpoint)
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
+    from pipeline.distributed.faults import InjectedFaults, wanted
     from pipeline.distributed.telemetry import RankResources
     from pipeline.model.module import ImageClassifier, scaled_lr
 
@@ -152,12 +153,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                  precision, threads if threads is not None else f"{torch.get_num_threads()} (torch's default)")
 
     dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
-    model = ImageClassifier.from_config(
-        cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
-        steps_per_epoch=plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs,
-        nan_at_step=cfg.train.nan_at_step, fail_rank=cfg.train.fail_rank,
-        fail_at_step=cfg.train.fail_at_step if job.attempt == 0 else None,  # injected faults hit the first attempt
-        fail_with=cfg.train.fail_with)
+    model = model_for(job, lr)
 
     tracker = None
     if is_zero and job.run_id and job.tracker is not None:
@@ -185,6 +181,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", monitor=None, save_top_k=1,
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
                                          enable_version_counter=False))
+    if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
+        callbacks.append(InjectedFaults(cfg.debug, first_attempt=job.attempt == 0))
     gate = DriverVerdict(job.epoch_gate_dir, job.epoch_gate_timeout_s) if job.epoch_gate_dir else None
     if gate is not None:
         callbacks.append(gate)
@@ -258,6 +256,18 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
             model.load_state_dict(consolidated_state(best))  # FSDP: its shards gathered here, on rank 0
         result.model_uri = tracker.finish(model, job, accounting.history, result)
     return result
+
+
+def model_for(job: TrainJob, lr: float):
+    """The LightningModule a rank trains: the network of model.*, its rate and schedule; nothing else of the config
+    (the debug: section's faults are a callback, pipeline/distributed/faults.py), so its hyperparameters, saved in every
+    checkpoint, are what trains it."""
+    from pipeline.model.module import ImageClassifier
+
+    cfg = job.cfg
+    return ImageClassifier.from_config(
+        cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
+        steps_per_epoch=job.data.plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs)
 
 
 def _plain_network(cfg: Config, job: TrainJob):

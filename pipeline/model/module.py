@@ -51,11 +51,10 @@ class ImageClassifier(pl.LightningModule):
     """Cross-entropy classification over any network mapping (N, C, H, W) to class logits."""
 
     def __init__(self, network: nn.Module, num_classes: int, model_cfg: ModelConfig, lr: float,
-                 warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1,
-                 nan_at_step: Optional[int] = None, fail_at_step: Optional[int] = None,
-                 fail_rank: Optional[int] = None, fail_with: str = "error") -> None:
+                 warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1) -> None:
         super().__init__()
-        # Only plain values in hparams, so checkpoints load with torch's weights_only=True.
+        # Only plain values in hparams, so checkpoints load with torch's weights_only=True. What trains the model is
+        # all here; fault injection for tests (the config's debug: section) is a callback, never a hyperparameter.
         self.model_cfg = model_cfg
         self.save_hyperparameters(ignore=["network", "model_cfg"])
         self.hparams["model"] = dataclasses.asdict(model_cfg)
@@ -152,22 +151,6 @@ class ImageClassifier(pl.LightningModule):
         x, y = batch
         logits = self(x)
         loss = self.loss_fn(logits, y)
-        hp = self.hparams
-        if (hp.fail_at_step is not None and self.global_step >= hp.fail_at_step
-                and hp.fail_rank in (None, self.global_rank)):
-            what = f"injected failure at step {self.global_step} on rank {self.global_rank} (train.fail_at_step)"
-            if hp.fail_with == "oom":  # what a CUDA out-of-memory raises (train.fail_with=oom)
-                raise torch.OutOfMemoryError(f"CUDA out of memory: {what}")
-            if hp.fail_with == "hang":  # a stuck rank (a deadlock, a hung kernel): alive, never reaching a collective
-                import time
-
-                log.warning("%s: this rank stops answering (train.fail_with=hang)", what)
-                deadline = time.monotonic() + 3600
-                while time.monotonic() < deadline:
-                    time.sleep(1)
-            raise RuntimeError(what)
-        if hp.nan_at_step is not None and self.global_step >= hp.nan_at_step:
-            loss = loss * float("nan")
         self._accumulate("train", loss, logits, y)
         return loss
 

@@ -49,8 +49,8 @@ def test_a_kill_after_an_oom_backoff_resumes_at_the_batch_the_checkpoint_was_tra
     from pipeline.model.module import scaled_lr
 
     cfg = _cfg(tmp_path, "kill", digits_table, "data.batch_size=auto", "data.auto_batch_start=32",
-               "train.max_epochs=3", "train.max_restarts=2", "train.fail_at_step=5", "train.fail_rank=1",
-               "train.fail_with=oom", "train.early_stopping.enabled=false")
+               "train.max_epochs=3", "train.max_restarts=2", "debug.fail_at_step=5", "debug.fail_rank=1",
+               "debug.fail_with=oom", "train.early_stopping.enabled=false")
     done = threading.Event()
     killer = threading.Thread(target=_kill_a_rank_once_a_checkpoint_records,
                               args=(cfg.train.checkpoint_dir, 16, done), daemon=True)

@@ -200,7 +200,7 @@ def test_mid_epoch_checkpoint_resume_trains_like_uninterrupted(spark, digits_tab
     whole, data = run("whole")
     cut = data.plan.train.steps_per_epoch + 3  # dies inside the second epoch
     with pytest.raises(Exception, match="injected failure"):
-        run("cut", f"train.fail_at_step={cut}")
+        run("cut", f"debug.fail_at_step={cut}")
     resumed, _ = run("cut", "train.ckpt_restore=last")
     assert resumed.epochs == whole.epochs == 2
     assert resumed.final_weights_digest == whole.final_weights_digest

@@ -372,7 +372,7 @@ def test_a_stuck_ddp_rank_fails_the_job_within_the_stall_timeout(table, tmp_path
     rank named, the run ends FAILED and no process is left behind."""
     stall = 20
     proc = _start_train(tmp_path, table, "train.backend=ddp", "train.max_epochs=3",
-                        "train.fail_at_step=3", "train.fail_rank=1", "train.fail_with=hang",
+                        "debug.fail_at_step=3", "debug.fail_rank=1", "debug.fail_with=hang",
                         f"train.stall_timeout_s={stall}")
     try:
         _wait_for(lambda: "Started local training" in _log(tmp_path), 400, "the ranks", proc, tmp_path)

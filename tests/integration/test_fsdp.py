@@ -1,5 +1,6 @@
-"""train.backend=fsdp on real parts: 2 CPU ranks over gloo launched by TorchDistributor, sharded checkpoints,
-the registered model gathered on rank 0 equal to a single-process reload of the checkpoint."""
+"""train.backend=fsdp on real parts: 2 CPU ranks over gloo launched by TorchDistributor, sharded checkpoints (whole or
+not at all, a rank killed while writing one), the registered model gathered on rank 0 equal to a single-process reload
+of the checkpoint."""
 import glob
 import os
 
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 def _fsdp_run(spark, table, tmp_path, *extra):
     from pipeline import workflow
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = make_config(tmp_path, f"delta.table={table}", "data.batch_size=16", "train.warmup_epochs=0",
                       "train.backend=fsdp", "train.np=-2", "model.arch=resnet", "model.width=8", "model.lr=0.05",
                       "train.early_stopping.enabled=false", *extra)
@@ -59,3 +61,43 @@ def test_fsdp_resumes_from_its_sharded_last_checkpoint(spark, digits_table, tmp_
     _, second = _fsdp_run(spark, digits_table, tmp_path, "train.max_epochs=2",
                           f"train.ckpt_restore={first['run_id']}/last")
     assert second["epochs"] == 2 and second["backend"] == "fsdp"
+
+
+def test_a_rank_killed_while_writing_last_ckpt_resumes_from_the_previous_complete_checkpoint(spark, digits_table,
+                                                                                           tmp_path):
+    """Rank 1 SIGKILLs itself while the ranks write last.ckpt at the end of epoch 1, once its shard is on disk
+    (debug.kill_while_saving): last.ckpt stays epoch 0's complete folder, the restart (train.max_restarts) resumes
+    from it, and the run ends with exactly the weights of a run that never failed. A checkpoint of mixed shards
+    (epoch 1's weights under epoch 0's meta.pt, what Lightning's write in place left) would train epoch 1 twice."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.distributed.checkpoints import consolidated_state
+    from pipeline.workflow import run_checkpoint_dir
+
+    # the arrow reader resumes the data stream exactly (random states are in the checkpoint too)
+    shared = (f"data.cache_dir={tmp_path}/cache", "data.reader=arrow")
+    whole_cfg, whole = _fsdp_run(spark, digits_table, tmp_path / "whole", "train.max_epochs=3", *shared)
+    client = MlflowClient(whole["tracking_uri"])
+    with open(client.download_artifacts(whole["run_id"], "shard_plan.json", str(tmp_path))) as fh:
+        steps = json.load(fh)["train"]["steps_per_epoch"]
+
+    # the first last.ckpt written at step steps + 1 or later: the end of epoch 1 (step 2 x steps)
+    cfg, cut = _fsdp_run(spark, digits_table, tmp_path / "cut", "train.max_epochs=3", *shared, "train.max_restarts=1",
+                         f"debug.kill_while_saving={steps + 1}", "debug.fail_rank=1")
+    client = MlflowClient(cut["tracking_uri"])
+    run = client.get_run(cut["run_id"])
+    assert run.info.status == "FINISHED" and cut["epochs"] == whole["epochs"] == 3
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "restarts")] == [1]
+    cause = run.data.tags["restart_1_cause"]
+    assert "rank 1" in cause and "ended without reporting an error" in cause, cause
+
+    folder = run_checkpoint_dir(cfg, cut["run_id"])
+    assert sorted(os.listdir(folder)) == ["best.ckpt", "last.ckpt", "latest.ckpt"]  # no staged or set-aside folder
+    mine = consolidated_state(os.path.join(folder, "last.ckpt"))
+    theirs = consolidated_state(os.path.join(run_checkpoint_dir(whole_cfg, whole["run_id"]), "last.ckpt"))
+    assert mine.keys() == theirs.keys()
+    different = {k: float((mine[k].double() - theirs[k].double()).abs().max()) for k in mine
+                 if not torch.equal(mine[k], theirs[k])}
+    assert different == {}, different

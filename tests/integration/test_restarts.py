@@ -23,7 +23,7 @@ def test_dead_rank_restarts_from_the_last_checkpoint_like_an_uninterrupted_run(s
     from pipeline import workflow
 
     whole = workflow.train(spark, _cfg(tmp_path, "whole", digits_table))
-    cfg = _cfg(tmp_path, "cut", digits_table, "train.max_restarts=1", "train.fail_at_step=13", "train.fail_rank=1")
+    cfg = _cfg(tmp_path, "cut", digits_table, "train.max_restarts=1", "debug.fail_at_step=13", "debug.fail_rank=1")
     healed = workflow.train(spark, cfg)
     client = MlflowClient(healed["tracking_uri"])
     run = client.get_run(healed["run_id"])
@@ -42,7 +42,7 @@ def test_without_restarts_the_job_fails_naming_the_rank(spark, digits_table, tmp
     from pipeline import workflow
     from pipeline.distributed.launcher import DistributedTrainingError
 
-    cfg = _cfg(tmp_path, "fail", digits_table, "train.fail_at_step=3", "train.fail_rank=1")
+    cfg = _cfg(tmp_path, "fail", digits_table, "debug.fail_at_step=3", "debug.fail_rank=1")
     with pytest.raises(DistributedTrainingError, match="rank 1"):
         workflow.train(spark, cfg)
 
@@ -60,7 +60,7 @@ def test_out_of_memory_at_step_1_with_auto_batch_halves_it_on_every_rank_and_fin
     from pipeline.model.module import scaled_lr
 
     cfg = _cfg(tmp_path, "oom", digits_table, "data.batch_size=auto", "data.auto_batch_start=32",
-               "train.max_epochs=1", "train.fail_at_step=1", "train.fail_rank=1", "train.fail_with=oom")
+               "train.max_epochs=1", "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_with=oom")
     out = workflow.train(spark, cfg)
     client = MlflowClient(out["tracking_uri"])
     run = client.get_run(out["run_id"])
@@ -82,7 +82,7 @@ def test_out_of_memory_with_a_fixed_batch_and_no_backoff_fails_naming_it(spark, 
     from pipeline.distributed.launcher import DistributedTrainingError
 
     cfg = _cfg(tmp_path, "oomfail", digits_table, "train.oom_backoff=false", "train.max_epochs=1",
-               "train.fail_at_step=1", "train.fail_rank=1", "train.fail_with=oom")
+               "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_with=oom")
     with pytest.raises(DistributedTrainingError, match=r"rank 1: OutOfMemoryError: CUDA out of memory"):
         workflow.train(spark, cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)
@@ -98,7 +98,7 @@ def test_out_of_memory_after_a_checkpoint_restarts_from_it_with_half_the_batch(s
     from pipeline import workflow
 
     cfg = _cfg(tmp_path, "late", digits_table, "data.batch_size=auto", "data.auto_batch_start=32",
-               "train.max_restarts=1", "train.fail_at_step=5", "train.fail_rank=1", "train.fail_with=oom")
+               "train.max_restarts=1", "debug.fail_at_step=5", "debug.fail_rank=1", "debug.fail_with=oom")
     out = workflow.train(spark, cfg)
     client = MlflowClient(out["tracking_uri"])
     run = client.get_run(out["run_id"])

@@ -166,7 +166,7 @@ def test_failing_rank_fails_run_in_bounded_time(spark, digits_table, tmp_path):
     from pipeline import workflow
     from pipeline.distributed.launcher import DistributedTrainingError
 
-    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.fail_at_step=3", "train.fail_rank=1")
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "debug.fail_at_step=3", "debug.fail_rank=1")
     t0 = time.monotonic()
     with pytest.raises(DistributedTrainingError) as err:
         workflow.train(spark, cfg)
@@ -182,7 +182,7 @@ def test_failing_rank_fails_run_in_bounded_time(spark, digits_table, tmp_path):
 def test_nan_loss_stops_and_registers_nothing(spark, digits_table, tmp_path):
     from pipeline import workflow
 
-    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.nan_at_step=2")
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "debug.nan_at_step=2")
     with pytest.raises(workflow.TrainingStopped, match="non-finite training loss at step 2"):
         workflow.train(spark, cfg)
     client = MlflowClient(cfg.mlflow.tracking_uri)

@@ -29,14 +29,14 @@ params:
   model.lr: {type: float, low: 1.0e-4, high: 1.0, log: true}
   model.optimizer: {type: categorical, choices: [sgd, adam]}
   data.batch_size: {type: categorical, choices: [16, 32]}
-  train.nan_at_step: {type: categorical, choices: [null, 2]}
+  debug.nan_at_step: {type: categorical, choices: [null, 2]}
 fixed:
   train.max_epochs: 3
 enqueue:
-  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 16, train.nan_at_step: null}
-  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 32, train.nan_at_step: null}
-  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 16, train.nan_at_step: 2}
-  - {model.lr: 1.0, model.optimizer: adam, data.batch_size: 16, train.nan_at_step: null}
+  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 16, debug.nan_at_step: null}
+  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 32, debug.nan_at_step: null}
+  - {model.lr: 0.001, model.optimizer: adam, data.batch_size: 16, debug.nan_at_step: 2}
+  - {model.lr: 1.0, model.optimizer: adam, data.batch_size: 16, debug.nan_at_step: null}
 """
 
 

@@ -34,7 +34,7 @@ def test_out_of_memory_is_recognised_through_the_launchers_report_and_causes():
         assert is_out_of_memory(outer)
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("injected failure at step 3 on rank 1 (train.fail_at_step)"),
+@pytest.mark.parametrize("exc", [RuntimeError("injected failure at step 3 on rank 1 (debug.fail_at_step)"),
                                  ValueError("memory_cache_mb must be >= 0"), None])
 def test_other_failures_are_not_out_of_memory(exc):
     assert not is_out_of_memory(exc)
@@ -105,6 +105,6 @@ def test_auto_batch_size_config(tmp_path):
     cfg = load_config(None, ["data.batch_size=auto", "data.auto_batch_start=64", "train.oom_backoff=true"])
     assert cfg.data.batch_size == "auto" and cfg.train.oom_backoff and cfg.flat()["data.batch_size"] == "auto"
     assert load_config(None, ["data.batch_size=8"]).data.batch_size == 8
-    for bad in ("data.batch_size=big", "data.batch_size=0", "data.auto_batch_start=0", "train.fail_with=segv"):
+    for bad in ("data.batch_size=big", "data.batch_size=0", "data.auto_batch_start=0", "debug.fail_with=segv"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])

@@ -42,11 +42,11 @@ def test_int_float_categorical_distributions():
 params:
   train.warmup_epochs: {type: int, low: 0, high: 4, step: 2}
   model.momentum: {type: float, low: 0.5, high: 0.99}
-  train.nan_at_step: {type: categorical, choices: [null, 3]}
+  debug.nan_at_step: {type: categorical, choices: [null, 3]}
 """)
     warm = space.params["train.warmup_epochs"].distribution()
     assert isinstance(warm, optuna.distributions.IntDistribution) and warm.step == 2 and warm.high == 4
-    assert space.params["train.nan_at_step"].distribution().choices == (None, 3)
+    assert space.params["debug.nan_at_step"].distribution().choices == (None, 3)
     assert not space.params["model.momentum"].log
 
 
