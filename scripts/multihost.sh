@@ -5,6 +5,7 @@
 #   scripts/multihost.sh up       make the hosts and start the services (prints the addresses)
 #   scripts/multihost.sh status   what runs where
 #   scripts/multihost.sh down     stop every process on the hosts, delete namespaces and links (by name)
+#   scripts/multihost.sh exec HOST [KEY=VALUE ...] -- CMD...   run CMD on HOST (drv, w1, w2), its environment overridden
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec "${VENV:-.venv}/bin/python" tests/multihost/harness.py "$@"

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from pipeline.distributed.loop import (RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_rank_process,
                                       horovod_worker, train, with_env)
@@ -285,13 +285,22 @@ def _answers(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def unanswering_executors(timeout_s: float = 2.0) -> List[str]:
-    """The executors (host:port of their block managers) that do not accept a connection now: a host lost, its link
-    cut, its machine stopped. Spark itself learns it only after `spark.network.timeout` (120 s by default)."""
+def _executor_addresses() -> List[str]:
+    """host:port of the block manager of each executor the driver knows of now ([] without a Spark context)."""
     sc = _spark_context()
-    if sc is None:
+    try:
+        return [f"{host}:{port}" for _, host, port in _executors(sc)] if sc is not None else []
+    except Exception:  # the context stopping
         return []
-    return [f"{host}:{port}" for _, host, port in _executors(sc) if not _answers(host, port, timeout_s)]
+
+
+def unanswering_executors(timeout_s: float = 2.0, known: Sequence[str] = ()) -> List[str]:
+    """The executors (host:port of their block managers) that do not accept a connection now: a host lost, its link
+    cut, its machine stopped. Spark itself learns it only after `spark.network.timeout` (120 s by default). `known`:
+    executors seen earlier, checked too: a standalone master may have dropped a lost host's executor from the list
+    already (its worker silent for `spark.worker.timeout`, 60 s)."""
+    wanted = list(dict.fromkeys([*known, *_executor_addresses()]))
+    return [a for a in wanted if not _answers(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]), timeout_s)]
 
 
 def cluster_slots(timeout_s: float = 2.0) -> int:
@@ -362,12 +371,14 @@ def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
     thread.start()
     grace = float(job.cfg.train.stall_timeout_s)
     failed_at = None
+    seen: Dict[str, None] = {}  # the executors of the launch, in the order first seen
     while thread.is_alive():
         thread.join(timeout=1.0)
+        seen.update(dict.fromkeys(_executor_addresses()))
         if failed_at is None and _ranks_with(job, "error"):
             failed_at = time.monotonic()
         if thread.is_alive() and failed_at is not None and time.monotonic() - failed_at > grace:
-            lost = unanswering_executors()
+            lost = unanswering_executors(known=list(seen))
             _ABANDONED.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
             sc = _spark_context()
             if sc is not None:

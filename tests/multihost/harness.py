@@ -11,6 +11,7 @@ runs one Spark worker. Teardown goes by name and PID: every process in each name
 namespaces, the veths and the bridge; `leftovers()` says what, if anything, is still there.
 
     python tests/multihost/harness.py up|down|status   (scripts/multihost.sh)
+    python tests/multihost/harness.py exec HOST [KEY=VALUE ...] -- ARGV...   (a command on a host)
 """
 from __future__ import annotations
 
@@ -297,8 +298,12 @@ class Cluster:
                 "leftovers": [] if up else self.leftovers()}
 
     def _save(self) -> None:
+        """`<root>/state.json`: the PIDs started, and the hosts' namespaces and addresses, the Spark master, the MLflow
+        server and the shared folder (what `lakehouse bench --only cross_host` reads)."""
         if self.root.exists():
-            (self.root / "state.json").write_text(json.dumps({"procs": self.procs}))
+            (self.root / "state.json").write_text(json.dumps({
+                "procs": self.procs, "hosts": {h: {"netns": self.ns(h), "address": self.addr(h)} for h in HOSTS},
+                "spark": self.spark_url, "mlflow": self.mlflow_uri, "shared": str(self.shared)}))
 
     def load(self) -> "Cluster":
         try:
@@ -335,12 +340,29 @@ def _pids_in_root(root: Path) -> List[int]:
     return found
 
 
+    def exec(self, host: str, argv: List[str], extra_env: Optional[Dict[str, str]] = None) -> int:
+        """Run `argv` on `host` in the foreground (output to this process's), as `start` would; its exit status."""
+        return subprocess.run(self._wrap(host, argv), env=self.env(host, extra_env), stdin=subprocess.DEVNULL,
+                              cwd=str(self.shared)).returncode
+
+
+USAGE = ("usage: harness.py up|down|status | exec HOST [KEY=VALUE ...] -- ARGV...  (LAKEHOUSE_MH_NAME, LAKEHOUSE_MH_ROOT "
+         "to change the defaults)")
+
+
 def main(argv: List[str]) -> int:
-    if not argv or argv[0] not in ("up", "down", "status"):
-        print("usage: harness.py up|down|status  (LAKEHOUSE_MH_NAME, LAKEHOUSE_MH_ROOT to change the defaults)")
+    if not argv or argv[0] not in ("up", "down", "status", "exec"):
+        print(USAGE)
         return 2
     cluster = Cluster(name=os.environ.get("LAKEHOUSE_MH_NAME", "lhmh"),
                       root=Path(os.environ.get("LAKEHOUSE_MH_ROOT", "/var/tmp/lakehouse-multihost"))).load()
+    if argv[0] == "exec":  # exec HOST [K=V ...] -- argv: a command on a host, with its settings overridden
+        if len(argv) < 4 or argv[1] not in HOSTS or "--" not in argv:
+            print(USAGE)
+            return 2
+        cut = argv.index("--")
+        extra = dict(kv.split("=", 1) for kv in argv[2:cut])
+        return cluster.exec(argv[1], argv[cut + 1:], extra)
     if argv[0] == "up":
         cluster.up()
         print(json.dumps(cluster.status(), indent=2))

@@ -1,5 +1,6 @@
 """The pipeline across three hosts (network namespaces with private disks, tests/multihost/harness.py): ingest, train
-with each backend on two worker hosts, predict; a host-private path refused by key; a worker host lost for good."""
+with each backend on two worker hosts, predict; a host-private path refused by key; a worker host's link cut and
+restored (healed), lost for good, and lost with train.min_np (elastic)."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 
@@ -100,8 +101,10 @@ def rank_processes(cluster: Cluster) -> List[str]:
     return left
 
 
-def cut_after_first_checkpoint(cluster: Cluster, host: str, ckpts: Path) -> List[float]:
-    """In the background: once a run under `ckpts` has written last.ckpt, cut `host`'s link; the list gets the time."""
+def cut_after_first_checkpoint(cluster: Cluster, host: str, ckpts: Path,
+                               restore_after: Optional[float] = None) -> List[float]:
+    """In the background: once a run under `ckpts` has written last.ckpt, cut `host`'s link (and with
+    `restore_after`, bring it back that many seconds later); the list gets the time of the cut, then of the restore."""
     cut_at: List[float] = []
 
     def cutter() -> None:
@@ -110,9 +113,32 @@ def cut_after_first_checkpoint(cluster: Cluster, host: str, ckpts: Path) -> List
             time.sleep(0.2)
         cluster.cut(host)
         cut_at.append(time.monotonic())
+        if restore_after is not None:
+            time.sleep(restore_after)
+            cluster.restore(host)
+            cut_at.append(time.monotonic())
 
     threading.Thread(target=cutter, daemon=True).start()
     return cut_at
+
+
+def artifact(cluster: Cluster, run_id: str, name: str) -> Path:
+    """A run's artifact, in the MLflow server's artifact store on the driver host's private disk."""
+    found = glob.glob(str(cluster.private("drv") / "tmp" / "mlflow" / "artifacts" / "**" / run_id / "artifacts" / name),
+                      recursive=True)
+    assert len(found) == 1, f"{name} of run {run_id}: {found}"
+    return Path(found[0])
+
+
+def weights(cluster: Cluster, run_id: str) -> List[str]:
+    """Each rank's final weights digest (ranks.json), in rank order: what a healed run must share with a whole one."""
+    return [r["weights_digest"] for r in json.loads(artifact(cluster, run_id, "ranks.json").read_text())]
+
+
+# The horovod run of the backend test, and the healed run compared with it: the same training (mid-epoch checkpoints,
+# the arrow reader, every epoch run), so a relaunch from a checkpoint must end on the very same weights.
+TRAIN = ["train.np=2", "train.max_epochs=2", "train.warmup_epochs=0", "data.batch_size=16", "data.reader=arrow",
+         "train.checkpoint_every_n_steps=2", "train.early_stopping.enabled=false"]
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +153,15 @@ def table(cluster):
     return cluster.shared / "delta" / "digits"
 
 
-@pytest.mark.parametrize("backend", ["horovod", "ddp"])
-def test_each_backend_trains_on_two_worker_hosts_and_registers(cluster, table, backend):
-    done = submit(cluster, "train.py", [*settings(cluster, backend), f"train.backend={backend}", "train.np=2",
-                                        "train.max_epochs=1", "train.warmup_epochs=0"], f"train-{backend}")
+@pytest.fixture(scope="module")
+def horovod_run(cluster, table):
+    """The uninterrupted horovod run (TRAIN) on the two worker hosts."""
+    return submit(cluster, "train.py", [*settings(cluster, "horovod"), "train.backend=horovod", *TRAIN],
+                  "train-horovod")
+
+
+def test_horovod_trains_on_two_worker_hosts_registers_and_predicts(cluster, table, horovod_run):
+    backend, done = "horovod", horovod_run
     assert done.returncode == 0, f"train exited {done.returncode}:\n{done.stdout[-5000:]}\n{done.stderr[-2000:]}"
     summary = last_json(done.stdout)
     assert summary["world_size"] == 2 and summary["tracking_uri"] == cluster.mlflow_uri, summary
@@ -138,24 +169,48 @@ def test_each_backend_trains_on_two_worker_hosts_and_registers(cluster, table, b
     mlflow = client(cluster)
     run = mlflow.get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
-    if backend == "horovod":  # ranks tag their host: one on each worker host, none on the driver's
-        hosts = {run.data.tags["rank_0_host"], run.data.tags["rank_1_host"]}
-        assert hosts == {cluster.ns("w1"), cluster.ns("w2")}, run.data.tags
+    # ranks tag their host: one on each worker host, none on the driver's
+    hosts = {run.data.tags["rank_0_host"], run.data.tags["rank_1_host"]}
+    assert hosts == {cluster.ns("w1"), cluster.ns("w2")}, run.data.tags
     versions = mlflow.search_model_versions(f"name='{summary['model_name']}'")
     assert [v.run_id for v in versions if v.run_id == summary["run_id"]] == [summary["run_id"]]
     # everything the driver read back (markers, checkpoints, converted data) was on the cluster storage
     assert list((cluster.shared / "checkpoints" / backend / summary["run_id"]).glob("*.ckpt"))
     assert private_rank_files(cluster) == []
 
-    if backend == "horovod":  # the registered version scores the table on the executors
-        version = str(summary["model_version"])
-        out = submit(cluster, "predict.py", ["--model", f"models:/{summary['model_name']}/{version}", "--table",
-                                             str(table), "--version", "0", "--out",
-                                             str(cluster.shared / "delta" / "predictions"),
-                                             *settings(cluster, "predict")], "predict")
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-        predicted = last_json(out.stdout)
-        assert (predicted["rows"], predicted["errors"]) == (600, 0), predicted
+    # the registered version scores the table on the executors
+    version = str(summary["model_version"])
+    out = submit(cluster, "predict.py", ["--model", f"models:/{summary['model_name']}/{version}", "--table",
+                                         str(table), "--version", "0", "--out",
+                                         str(cluster.shared / "delta" / "predictions"),
+                                         *settings(cluster, "predict")], "predict")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    predicted = last_json(out.stdout)
+    assert (predicted["rows"], predicted["errors"]) == (600, 0), predicted
+
+
+def test_tune_two_ddp_trials_on_two_worker_hosts_registers_the_best(cluster, table):
+    """`lakehouse tune`, 2 trials of 1 epoch, each a ddp train of 2 ranks (one on each worker host) in an MLflow child
+    run; the best trial's model registered; the study and every file the driver reads on the cluster storage."""
+    space = cluster.shared / "tune-space.yaml"
+    space.write_text("params:\n  model.lr: {type: float, low: 0.01, high: 0.1, log: true}\n"
+                     "fixed:\n  train.max_epochs: 1\n  train.warmup_epochs: 0\n")
+    done = submit(cluster, "tune.py", ["--space", str(space), "--trials", "2", *settings(cluster, "tune"),
+                                       "train.backend=ddp", "train.np=2", "tune.pruner=none",
+                                       f"tune.storage=sqlite:///{cluster.shared}/tune/optuna.db"], "tune")
+    assert done.returncode == 0, f"tune exited {done.returncode}:\n{done.stdout[-5000:]}\n{done.stderr[-2000:]}"
+    summary = last_json(done.stdout)
+    assert (summary["complete"], summary["failed"], summary["pruned"]) == (2, 0, 0), summary
+    mlflow = client(cluster)
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name("multihost-tune").experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == summary["parent_run_id"]]
+    assert len(children) == 2 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_id, r.info.status)
+                                                                                   for r in runs]
+    assert summary["best_run_id"] in {r.info.run_id for r in children}
+    versions = mlflow.search_model_versions(f"name='{summary['model_name']}'")
+    assert [int(v.version) for v in versions if v.run_id == summary["best_run_id"]] == [summary["model_version"]]
+    assert (cluster.shared / "tune" / "optuna.db").exists()
+    assert private_rank_files(cluster) == []
 
 
 def test_a_host_private_path_is_refused_naming_its_key(cluster, table):
@@ -165,6 +220,37 @@ def test_a_host_private_path_is_refused_naming_its_key(cluster, table):
     assert done.returncode != 0
     assert "config key 'data.cache_dir' is '/tmp/cache', a path on this host only" in done.stdout + done.stderr
     assert time.monotonic() - t0 < 120  # before any rank or conversion
+
+
+# How long a healed run's worker host is off the network: less than its train.stall_timeout_s
+HEAL_STALL_S, HEAL_CUT_S = 20, 12
+
+
+def test_a_worker_host_cut_and_restored_heals_to_the_uninterrupted_weights(cluster, table, horovod_run):
+    """A worker host's link cut after the first checkpoint and restored within train.stall_timeout_s: the run heals
+    (within train.max_restarts=1), one MLflow run, FINISHED, every rank on exactly the weights of the uninterrupted
+    horovod run of the same training."""
+    whole = last_json(horovod_run.stdout)
+    ckpts = cluster.shared / "checkpoints" / "healed"
+    cut_at = cut_after_first_checkpoint(cluster, "w1", ckpts, restore_after=HEAL_CUT_S)
+    try:
+        done = submit(cluster, "train.py", [*settings(cluster, "healed"), "train.backend=horovod", *TRAIN,
+                                            "train.max_restarts=1", f"train.stall_timeout_s={HEAL_STALL_S}",
+                                            "train.start_timeout_s=60"], "train-healed")
+    finally:
+        cluster.restore("w1")
+    output = done.stdout + done.stderr
+    assert len(cut_at) == 2, "the link was not cut and restored before the job ended"
+    assert done.returncode == 0, output[-6000:]
+    healed = last_json(done.stdout)
+    mlflow = client(cluster)
+    run = mlflow.get_run(healed["run_id"])
+    assert run.info.status == "FINISHED"
+    assert [r.info.run_id for r in mlflow.search_runs([run.info.experiment_id])] == [healed["run_id"]]
+    restarts = [m.value for m in mlflow.get_metric_history(healed["run_id"], "restarts")]
+    assert restarts in ([], [1]), restarts  # within train.max_restarts
+    digests = weights(cluster, healed["run_id"])
+    assert len(digests) == 2 and digests[0] == digests[1] == weights(cluster, whole["run_id"])[0], digests
 
 
 def test_a_worker_host_lost_for_good_fails_within_a_bound_naming_it(cluster, table):
@@ -239,10 +325,7 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
     record = trained_with(restated[0])
     assert record["world_size"] == 1
     # the run's first plan (2 ranks), as logged: in the server's artifact store on the driver host's disk
-    logged = glob.glob(str(cluster.private("drv") / "tmp" / "mlflow" / "artifacts" / "**" / summary["run_id"] /
-                           "artifacts" / "shard_plan.json"), recursive=True)
-    assert len(logged) == 1, logged
-    shard_plan = json.loads(Path(logged[0]).read_text())
+    shard_plan = json.loads(artifact(cluster, summary["run_id"], "shard_plan.json").read_text())
     one_rank = plan_split("train", shard_plan["train"]["row_group_rows"], 1, 16)
     assert shard_plan["train"]["world_size"] == 2  # the run's first plan
     assert record["steps_per_epoch"] == one_rank.steps_per_epoch > shard_plan["train"]["steps_per_epoch"], record
