@@ -369,7 +369,8 @@ def test_gate_scores_both_on_the_same_val_rows_and_a_tie_keeps_the_champion(regi
     v1 = _register(gcfg, name, untrained, meta, content, digits_table, logged_val_acc=0.99)
     d1 = promote_version(gcfg, v1)
     assert d1["promoted"] and d1["champion_version"] is None, d1
-    assert d1["rows"] == f"val split of Delta table {digits_table} version 0 ({sum(val)} rows)"
+    assert d1["rows"] == (f"val split of Delta table {digits_table} version 0 ({sum(val)} rows; held out by "
+                          f"val_fraction {cfg.data.val_fraction:g} by path)")  # these runs record no data.split_key
     bad_acc = float(client.get_model_version(name, v1).tags["gate_val_acc"])
     assert bad_acc < 0.5 < good_acc
 
