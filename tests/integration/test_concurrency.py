@@ -51,17 +51,19 @@ def _overrides(tmp: Path, uri: str, table: Path) -> list:
 
 def _register_first_champion(cfg, table: Path, content: bytes) -> str:
     """Version 1, an untrained network over the base classes, holds the alias when the jobs start (predict scores
-    with it)."""
+    with it). Its run records the jobs' config, as a train's does: the gate reads its held-out rule from there."""
     import torch
 
     from pipeline.model.module import network_meta
     from pipeline.model.nets import build_network
+    from pipeline.tracking.lineage import log_config
     from pipeline.tracking.pyfunc import log_model
     from pipeline.tracking.registry import register_model
     from pipeline.tracking.runs import configure, experiment_id_of
 
     client = configure(cfg.mlflow)
     run_id = client.create_run(experiment_id_of(client, cfg.mlflow.experiment)).info.run_id
+    log_config(client, run_id, cfg)
     torch.manual_seed(0)
     net = build_network("cnn", 1, len(BASE), width=8).eval()
     uri = log_model(net, network_meta(cfg.model, 1, 16, sorted(BASE)), input_example_content=content, run_id=run_id)
@@ -243,7 +245,8 @@ def _everything_at_once(spark, tmp_path, uri):
     champion = str(client.get_model_version_by_alias(MODEL, "champion").version)
     best = max(scores.values())
     print(f"same-rows accuracy by version: {scores}; champion {champion}")
-    assert scores[champion] == best and best > 0.9, (champion, scores)
+    gates = [line for j in jobs.values() for line in j.log.splitlines() if "promotion:" in line]
+    assert scores[champion] == best and best > 0.9, (champion, scores, gates)
     assert champion == str(r["train_good"]["model_version"]) and r["train_good"]["champion"]
     assert not r["train_weak"]["champion"] and not r["tune"]["champion"]
 
