@@ -1,7 +1,7 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost), the references they are compared with (reference), the product's train() timed step by step
+restart_cost, cross_host), the references they are compared with (reference), the product's train() timed step by step
 (lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu")  # what `--only` picks from (conversion always runs: it prepares)
+                "restart_cost", "scaling", "gpu", "cross_host")  # what `--only` picks from (conversion always runs: it
+# prepares, unless only cross_host is asked for: it trains on the multi-host cluster's own table)
 
 
 def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
@@ -52,8 +53,10 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     def want(name: str) -> bool:
         return not only or name in only
 
-    from pipeline.bench import (conversion, gpu, input_bound, loader, overheads, predict_throughput, restart_cost,
-                                scaling, shard_balance, tune_overhead)
+    local = [m for m in MEASUREMENTS if want(m) and m != "cross_host"]  # the ones on this machine's sample
+
+    from pipeline.bench import (conversion, cross_host, gpu, input_bound, loader, overheads, predict_throughput,
+                                restart_cost, scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
@@ -83,17 +86,31 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     bench_cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, experiment=f"{cfg.mlflow.experiment}-bench"))
     log.info("bench%s: %d repeat(s), synthetic table of %d images, readers %s", " --quick" if quick else "",
              sizes.repeats, sizes.synthetic_rows, readers)
+    skipped: Dict[str, str] = {}
+    cluster = None
+    if want("cross_host"):
+        try:
+            cluster = cross_host.cluster_state()
+        except ConfigError as exc:
+            if only:  # asked for by name: it must run
+                raise
+            skipped["cross_host"] = str(exc)
+            log.warning("bench: cross_host skipped: %s", exc)
+    report["skipped"] = skipped
     with spark_session(cfg) as spark:
-        ensure_sample(spark, cfg, work_dir)
-        synth = ensure_synthetic(spark, cfg, sizes.synthetic_rows)
+        synth = {}
+        if local:
+            ensure_sample(spark, cfg, work_dir)
+            synth = ensure_synthetic(spark, cfg, sizes.synthetic_rows)
         preps: List[Any] = []
         try:
-            for name, table in (("sample", cfg.delta.table), ("synthetic", synth["table"])):
+            for name, table in ((("sample", cfg.delta.table), ("synthetic", synth["table"])) if local else ()):
                 prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes, work_dir)
                 preps.append(prep)
                 results.extend(conv_results)
                 datasets[name] = prep.info()
-            datasets["synthetic"].update(synth)
+            if local:
+                datasets["synthetic"].update(synth)
             with tracked_run(bench_cfg, run_name="bench-quick" if quick else "bench",
                              tags={"bench": "true", "quick": quick}) as run:
                 one_rank = {}
@@ -125,6 +142,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
                 if want("scaling"):
                     results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
+                if cluster is not None:
+                    results.extend(cross_host.measure_cross_host(sizes, quick=quick))
                 if want("gpu"):
                     gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
                     results.extend(gpu_results)

@@ -158,6 +158,11 @@ class Cluster:
             raise TimeoutError(f"{argv[:3]} on {host} ran past {timeout} s; stderr tail: {err[-2000:]}") from None
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
+    def exec(self, host: str, argv: List[str], extra_env: Optional[Dict[str, str]] = None) -> int:
+        """Run `argv` on `host` in the foreground (output to this process's), as `start` would; its exit status."""
+        return subprocess.run(self._wrap(host, argv), env=self.env(host, extra_env), stdin=subprocess.DEVNULL,
+                              cwd=str(self.shared)).returncode
+
     def tail(self, host: str, service: str, n: int = 40) -> str:
         try:
             return "\n".join((self.logs / f"{host}-{service}.log").read_text(errors="replace").splitlines()[-n:])
@@ -338,12 +343,6 @@ def _pids_in_root(root: Path) -> List[int]:
             except OSError:
                 continue
     return found
-
-
-    def exec(self, host: str, argv: List[str], extra_env: Optional[Dict[str, str]] = None) -> int:
-        """Run `argv` on `host` in the foreground (output to this process's), as `start` would; its exit status."""
-        return subprocess.run(self._wrap(host, argv), env=self.env(host, extra_env), stdin=subprocess.DEVNULL,
-                              cwd=str(self.shared)).returncode
 
 
 USAGE = ("usage: harness.py up|down|status | exec HOST [KEY=VALUE ...] -- ARGV...  (LAKEHOUSE_MH_NAME, LAKEHOUSE_MH_ROOT "

@@ -332,3 +332,13 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
     versions = mlflow.search_model_versions(f"name='{summary['model_name']}'")
     mine = [v for v in versions if v.run_id == summary["run_id"]]
     assert len(mine) == 1 and mine[0].tags.get("delta_version") == str(summary["delta_version"])
+
+
+def test_bench_cross_host_without_a_cluster_says_how_to_start_one(monkeypatch, tmp_path):
+    """`lakehouse bench --only cross_host` needs `scripts/multihost.sh up`: without its state it says so."""
+    from pipeline.bench.cross_host import cluster_state
+    from pipeline.config import ConfigError
+
+    monkeypatch.setenv("LAKEHOUSE_MH_ROOT", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"scripts/multihost.sh up. first .*no cluster state at"):
+        cluster_state()
