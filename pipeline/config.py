@@ -1,20 +1,18 @@
-"""Configuration: one dataclass per section, YAML profiles, dotted `key=value` overrides, validation."""
+"""Configuration: one frozen dataclass per section (the only home of the defaults), YAML profiles merged with dotted
+`key=value` overrides, and validation; a validated config is never changed, `apply_overrides` makes a new one."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value or key is wrong; the message names the key."""
+from pipeline.config_parse import ConfigError, build, merge, parse_override, read_yaml
 
 
-@dataclass
+@dataclass(frozen=True)
 class SparkConfig:
     master: str = "local[2]"  # the Spark master: local[N], spark://host:7077, yarn; on Databricks the cluster's
     app_name: str = "lakehouse"  # the Spark application's name
@@ -26,14 +24,14 @@ class SparkConfig:
     shared_paths: List[str] = field(default_factory=lambda: ["/dbfs", "/Volumes"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeltaConfig:
     engine: str = "delta-rs"  # delta-rs | spark
     table: str = "work/delta/images"  # a Delta table path (file://, s3a://, abfss://, dbfs:/) or catalog.schema.table
     version: Optional[int] = None  # null = latest, pinned when a job starts
 
 
-@dataclass
+@dataclass(frozen=True)
 class IngestConfig:
     strict: bool = False  # true: any file skipped (listed in the ingest report) fails the ingest, nothing written
     on_bad_file: str = "skip"  # skip | fail; the older switch: fail is the same as strict: true
@@ -42,7 +40,7 @@ class IngestConfig:
         default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"])
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     batch_size: Union[int, str] = 64  # per rank; auto: from data.auto_batch_start, halved on out-of-memory
     auto_batch_start: int = 256  # data.batch_size=auto starts here (per rank), down to 1
@@ -67,7 +65,7 @@ class DataConfig:
     seed: int = 42  # the train/val split and the readers' shuffle
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str = "cnn"  # cnn | resnet | timm/<name> (any timm model, e.g. timm/resnet18; needs timm)
     lr: float = 0.01  # for one rank at data.batch_size; scaled by train.lr_scaling for the global batch
@@ -88,7 +86,7 @@ class ModelConfig:
     schedule: str = "warmup_cosine"  # warmup_cosine (train.warmup_epochs, then cosine) | constant
 
 
-@dataclass
+@dataclass(frozen=True)
 class EarlyStoppingConfig:
     enabled: bool = True  # Lightning's EarlyStopping on the metric below
     monitor: str = "val_loss"  # val_loss | val_acc | train_loss | train_acc
@@ -103,7 +101,7 @@ class EarlyStoppingConfig:
     min_epochs: Optional[int] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     backend: str = "horovod"  # horovod | ddp | fsdp | single
     np: int = -2  # -N: N processes here; N: N tasks on the Spark cluster; 1: this process
@@ -132,7 +130,7 @@ class TrainConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MlflowConfig:
     tracking_uri: str = "sqlite:///work/mlflow.db"  # an MLflow store or server (http://host:5000, databricks)
     artifact_location: Optional[str] = "work/mlartifacts"  # a new experiment's artifact root; null: the server's
@@ -159,7 +157,7 @@ class MlflowConfig:
     system_metrics_interval_s: float = 10.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TuneConfig:
     """`lakehouse tune`: the Optuna study around the same train (pipeline/tune)."""
 
@@ -180,7 +178,7 @@ class TuneConfig:
     heartbeat_s: int = 10
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests (pipeline/distributed/faults.py): read by a callback, never by the model, so none of
     it is saved in a checkpoint's hyperparameters or the registered model. Every fault hits the first attempt only."""
@@ -195,7 +193,7 @@ class DebugConfig:
     kill_while_saving: Optional[int] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     spark: SparkConfig = field(default_factory=SparkConfig)
     delta: DeltaConfig = field(default_factory=DeltaConfig)
@@ -248,121 +246,6 @@ CHOICES = {
 }
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotated type `tp`; return it (ints widen to floats)."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == len(typing.get_args(tp)):  # Union[int, str]: the first type that takes the value
-            for arg in args[:-1]:
-                try:
-                    return _coerce(key, value, arg)
-                except ConfigError:
-                    pass
-            return _coerce(key, value, args[-1])
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        return _coerce(key, value, args[0])
-    if origin in (list, List):
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}': value {value!r} is not a list")
-        (item_tp,) = typing.get_args(tp)
-        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin in (dict, Dict):
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': value {value!r} is not a mapping")
-        return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key '{key}': value {value!r} is not a bool (true/false)")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key '{key}': value {value!r} is not an int")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"config key '{key}': value {value!r} is not a float")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"config key '{key}': value {value!r} is not a str")
-    return value
-
-
-def _build(cls: type, data: Dict[str, Any], prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"config section '{prefix}' must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        if key not in names:
-            where = f"section '{prefix}'" if prefix else "the top level"
-            raise ConfigError(f"unknown config key '{dotted}'; valid keys of {where}: {', '.join(names)}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, dotted)
-        else:
-            kwargs[key] = _coerce(dotted, value, tp)
-    return cls(**kwargs)
-
-
-def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(base)
-    for k, v in (over or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k == "conf":
-            out[k] = {**out[k], **v}  # Spark's own dotted keys: one level, each override adds to the profile's
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_override(text: str) -> Dict[str, Any]:
-    """`a.b=c` -> {'a': {'b': c}}, with c parsed as YAML (so 3, 0.1, true, null work)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.np=-2)")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    # spark.conf keys contain dots themselves: spark.conf.spark.jars=... -> conf['spark.jars']
-    parts = key.split(".")
-    if parts[:2] == ["spark", "conf"] and len(parts) > 2:
-        return {"spark": {"conf": {".".join(parts[2:]): str(value)}}}
-    node: Dict[str, Any] = {}
-    cur = node
-    for p in parts[:-1]:
-        cur[p] = {}
-        cur = cur[p]
-    cur[parts[-1]] = value
-    return node
-
-
-def _read_yaml(path: Path) -> Dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return data
-
-
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
     """Load a profile (merged over `base.yaml` in the same folder when present), then overrides.
 
@@ -372,17 +255,17 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged: Dict[str, Any] = {}
     if path:
         p = Path(path)
-        extends = _read_yaml(p).pop("extends", None) if p.exists() else None
+        extends = read_yaml(p).pop("extends", None) if p.exists() else None
         base = p.parent / (extends or "base.yaml")
         if base.resolve() != p.resolve() and base.exists():
-            merged = _read_yaml(base)
+            merged = read_yaml(base)
             merged.pop("extends", None)
-        profile = _read_yaml(p)
+        profile = read_yaml(p)
         profile.pop("extends", None)
-        merged = _merge(merged, profile)
+        merged = merge(merged, profile)
     for text in overrides or []:
-        merged = _merge(merged, parse_override(text))
-    cfg = _build(Config, merged, "")
+        merged = merge(merged, parse_override(text))
+    cfg = build(Config, merged, "")
     validate(cfg)
     return cfg
 
@@ -473,8 +356,8 @@ def apply_overrides(cfg: Config, values: Dict[str, Any]) -> Config:
                 cur[k] = value
                 break
             cur = v
-        merged = _merge(merged, node)
-    out = _build(Config, merged, "")
+        merged = merge(merged, node)
+    out = build(Config, merged, "")
     validate(out)
     return out
 

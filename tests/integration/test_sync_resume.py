@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.config import Config, to_yaml
+from pipeline.config import Config, apply_overrides, to_yaml
 from pipeline.model.nets import build_network
 from pipeline.tracking.offline import OfflineRun, SyncError, Upload
 from pipeline.tracking.runs import configure
@@ -35,13 +35,10 @@ def sqlite_store(tmp_path_factory):
 def _folder(store, tmp_path, promote: bool = False) -> OfflineRun:
     """A run left offline by a job that would have registered its model, in its own experiment and model name."""
     uri, artifacts = store
-    cfg = Config()
-    cfg.mlflow.tracking_uri, cfg.mlflow.artifact_location = uri, artifacts
-    cfg.mlflow.experiment = f"resume-{tmp_path.name}"
-    cfg.mlflow.registered_model = f"resumed_{tmp_path.name}"
-    cfg.mlflow.retries, cfg.mlflow.retry_wait_s = 1, 0.5
-    cfg.mlflow.promote = promote
-    cfg.data.image_size, cfg.data.channels, cfg.model.width = 16, 1, 4
+    cfg = apply_overrides(Config(), {
+        "mlflow.tracking_uri": uri, "mlflow.artifact_location": artifacts, "mlflow.experiment": f"resume-{tmp_path.name}",
+        "mlflow.registered_model": f"resumed_{tmp_path.name}", "mlflow.retries": 1, "mlflow.retry_wait_s": 0.5,
+        "mlflow.promote": promote, "data.image_size": 16, "data.channels": 1, "model.width": 4})
     (tmp_path / "offline_run").mkdir()
     (tmp_path / "offline_run" / "config.yaml").write_text(to_yaml(cfg))
     off = OfflineRun(str(tmp_path / "offline_run"))

@@ -20,7 +20,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 from conftest import free_port
-from pipeline.config import Config
+from pipeline.config import Config, apply_overrides
 from pipeline.model.nets import build_network
 from pipeline.tracking import plots
 from pipeline.tracking.pyfunc import log_model
@@ -120,16 +120,9 @@ def store(request):
 
 
 def _cfg(uri: str, artifact_location, experiment: str) -> Config:
-    cfg = Config()
-    cfg.mlflow.tracking_uri = uri
-    cfg.mlflow.artifact_location = artifact_location
-    cfg.mlflow.experiment = experiment
-    cfg.mlflow.retries = 1
-    cfg.mlflow.retry_wait_s = 0.5
-    cfg.data.image_size = 16
-    cfg.data.channels = 1
-    cfg.model.width = 4
-    return cfg
+    return apply_overrides(Config(), {
+        "mlflow.tracking_uri": uri, "mlflow.artifact_location": artifact_location, "mlflow.experiment": experiment,
+        "mlflow.retries": 1, "mlflow.retry_wait_s": 0.5, "data.image_size": 16, "data.channels": 1, "model.width": 4})
 
 
 @pytest.mark.timeout(240)
@@ -315,7 +308,7 @@ def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
     """A run recorded in mlflow.unended_runs is ended with its recorded status and time by the next `configure` of
     the same store; lines of other servers and unreadable lines are kept, not lost."""
     cfg = _cfg(*sqlite_store, "unended")
-    cfg.mlflow.unended_runs = str(tmp_path / "unended.jsonl")
+    cfg = apply_overrides(cfg, {"mlflow.unended_runs": str(tmp_path / "unended.jsonl")})
     client = configure(cfg.mlflow)
     exp_id = client.get_experiment_by_name("unended").experiment_id
     run, done = client.create_run(exp_id), client.create_run(exp_id)
@@ -344,8 +337,7 @@ def test_unended_runs_are_ended_at_the_next_connection(sqlite_store, tmp_path):
 def test_configure_unreachable_server_fails_fast():
     port = free_port()  # nothing listens here
     cfg = _cfg(f"http://127.0.0.1:{port}", None, "unreachable")
-    cfg.mlflow.retries = 2
-    cfg.mlflow.retry_wait_s = 0.5
+    cfg = apply_overrides(cfg, {"mlflow.retries": 2, "mlflow.retry_wait_s": 0.5})
     env_before = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
     start = time.monotonic()
     with pytest.raises(TrackingUnavailable, match=rf"mlflow\.tracking_uri.*127\.0\.0\.1:{port}"):
@@ -395,7 +387,7 @@ def test_sync_run_creates_the_run_where_the_server_never_had_it(sqlite_store, tm
     from pipeline.workflow import sync_run
 
     cfg = _cfg(*sqlite_store, f"sync-{tmp_path.name}")
-    cfg.mlflow.registered_model = f"synced_{tmp_path.name}"
+    cfg = apply_overrides(cfg, {"mlflow.registered_model": f"synced_{tmp_path.name}"})
     off = OfflineRun(str(tmp_path / "offline_run"))
     (tmp_path / "offline_run").mkdir()
     (tmp_path / "offline_run" / "config.yaml").write_text(to_yaml(cfg))

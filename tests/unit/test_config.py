@@ -88,3 +88,17 @@ def test_flat_has_dotted_keys():
 def test_gate_and_early_stopping_metrics_must_be_logged_ones(key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("conf/local.yaml", [f"{key}=val_f1"])
+
+
+def test_a_validated_config_is_frozen_and_overrides_make_a_new_one():
+    import dataclasses
+
+    from pipeline.config import apply_overrides, load_config
+
+    cfg = load_config(None, ["train.np=-2"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.np = 4  # what a run learns goes into its job, never into the user's config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train = cfg.train
+    other = apply_overrides(cfg, {"train.np": 4})
+    assert (cfg.train.np, other.train.np) == (-2, 4) and other is not cfg

@@ -58,10 +58,9 @@ class _Job:
     def __init__(self, tmp_path):
         from types import SimpleNamespace
 
-        from pipeline.config import Config
+        from pipeline.config import Config, apply_overrides
 
-        self.cfg = Config()
-        self.cfg.mlflow.reconnect_wait_s, self.cfg.mlflow.retry_wait_s = 0.3, 0.1
+        self.cfg = apply_overrides(Config(), {"mlflow.reconnect_wait_s": 0.3, "mlflow.retry_wait_s": 0.1})
         self.job_dir, self.tracking_uri = str(tmp_path), "http://127.0.0.1:9"
         self.data = SimpleNamespace(channels=1, image_size=16, class_names=["a", "b"])
 

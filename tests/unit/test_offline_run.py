@@ -7,14 +7,11 @@ import time
 
 import pytest
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, apply_overrides
 
 
 def _cfg(tmp_path, restore):
-    cfg = Config()
-    cfg.train.checkpoint_dir = str(tmp_path)
-    cfg.train.ckpt_restore = restore
-    return cfg
+    return apply_overrides(Config(), {"train.checkpoint_dir": str(tmp_path), "train.ckpt_restore": restore})
 
 
 def test_ckpt_restore_resolves_within_the_run_or_the_run_named(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, ConfigError, apply_overrides, load_config
 from pipeline.tune.space import conversion_settings, is_conversion_key, load_space, space_from_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,10 +94,8 @@ def test_conversion_keys_reconvert_read_time_keys_share():
     assert is_conversion_key("data.image_size") and is_conversion_key("data.val_fraction")
     assert not is_conversion_key("data.cache_dir")  # refused, not converted
     base = Config()
-    other_batch = Config()
-    other_batch.data.batch_size = 7
-    other_size = Config()
-    other_size.data.image_size = 16
+    other_batch = apply_overrides(Config(), {"data.batch_size": 7})
+    other_size = apply_overrides(Config(), {"data.image_size": 16})
     assert conversion_settings(base) == conversion_settings(other_batch)
     assert conversion_settings(base) != conversion_settings(other_size)
     space = _space("params:\n  data.image_size: {type: categorical, choices: [16, 32]}\n")
