@@ -254,9 +254,13 @@ def test_a_worker_host_cut_and_restored_heals_to_the_uninterrupted_weights(clust
 
 
 def test_a_worker_host_lost_for_good_fails_within_a_bound_naming_it(cluster, table):
-    """A worker host's link cut after the first checkpoint and never restored: the job fails within
-    train.stall_timeout_s (the ranks' collective) plus the launcher's bound (the same again), naming each rank with
-    its host and the executor that no longer answers; the run FAILED, nothing registered, no rank left running."""
+    """A worker host's link cut after the first checkpoint and never restored: the job fails within the ranks'
+    collective timeout plus the launcher's bound (train.stall_timeout_s), naming each rank with its host and the
+    executor that no longer answers; the run FAILED, nothing registered, no rank left running.
+
+    The collective timeout seen here is Gloo's (HOROVOD_GLOO_TIMEOUT_SECONDS = train.start_timeout_s = 60 s: the
+    ranks' first error came about 60 s after the cut), not Horovod's stall check, so the bound below is 60 s + the
+    launcher's 20 s + 20 s to exit (unchanged: 2 x stall + 60)."""
     stall = 20
     ckpts = cluster.shared / "checkpoints" / "lost"
     cut_at = cut_after_first_checkpoint(cluster, "w1", ckpts)
