@@ -550,10 +550,6 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                         raise DistributedTrainingError(f"{exc} (after {restarts} restart(s) of train.max_restarts="
                                                        f"{limit})", getattr(exc, "rank_classes", None)) from exc
                     if oom:
-            # a swap of FSDP's last.ckpt a killed rank interrupted is finished first (torch: on the driver only here)
-            from pipeline.distributed.checkpoints import settle
-
-            settle(last)
                         raise DistributedTrainingError(
                             f"{exc} (out of memory after this job's first checkpoint: restarting from it with half "
                             f"the batch is a restart, and train.max_restarts={limit})",
