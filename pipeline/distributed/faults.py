@@ -64,7 +64,9 @@ class InjectedFaults(pl.Callback):
                 writer.part_written = None
 
     # ------------------------------------------------------------------------------------------------------- faults
-    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        """debug.fail_at_step, after the step's forward and before its backward: where a step really fails (a rank
+        stuck there has taken part in the forward's collectives, DDP's buffer broadcast, FSDP's gathers)."""
         step, at = trainer.global_step, self.debug.fail_at_step
         if not self.active or at is None or step < at or not self._on_this_rank(trainer):
             return
