@@ -1,8 +1,8 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost, cross_host), the references they are compared with (reference), the product's train() timed step by step
-(lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
+restart_cost, job_phases, cross_host), the references they are compared with (reference), the product's train()
+timed step by step (lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu", "cross_host")  # what `--only` picks from (conversion always runs: it
-# prepares, unless only cross_host is asked for: it trains on the multi-host cluster's own table)
+                "restart_cost", "scaling", "gpu", "job_phases", "cross_host")
+# what `--only` picks from; the conversion always runs (it prepares), unless only cross_host is asked for: it trains on
+# the multi-host cluster's own table
 
 
 def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
@@ -55,8 +56,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
 
     local = [m for m in MEASUREMENTS if want(m) and m != "cross_host"]  # the ones on this machine's sample
 
-    from pipeline.bench import (conversion, cross_host, gpu, input_bound, loader, overheads, predict_throughput,
-                                restart_cost, scaling, shard_balance, tune_overhead)
+    from pipeline.bench import (conversion, cross_host, gpu, input_bound, job_phases, loader, overheads,
+                                predict_throughput, restart_cost, scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
@@ -140,6 +141,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes, work_dir))
                 if want("restart_cost"):
                     results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
+                if want("job_phases"):
+                    results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir))
                 if want("scaling"):
                     results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
                 if cluster is not None:

@@ -47,6 +47,11 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                      "of two worker hosts (network namespaces on a veth bridge, scripts/multihost.sh) / "
                                      "the same with both ranks' executors on one host's 127.0.0.1; first epoch left "
                                      "out, runs alternated"),
+    "job_fixed_cost": ("<=", 0.5, "seconds of a 2-rank `lakehouse train` of the sample (3 epochs, a new process as a "
+                                  "user runs it) outside its epochs (interpreter and Spark start, data, run set-up, "
+                                  "rank start, model logging, registration and gate, exit) / the job's wall time"),
+    "horovod_epoch_over_ddp": ("<=", 1.05, "steady epoch time (epochs after the first) of that job with "
+                                           "train.backend=horovod / with ddp, same plan, batch and rows"),
     "gpu_lightning_over_plain": (">=", 0.8, "images/s of the product's train() (Lightning, HorovodStrategy) on "
                                             "GPU-resident batches / a plain PyTorch loop on the same batches, same "
                                             "model, batch and precision, one GPU"),
