@@ -85,8 +85,11 @@ def run_checkpoint_dir(cfg: Config, run_id: str) -> str:
 
 
 def job_dir_of(cfg: Config, run_id: str) -> str:
-    """The driver's and ranks' scratch folder of the run (failures, markers, a run left offline)."""
-    return os.path.join(os.path.abspath(cfg.train.checkpoint_dir), ".job", run_id)
+    """The driver's and ranks' scratch folder of the run (pipeline.distributed.job_folder: rank markers, a run left
+    offline)."""
+    from pipeline.distributed.job_folder import JobFolder
+
+    return JobFolder.of_run(cfg.train.checkpoint_dir, run_id).path
 
 
 def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
@@ -107,6 +110,9 @@ def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
         path = os.path.join(base, owner, CHECKPOINT_NAMES[which])
     else:
         path = value
+    from pipeline.distributed.checkpoints import settle
+
+    settle(path)  # an FSDP swap a crash interrupted between its two renames is finished first
     if os.path.exists(path):
         return path
     name = CHECKPOINT_NAMES.get(which or value, "last.ckpt")

@@ -1,9 +1,7 @@
 """The launcher: `train.np` with HorovodRunner's meaning (-N local processes, N Spark tasks, 1 this process)."""
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -207,46 +205,15 @@ SILENT_RANK = ("ended without reporting an error: killed by a signal (SIGKILL, t
                "node) or stopped by the launcher after another rank failed")
 
 
-def _ranks_with(job: TrainJob, what: str) -> Dict[int, str]:
-    """rank -> the path of its `rank<r>.<what>` marker in the job folder (loop.rank_record)."""
-    found = {}
-    for path in glob.glob(os.path.join(job.job_dir, f"rank*.{what}")):
-        name = os.path.basename(path)[4:-len(what) - 1]
-        if name.isdigit():
-            found[int(name)] = path
-    return found
-
-
-def _rank_classes(job: TrainJob) -> Dict[int, List[str]]:
-    """rank -> the classes of the exception it failed with, as it recorded them (`rank<r>.class`)."""
-    found = {}
-    for rank, path in _ranks_with(job, "class").items():
-        try:
-            with open(path) as fh:
-                found[rank] = [line.strip() for line in fh if line.strip()]
-        except OSError:
-            continue
-    return found
-
-
-def _rank_host(path: str) -> str:
-    """The host a rank's `started` marker names ("" for an older marker)."""
-    try:
-        with open(path) as fh:
-            return (fh.read().split() or [""])[0]
-    except OSError:
-        return ""
-
-
 def _failures(job: TrainJob) -> str:
     """Each rank's account of the attempt, in rank order: its error's first line, or that it ended without one, and
     the host it ran on."""
-    errors, done, started = _ranks_with(job, "error"), _ranks_with(job, "done"), _ranks_with(job, "started")
+    folder = job.folder
+    errors, done, started = folder.ranks_with("error"), folder.ranks_with("done"), folder.ranks_with("started")
     parts = []
     for rank in sorted(set(errors) | set(started)):
         if rank in errors:
-            with open(errors[rank]) as fh:
-                first = fh.readline().strip()
+            first = folder.first_error_line(rank)
             if any(mark in first for mark in COLLECTIVE_TIMEOUT_MARKS):
                 first += (f" (a collective did not finish within train.stall_timeout_s="
                           f"{job.cfg.train.stall_timeout_s} s: another rank is stuck or far slower)")
@@ -254,7 +221,7 @@ def _failures(job: TrainJob) -> str:
             first = SILENT_RANK
         else:
             continue
-        host = _rank_host(started[rank]) if rank in started else ""
+        host = folder.host(rank) if rank in started else ""
         parts.append(f"rank {rank}: {first}" + (f" (on host {host})" if host else ""))
     return "; ".join(parts)
 
@@ -375,7 +342,7 @@ def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
     while thread.is_alive():
         thread.join(timeout=1.0)
         seen.update(dict.fromkeys(_executor_addresses()))
-        if failed_at is None and _ranks_with(job, "error"):
+        if failed_at is None and job.folder.ranks_with("error"):
             failed_at = time.monotonic()
         if thread.is_alive() and failed_at is not None and time.monotonic() - failed_at > grace:
             lost = unanswering_executors(known=list(seen))
@@ -389,7 +356,7 @@ def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
                 f"training failed on {_failures(job)}; the launch did not return within train.stall_timeout_s="
                 f"{grace:g} s after the first rank failed"
                 + (f"; executor(s) not answering (host lost?): {', '.join(lost)}" if lost else "")
-                + "; its Spark jobs were cancelled", _rank_classes(job))
+                + "; its Spark jobs were cancelled", job.folder.error_classes())
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -418,21 +385,20 @@ def launch(job: TrainJob) -> List[RankResult]:
     Raises:
         DistributedTrainingError: any rank failed, with the rank and its exception in the message.
     """
-    shutil.rmtree(job.job_dir, ignore_errors=True)
-    os.makedirs(job.job_dir, exist_ok=True)
+    job.folder.reset()
     with _rank_environment(job), forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
         try:
             return _launch(job)
         except DistributedTrainingError:
             raise  # already says what each rank reported (`_bounded`)
         except Exception as exc:
-            if term.terminated or glob.glob(os.path.join(job.job_dir, "rank*.sigterm")):
+            if term.terminated or job.folder.ranks_with("sigterm"):
                 from pipeline.errors import Terminated
 
                 raise Terminated(f"SIGTERM; the ranks stopped with: {exc}") from exc
             detail = _failures(job)
             if detail:
-                raise DistributedTrainingError(f"training failed on {detail}", _rank_classes(job)) from exc
+                raise DistributedTrainingError(f"training failed on {detail}", job.folder.error_classes()) from exc
             raise
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from pipeline.config import Config
 from pipeline.data.shards import ConvertedData
+from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger, quiet_third_party_warnings, setup_logging
 
 log = get_logger(__name__)
@@ -48,6 +48,11 @@ class TrainJob:
     restore_from: Optional[str] = None
     # the ranks of this launch when an elastic relaunch went on with fewer (train.min_np); None: train.np
     world_size: Optional[int] = None
+
+    @property
+    def folder(self) -> JobFolder:
+        """The job folder's layout (rank markers, the offline run): pipeline.distributed.job_folder."""
+        return JobFolder(self.job_dir)
 
     @property
     def ckpt_dir(self) -> str:
@@ -217,9 +222,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if stop.reason and stop.reason.startswith("SIGTERM"):
         # Launchers may kill the ranks right after they stop (horovod.run does, 5 s after SIGTERM), so the
         # driver learns why from this marker rather than from a return value that may never arrive.
-        os.makedirs(job.job_dir, exist_ok=True)
-        with open(os.path.join(job.job_dir, f"rank{rank}.sigterm"), "w") as fh:
-            fh.write(stop.reason)
+        job.folder.write(rank, "sigterm", stop.reason)
     result = RankResult(rank=rank, world_size=world_size, lr=lr, batch_size=batch, **host_and_pid())
     if trainer.optimizers:  # the rate the optimizer was actually built with (before the schedule)
         groups = trainer.optimizers[0].param_groups  # the head's rate where model.backbone_lr made two groups
@@ -277,15 +280,6 @@ def _plain_network(cfg: Config, job: TrainJob):
     return build_network(cfg.model.arch, job.data.channels, len(job.data.class_names), cfg.model.width)
 
 
-def _write_marker(job: TrainJob, rank: int, what: str, text: str = "") -> None:
-    try:
-        os.makedirs(job.job_dir, exist_ok=True)
-        with open(os.path.join(job.job_dir, f"rank{rank}.{what}"), "w") as fh:
-            fh.write(text)
-    except OSError:
-        pass
-
-
 def error_classes(exc: BaseException) -> str:
     """`exc`'s class and its bases as dotted names, one a line, most specific first: how a rank tells the driver what
     failed (`launcher.is_restartable` decides from them, not from the message)."""
@@ -303,15 +297,15 @@ def rank_record(job: TrainJob, rank: int) -> Iterator[None]:
 
     if rank != 0:
         without(os.environ, TRACKING_CREDENTIALS)
-    _write_marker(job, rank, "started", f"{socket.gethostname()} {os.getpid()}")  # the host the launcher names
+    job.folder.write(rank, "started", f"{socket.gethostname()} {os.getpid()}")  # the host the launcher names
     try:
         yield
     except BaseException as exc:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, redact_url(str(exc)))
-        _write_marker(job, rank, "error", redact_url(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
-        _write_marker(job, rank, "class", error_classes(exc))  # what the launcher decides restartability from
+        job.folder.write(rank, "error", redact_url(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        job.folder.write(rank, "class", error_classes(exc))  # what the launcher decides restartability from
         raise
-    _write_marker(job, rank, "done")
+    job.folder.write(rank, "done")
 
 
 def repair_horovod_env() -> None:

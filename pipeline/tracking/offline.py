@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
-FOLDER_NAME = "offline_run"
 # A probe of the server must fail fast: the caller's own bounded loop does the waiting.
 _PROBE_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
@@ -33,7 +33,7 @@ class SyncError(RuntimeError):
 
 
 def offline_folder(job_dir: str) -> str:
-    return os.path.join(job_dir, FOLDER_NAME)
+    return JobFolder(job_dir).offline_run
 
 
 def left_offline(job_dir: str) -> Optional["OfflineRun"]:

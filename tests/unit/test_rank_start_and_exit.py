@@ -68,7 +68,10 @@ def test_exit_now_flushes_and_ends_the_process_with_its_code():
 def _job(tmp_path):
     from types import SimpleNamespace
 
-    return SimpleNamespace(job_dir=str(tmp_path / "job"), cfg=SimpleNamespace(train=SimpleNamespace(stall_timeout_s=60)))
+    from pipeline.distributed.job_folder import JobFolder
+
+    return SimpleNamespace(job_dir=str(tmp_path / "job"), folder=JobFolder(str(tmp_path / "job")),
+                           cfg=SimpleNamespace(train=SimpleNamespace(stall_timeout_s=60)))
 
 
 def test_rank_record_leaves_started_then_done_or_the_error(tmp_path):
