@@ -89,12 +89,7 @@ def decide(version: str, value: Optional[float], champion_version: Optional[str]
     A tie never promotes; neither does a champion that could not be scored (`champion_error`) nor a value that
     is not a number. The floor holds for the first version too: a useless first model is not crowned.
     """
-    if mode not in GATE_MODES:
-        raise ValueError(f"config key 'mlflow.gate_mode': {mode!r} is not one of {', '.join(GATE_MODES)}")
-    if margin is None or not margin >= 0:
-        raise ValueError(f"config key 'mlflow.gate_margin': {margin!r} must be a number >= 0")
-    if min_lift is not None and not min_lift >= 0:
-        raise ValueError(f"config key 'mlflow.gate_min_lift': {min_lift!r} must be a number >= 0 or null")
+    _check_keys(mode, margin, min_lift)
     version = str(version)
     champ = None if champion_version is None else str(champion_version)
     better_word = "higher" if mode == "max" else "lower"
@@ -184,8 +179,6 @@ def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str])
             client.set_model_version_tag(name, version, key, str(val)[:5000])
         except MlflowException as exc:  # the decision stands even if an audit tag cannot be written
             log.warning("could not tag model %r version %s with %s: %s", name, version, key, exc)
-
-
 
 
 def _check_keys(mode: str, margin: float, min_lift: Optional[float]) -> None:
