@@ -1,0 +1,222 @@
+"""What both Delta engines share: the errors, the pinned table, table names and URIs, schema differences, the record
+every commit carries (writer, claim) and the claims it is checked against, and the engine interface."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+from urllib.parse import urlparse
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+# Reader features whose files can be read as plain Parquet without changing a row.
+SAFE_READER_FEATURES = {"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck", "checkpointProtection"}
+
+
+class DeltaError(RuntimeError):
+    """A Delta table cannot be read or written as asked; the message names the table and the reason."""
+
+
+class SchemaMismatchError(DeltaError):
+    """An append's schema differs from the table's; the message names the differing columns."""
+
+
+class ConcurrentWriteError(DeltaError):
+    """A conditional write lost a race: another writer's commit that claims the same key landed after the version
+    this write was derived from. `committed` is None when nothing was committed (the caller may re-read and retry),
+    or this write's own version when the engine could only detect the race after committing (delta.engine=spark)."""
+
+    def __init__(self, message: str, winners: Sequence[int] = (), committed: Optional[int] = None):
+        super().__init__(message)
+        self.winners = list(winners)
+        self.committed = committed
+
+
+# The key under which every commit this project writes records who wrote it (inside `userMetadata`, as JSON):
+# {"writer": a uuid per write, "claim": the claim of a conditional write, "read_version": what it was derived from}.
+COMMIT_KEY = "lakehouse.commit"
+# Commits of one conditional write's files after conflicts with commits that do not carry its claim (delta-rs).
+COMMIT_RETRIES = 5
+
+
+def _commit_record(entry: dict) -> dict:
+    text = entry.get("userMetadata")
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    record = meta.get(COMMIT_KEY) if isinstance(meta, dict) else None
+    return record if isinstance(record, dict) else {}
+
+
+def own_commit(history: Sequence[dict], writer: str) -> Optional[int]:
+    """The version of the commit `writer` made, found in `history` (entries as DeltaTable.history gives them)."""
+    for entry in history:
+        if _commit_record(entry).get("writer") == writer and entry.get("version") is not None:
+            return int(entry["version"])
+    return None
+
+
+def claims_after(history: Sequence[dict], claim: str, read_version: Optional[int], before: Optional[int] = None,
+                 writer: Optional[str] = None) -> List[int]:
+    """Versions after `read_version` (None: the table did not exist, so every version) and before `before` whose
+    commit carries `claim` and was not made by `writer`, oldest first: the commits a write derived from
+    `read_version` lost its race to."""
+    floor = -1 if read_version is None else read_version
+    out = []
+    for entry in history:
+        version = entry.get("version")
+        if version is None or version <= floor or (before is not None and version >= before):
+            continue
+        record = _commit_record(entry)
+        if record.get("claim") == claim and record.get("writer") != writer:
+            out.append(int(version))
+    return sorted(out)
+
+
+def _lost_race(table: str, claim: str, read_version: Optional[int], winners: Sequence[int],
+               committed: Optional[int] = None) -> ConcurrentWriteError:
+    read = f"version {read_version}" if read_version is not None else "the table's absence (it did not exist)"
+    won = (f"version{'s' if len(winners) > 1 else ''} {', '.join(map(str, winners))}" if winners
+           else "a commit made meanwhile")
+    done = (f"this write was committed as version {committed} before the race could be seen (delta.engine=spark)"
+            if committed is not None else "nothing was committed")
+    return ConcurrentWriteError(f"Delta table {table}: a write derived from {read} lost the race to {won}, "
+                                f"committed meanwhile by another writer claiming {claim!r}; {done}",
+                                winners=winners, committed=committed)
+
+
+def _user_metadata(commit_metadata: Optional[Dict[str, Any]], writer: str, claim: Optional[str],
+                   read_version: Optional[int]) -> str:
+    record: Dict[str, Any] = {"writer": writer}
+    if claim is not None:
+        record.update(claim=claim, read_version=read_version)
+    return json.dumps({**(commit_metadata or {}), COMMIT_KEY: record})
+
+
+@dataclass(frozen=True)
+class PinnedTable:
+    """A Delta table resolved at one version: what every later step records."""
+
+    table: str
+    version: int
+    num_files: int
+    num_rows: Optional[int]
+
+
+def local_path(table: str) -> Optional[str]:
+    """The local filesystem path of a table URI, or None when it lives elsewhere (s3://, dbfs:/, a catalog name)."""
+    if catalog_name(table):
+        return None
+    parsed = urlparse(table)
+    if parsed.scheme in ("", "file"):
+        return os.path.abspath(parsed.path if parsed.scheme else table)
+    return None
+
+
+_NAME_PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|`[^`]+`)"
+_CATALOG_NAME = re.compile(rf"^{_NAME_PART}\.{_NAME_PART}\.{_NAME_PART}$")
+
+
+def catalog_name(table: str) -> Optional[str]:
+    """`table` when it is a three-level catalog name (`catalog.schema.table`, Unity Catalog) rather than a path:
+    no scheme, no slash, three identifiers, and no such folder here."""
+    if "/" in table or urlparse(table).scheme or not _CATALOG_NAME.match(table) or os.path.exists(table):
+        return None
+    return table
+
+
+def table_uri(table: str) -> str:
+    path = local_path(table)
+    return path if path is not None else table
+
+
+def describe_schema_diff(existing: Dict[str, str], incoming: Dict[str, str]) -> List[str]:
+    """Human-readable differences between two {column: type} schemas (empty when equal)."""
+    diffs = []
+    for name in incoming:
+        if name not in existing:
+            diffs.append(f"new column '{name}' ({incoming[name]})")
+        elif existing[name] != incoming[name]:
+            diffs.append(f"column '{name}' is {incoming[name]}, the table has {existing[name]}")
+    for name in existing:
+        if name not in incoming:
+            diffs.append(f"missing column '{name}' ({existing[name]})")
+    return diffs
+
+
+def _spark_types(schema) -> Dict[str, str]:
+    return {f.name: f.dataType.simpleString() for f in schema.fields}
+
+
+class DeltaEngine:
+    """The interface both engines implement."""
+
+    name = "?"
+
+    def exists(self, spark, table: str) -> bool:
+        raise NotImplementedError
+
+    def latest_version(self, spark, table: str) -> int:
+        raise NotImplementedError
+
+    def read(self, spark, table: str, version: Optional[int] = None) -> Tuple["DataFrame", PinnedTable]:
+        """A DataFrame of the table at `version` (latest when None) and the version it is pinned to."""
+        raise NotImplementedError
+
+    def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
+              commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,
+              claim: Optional[str] = None) -> int:
+        """Write `df` in one atomic commit (`mode` append|overwrite); return the version of THIS commit.
+
+        The version is this writer's own (found by a writer id recorded with the commit), never just the latest:
+        another writer may commit right after. `commit_metadata` is recorded, as JSON, in the commit's
+        `userMetadata` (what DESCRIBE HISTORY shows), beside `lakehouse.commit` (writer id, claim).
+
+        A conditional write: with `claim`, `df` was derived from the table at `read_version` (None: the table did
+        not exist), and the write must not land after another commit that carries the same `claim` and was made
+        after `read_version`. Blind appends never conflict in Delta, so the claim is what makes two such writers
+        conflict. Raises ConcurrentWriteError naming the winner's version.
+        """
+        raise NotImplementedError
+
+    def history(self, spark, table: str) -> List[dict]:
+        raise NotImplementedError
+
+    def claimed_versions(self, spark, table: str, claim: str) -> List[int]:
+        """The versions whose commit carries `claim` (a conditional write's), oldest first; [] when none does or the
+        table does not exist. How a writer that claims its own identity (predict) finds that it already committed."""
+        if not self.exists(spark, table):
+            return []
+        return claims_after(self.history(spark, table), claim, None)
+
+    def commit_metadata(self, spark, table: str, version: Optional[int] = None) -> Dict[str, Any]:
+        """The `commit_metadata` written with `version` (latest when None); {} when the commit has none."""
+        version = self.latest_version(spark, table) if version is None else version
+        for entry in self.history(spark, table):
+            if entry.get("version") == version:
+                text = entry.get("userMetadata")
+                return json.loads(text) if text else {}
+        raise DeltaError(f"Delta table {table} has no commit {version} in its history")
+
+    def check_append_schema(self, spark, table: str, df) -> None:
+        if not self.exists(spark, table):
+            return
+        existing, _ = self.read(spark, table)
+        diffs = describe_schema_diff(_spark_types(existing.schema), _spark_types(df.schema))
+        if diffs:
+            raise SchemaMismatchError(f"append to Delta table {table} refused, the schema differs: {'; '.join(diffs)}. "
+                                      f"The table was left at version {self.latest_version(spark, table)}.")
+
+
+def refuse_catalog_name(table: str, engine: str) -> None:
+    if catalog_name(table):
+        raise DeltaError(f"config key 'delta.table': {table!r} is a catalog table name (catalog.schema.table), which "
+                         f"delta.engine={engine} cannot resolve; use delta.engine=spark (the catalog's own Spark "
+                         f"session, e.g. on Databricks) or give the table's path (e.g. /Volumes/<catalog>/<schema>/...)")
