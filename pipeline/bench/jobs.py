@@ -106,12 +106,12 @@ def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, 
     """`rank_job` on `np_` local Horovod ranks (gloo) with the launcher's rank environment; results by rank."""
     import horovod
 
-    from pipeline.distributed.launcher import _rank_env
+    from pipeline.distributed.rank_env import rank_env
     from pipeline.distributed.loop import TrainJob
 
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
-    with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(_rank_env(job)):
+    with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(rank_env(job)):
         results = horovod.run(rank_job, args=(cfg, data, runs, steps, windows), num_proc=np_, use_gloo=True,
                               hosts=f"localhost:{np_}", start_timeout=cfg.train.start_timeout_s, verbose=0)
     results = sorted(results, key=lambda r: r["rank"])

@@ -3,7 +3,7 @@ get only what ranks need."""
 import os
 
 from pipeline.config import load_config
-from pipeline.distributed.launcher import _rank_environment, executor_env
+from pipeline.distributed.rank_env import executor_env, rank_environment
 from pipeline.distributed.loop import TrainJob
 
 
@@ -13,7 +13,7 @@ def test_driver_environment_is_restored_after_the_ranks_ran(monkeypatch):
     monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
     cfg = load_config("conf/local.yaml", ["train.np=-2", "train.stall_timeout_s=33"])
     job = TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)
-    with _rank_environment(job):
+    with rank_environment(job):
         assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
         assert os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "33"
     assert os.environ["OMP_NUM_THREADS"] == "7"

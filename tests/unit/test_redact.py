@@ -146,7 +146,7 @@ def test_tune_stores_the_config_redacted():
 
 
 def test_executors_get_tracking_credentials_but_no_other_secret(caplog):
-    from pipeline.distributed.launcher import executor_env
+    from pipeline.distributed.rank_env import executor_env
 
     env = {"MLFLOW_TRACKING_URI": "http://h:5000", "MLFLOW_TRACKING_USERNAME": "u",
            "MLFLOW_TRACKING_PASSWORD": "SUPERSECRET456", "MLFLOW_TRACKING_TOKEN": "T",

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pipeline.config import load_config
-from pipeline.distributed.launcher import _rank_environment, executor_env, workspace_credentials
+from pipeline.distributed.rank_env import executor_env, rank_environment, workspace_credentials
 from pipeline.distributed.loop import TrainJob, with_env
 from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS
 
@@ -78,15 +78,15 @@ def test_a_torchdistributor_rank_gets_what_it_lacks_and_keeps_what_it_has(monkey
 
 @pytest.mark.parametrize("uri, forwarded", [("databricks", True), ("sqlite:///work/mlflow.db", False)])
 def test_the_launcher_puts_them_in_the_ranks_environment_only_while_they_run(monkeypatch, uri, forwarded):
-    import pipeline.distributed.launcher as launcher
+    import pipeline.distributed.rank_env as rank_env
 
     for name in WORKSPACE_CREDENTIALS:
         monkeypatch.delenv(name, raising=False)
-    real = launcher.workspace_credentials
-    monkeypatch.setattr(launcher, "workspace_credentials",
+    real = rank_env.workspace_credentials
+    monkeypatch.setattr(rank_env, "workspace_credentials",
                         lambda tracking_uri, environ: real(tracking_uri, environ, _resolver([])))
     cfg = load_config("conf/local.yaml", ["train.np=-2", f"mlflow.tracking_uri={uri}"])
-    with _rank_environment(TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)):
+    with rank_environment(TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)):
         assert (os.environ.get("DATABRICKS_TOKEN") == TOKEN) == forwarded
         assert set(executor_env(dict(os.environ), uri)) >= (set(WORKSPACE_CREDENTIALS) if forwarded else set())
     assert not any(name in os.environ for name in WORKSPACE_CREDENTIALS)  # the driver's environment as it was
