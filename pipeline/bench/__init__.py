@@ -142,7 +142,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                 if want("restart_cost"):
                     results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
                 if want("job_phases"):
-                    results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir))
+                    results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir, quick=quick))
                 if want("scaling"):
                     results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
                 if cluster is not None:

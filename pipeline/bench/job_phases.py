@@ -72,9 +72,10 @@ def run_train(conf_path: str, overrides: List[str], env: Optional[Dict[str, str]
     return {"summary": _last_json(done.stdout), "started": started, "ended": ended}
 
 
-def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
+def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False) -> List[Result]:
     """`repeats` rounds of one 2-rank `lakehouse train` per backend (on this machine, `EPOCHS` epochs, early stopping
-    off, warm converted-data cache), the backends alternating their order; a warm-up job per backend first. Results:
+    off, warm converted-data cache), the backends alternating their order; a warm-up job per backend first (`quick`:
+    one round, no warm-up: it proves the measurement runs). Results:
     `job_fixed_cost` per backend (the seconds outside the epochs / the job's wall time, every phase in the parts) and
     `horovod_epoch_over_ddp` (steady epoch time, same plan and batch)."""
     import yaml
@@ -108,9 +109,9 @@ def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[R
         return phases
 
     with discarded(root, cfg.mlflow, model):
-        for backend in BACKENDS:
+        for backend in BACKENDS if not quick else ():
             one(backend, 0)  # warm-up: the cache entry, the experiment, the registered model
-        for i in range(1, sizes.repeats + 1):
+        for i in range(1, (1 if quick else sizes.repeats) + 1):
             for backend in (BACKENDS if i % 2 else BACKENDS[::-1]):
                 runs[backend].append(one(backend, i))
     results = []

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.integration
 
 RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fraction", "conversion_vs_plain_write",
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
-          "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput"]
+          "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
+          "job_fixed_cost", "horovod_epoch_over_ddp"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 
 
@@ -90,6 +91,14 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     # the Spark job that scores nothing is a part of predict's time, measured on the same rows
     assert all(0 < p["spark_job_floor_s"] for p in predict.values())
     assert not list((tmp_path / "bench").glob("predict_*"))  # its scratch tables are removed
+    # a 2-rank `lakehouse train` per backend, phase by phase: the phases add up to the process's wall time
+    phases = {r["variant"]: r["parts"] for r in report["results"] if r["name"] == "job_fixed_cost"}
+    assert set(phases) == {"horovod", "ddp"}
+    from pipeline.bench.job_phases import PHASES
+    for parts in phases.values():
+        assert all(parts[k] >= 0 for k in PHASES) and parts["epochs_s"] > 0 and parts["rank_start_s"] > 0, parts
+        assert sum(parts[k] for k in PHASES) == pytest.approx(parts["wall_s"], rel=0.01), parts
+    assert not (tmp_path / "bench" / "job_phases").exists()  # its scratch folder is removed
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
