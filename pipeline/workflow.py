@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError, world_size_of
+from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -87,8 +88,6 @@ def run_checkpoint_dir(cfg: Config, run_id: str) -> str:
 def job_dir_of(cfg: Config, run_id: str) -> str:
     """The driver's and ranks' scratch folder of the run (pipeline.distributed.job_folder: rank markers, a run left
     offline)."""
-    from pipeline.distributed.job_folder import JobFolder
-
     return JobFolder.of_run(cfg.train.checkpoint_dir, run_id).path
 
 
@@ -110,7 +109,7 @@ def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
         path = os.path.join(base, owner, CHECKPOINT_NAMES[which])
     else:
         path = value
-    from pipeline.distributed.checkpoints import settle
+    from pipeline.distributed.checkpoints import settle  # torch: kept out of the driver's import of this module
 
     settle(path)  # an FSDP swap a crash interrupted between its two renames is finished first
     if os.path.exists(path):

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 
 from pipeline.log import get_logger
+from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key
 
 if TYPE_CHECKING:
     from pipeline.distributed.loop import TrainJob
@@ -75,8 +76,6 @@ def workspace_credentials(tracking_uri: Optional[str], environ,
     context, a profile, the environment); exactly those two names, only the missing ones, {} for any other tracking
     URI. They travel in the ranks' environment only (pipeline.redact.TRACKING_CREDENTIALS: ranks but 0 drop them),
     never in a param, tag, log line or the job; a failure to resolve is logged with the names, never values."""
-    from pipeline.redact import WORKSPACE_CREDENTIALS
-
     if not tracks_to_databricks(tracking_uri):
         return {}
     missing = [k for k in WORKSPACE_CREDENTIALS if not environ.get(k)]
@@ -111,8 +110,6 @@ def executor_env(environ: dict, tracking_uri: Optional[str] = None) -> dict:
     workspace (`workspace_credentials`). Rank 0 writes to MLflow and needs those, and Horovod on Spark gives every
     task the same environment (which task becomes rank 0 is known only there): the other ranks drop them as they start
     (`loop.rank_record`, pipeline.redact.TRACKING_CREDENTIALS). Withheld names are logged, never values."""
-    from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key
-
     wanted = {k: v for k, v in environ.items() if k.startswith(EXECUTOR_ENV_PREFIXES)}
     withheld = sorted(k for k in wanted if is_secret_key(k) and k not in TRACKING_CREDENTIALS)
     if withheld:
