@@ -44,6 +44,9 @@ class IngestConfig:
 class DataConfig:
     batch_size: Union[int, str] = 64  # per rank; auto: from data.auto_batch_start, halved on out-of-memory
     auto_batch_start: int = 256  # data.batch_size=auto starts here (per rank), down to 1
+    # a small table: the per-rank batch is lowered so every epoch has at least this many steps (model.lr follows by
+    # train.lr_scaling, as after an out-of-memory back-off); 0: data.batch_size whatever the table's size
+    min_steps_per_epoch: int = 16
     val_fraction: float = 0.2  # the held-out share of rows (a stable hash of each row's data.split_key picks them)
     # content: the SHA-256 of the image bytes picks a row's split, the same wherever the files were mounted at ingest
     # (re-ingesting from another mount moves no row) | path: the absolute path, the rule of runs before this key
@@ -301,6 +304,8 @@ def validate(cfg: Config) -> None:
          "must be bilinear, bicubic, nearest or null"),
         ("train.np", cfg.train.np != 0, "must not be 0 (-N: N local processes, N: N Spark tasks, 1: this process)"),
         ("train.max_epochs", cfg.train.max_epochs >= 1, "must be >= 1"),
+        ("data.min_steps_per_epoch", cfg.data.min_steps_per_epoch >= 0,
+         "must be >= 0 (0: data.batch_size whatever the table's size)"),
         ("train.checkpoint_every_n_steps", (cfg.train.checkpoint_every_n_steps or 1) >= 1, "must be >= 1 or null"),
         ("train.max_restarts", cfg.train.max_restarts >= 0, "must be >= 0"),
         ("train.min_np", cfg.train.min_np is None or (cfg.train.np > 1 and 1 <= cfg.train.min_np <= cfg.train.np),

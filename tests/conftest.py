@@ -37,10 +37,14 @@ def available_readers() -> List[str]:
 
 
 def make_config(tmp: Path, *overrides: str, profile: str = "conf/local.yaml"):
-    """The local profile with every path under `tmp`, plus overrides (data.reader=arrow where Petastorm is absent)."""
+    """The local profile with every path under `tmp`, plus overrides (data.reader=arrow where Petastorm is absent).
+
+    The batch stays as configured on the tests' small tables (`data.min_steps_per_epoch=0`): these tests check the
+    mechanics at a known batch and step count; the small-table rule has its own tests (test_small_table.py)."""
     from pipeline.config import load_config
 
     base = [
+        "data.min_steps_per_epoch=0",
         f"delta.table={tmp}/delta/digits",
         f"data.cache_dir={tmp}/data_cache",
         f"train.checkpoint_dir={tmp}/checkpoints",

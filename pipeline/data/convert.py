@@ -7,18 +7,16 @@ groups sized by the plan (so whole row groups spread evenly over the ranks), int
 from __future__ import annotations
 
 import math
-import os
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
-from urllib.parse import urlparse
 
 from pipeline.config import Config
 from pipeline.data import cache
 from pipeline.data.shards import (COLUMNS, FORMAT_VERSION, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedData,
                                   ConvertedSplit)
 from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, ShardPlan, num_partitions,
-                                         plan_split, split_rule)
+                                         plan_shards, split_rule)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -296,10 +294,11 @@ def _usable(manifest: Optional[Dict[str, Any]], url: str) -> bool:
     return True
 
 
-def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch_size: int) -> ShardPlan:
-    """The shard plan over converted splits (fails when a rank would get no data)."""
-    return ShardPlan(train=plan_split("train", train.row_group_rows, world_size, batch_size),
-                     val=plan_split("val", val.row_group_rows, world_size, batch_size))
+def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch_size: int,
+              min_steps: int = 0) -> ShardPlan:
+    """The shard plan over converted splits at `batch_size` per rank, lowered on a small table so an epoch has at least
+    `min_steps` steps (`data.min_steps_per_epoch`); fails when a rank would get no data."""
+    return plan_shards(train.row_group_rows, val.row_group_rows, world_size, batch_size, min_steps)
 
 
 def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: List[str],
@@ -338,7 +337,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: L
         splits[name] = split_from_manifest(name, f"{url}/{s['folder']}", s["files"])
         verify_split(splits[name], s["files"])
     plan = plan_data(splits["train"], splits["val"], world_size,
-                     batch_size if batch_size is not None else cfg.data.batch_size)
+                     batch_size if batch_size is not None else cfg.data.batch_size, cfg.data.min_steps_per_epoch)
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
                          image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)

@@ -427,7 +427,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                 backoffs += 1
                 batch = smaller
             if oom or new_world != world:
-                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, new_world, batch))
+                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, new_world, batch,
+                                                                job.cfg.data.min_steps_per_epoch))
             if new_world != world:
                 job = dataclasses.replace(job, world_size=new_world)
                 if on_world is not None:
@@ -447,8 +448,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                 log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
                             restore or "the start", cause)
             # the user's config stays as it is; the job carries what this relaunch resumes from
-            job = dataclasses.replace(job, restore_from=restore or "", data=data, attempt=attempt,
-                                      start_batch_size=first_batch)
+            job = dataclasses.replace(job, restore_from=restore or "", data=data, attempt=attempt)
 
 
 def _launch(job: TrainJob) -> List[RankResult]:

@@ -34,9 +34,6 @@ class TrainJob:
     epoch_gate_dir: Optional[str] = None
     epoch_gate_timeout_s: float = 30.0
     attempt: int = 0  # 0 = the first launch; n = the n-th relaunch (train.max_restarts, OOM back-off)
-    # OOM back-off (pipeline/distributed/backoff.py): the per-rank batch the job started with (model.lr's batch);
-    # None: the plan's batch was never halved
-    start_batch_size: Optional[int] = None
     # rank 0's tracker, made as tracker(tracking_uri, run_id, local_dir=job_dir) when run_id is set: the driver passes
     # the tracking layer's class (pipeline.tracking.rank_zero.RankZeroTracker), so this layer never imports it
     tracker: Optional[Callable[..., Any]] = None
@@ -120,7 +117,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     import torch
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
-    from pipeline.distributed.backoff import lr_batch_factor
+    from pipeline.distributed.backoff import lr_batch_factor, start_batch_size
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
                                                 MinEpochsEarlyStopping, RngCheckpoint, StopSignals, host_and_pid,
                                                 min_epochs_of)
@@ -147,9 +144,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     pl.seed_everything(cfg.train.seed, workers=True, verbose=False)
     is_zero = rank == 0
     plan = job.data.plan
-    # model.lr is for the starting per-rank batch; an OOM back-off's smaller batch scales it by the same rule
+    # model.lr is for the configured per-rank batch (data.batch_size, or data.auto_batch_start); a smaller batch in use
+    # (an OOM back-off, a small table's data.min_steps_per_epoch) scales it by the same rule
     batch = plan.train.batch_size
-    start = job.start_batch_size or batch
+    start = start_batch_size(cfg.data)
     lr = scaled_lr(cfg.model.lr, world_size, cfg.train.lr_scaling) * lr_batch_factor(batch, start, cfg.train.lr_scaling)
     if is_zero:
         log.info("training on %d rank(s), batch %d per rank%s, lr %.4g (%s scaling of %.4g), %s, precision %s, "

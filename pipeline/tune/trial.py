@@ -32,12 +32,13 @@ class TrialFailed(RuntimeError):
     """A trial ended without a value (its reason is in the message and in the child run's `error` tag)."""
 
 
-def replan(plan, batch_size: int):
-    """The shard plan for another batch size over the same converted row groups (the files stay valid)."""
-    from pipeline.lakehouse.partition import ShardPlan, plan_split
+def replan(plan, batch_size: int, min_steps: int = 0):
+    """The shard plan for another batch size over the same converted row groups (the files stay valid), lowered on a
+    small table as the job's own plan is (`data.min_steps_per_epoch`)."""
+    from pipeline.lakehouse.partition import plan_shards
 
-    return ShardPlan(train=plan_split("train", plan.train.row_group_rows, plan.train.world_size, batch_size),
-                     val=plan_split("val", plan.val.row_group_rows, plan.val.world_size, batch_size))
+    return plan_shards(plan.train.row_group_rows, plan.val.row_group_rows, plan.train.world_size, batch_size,
+                       min_steps)
 
 
 class SharedData:
@@ -65,8 +66,9 @@ class SharedData:
                      pinned.version)
         data, pinned = self._converted[key]
         batch = start_batch_size(cfg.data)  # data.batch_size may be `auto`: its starting size
-        if data.plan.train.batch_size != batch:
-            data = replace(data, plan=replan(data.plan, batch))
+        planned = replan(data.plan, batch, cfg.data.min_steps_per_epoch)
+        if planned.train.batch_size != data.plan.train.batch_size:
+            data = replace(data, plan=planned)
         return data, pinned
 
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from pipeline.lakehouse.partition import PlanError, is_validation, plan_split, split_bucket
+from pipeline.lakehouse.partition import PlanError, batch_for_min_steps, is_validation, plan_shards, plan_split, split_bucket
 
 
 def test_split_is_stable_when_table_grows():
@@ -80,3 +80,18 @@ def test_memory_budget_is_per_rank_train_first(budget_mb, train_kept, val_kept):
     dm = make_datamodule(data, 1, 2, DataConfig(memory_cache_mb=budget_mb))
     assert dm.train_loader.shard_mb() == pytest.approx(1000 * 1036 / 2 ** 20)
     assert (dm.train_loader.keeps_in_memory, dm.val_loader.keeps_in_memory) == (train_kept, val_kept)
+
+
+def test_a_small_table_lowers_the_batch_to_give_the_minimum_steps():
+    groups = [72, 71, 72, 71]  # 286 rows: 143 per rank on 2 ranks, 4 steps at 32
+    assert plan_split("train", groups, 2, 32).steps_per_epoch == 4
+    assert batch_for_min_steps(groups, 2, 32, 16) == 8
+    plan = plan_shards(groups, [20, 20], 2, 32, min_steps=16)
+    assert plan.train.batch_size == plan.val.batch_size == 8 and plan.train.steps_per_epoch >= 16
+
+
+def test_a_large_enough_table_and_zero_keep_the_batch():
+    assert batch_for_min_steps([400, 400], 2, 32, 16) == 25  # 400 // 32 = 12 < 16: lowered to 400 // 16 ...
+    assert batch_for_min_steps([800, 800], 2, 32, 16) == 32  # ... 25 steps: kept
+    assert batch_for_min_steps([10, 10], 2, 32, 0) == 32
+    assert batch_for_min_steps([3, 3], 2, 32, 16) == 1  # never below 1

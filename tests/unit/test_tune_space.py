@@ -128,9 +128,13 @@ def test_trial_data_plans_auto_batch_at_its_start_size():
 
     data = Data(plan)
     shared = SharedData(lambda cfg: (data, SimpleNamespace(table="t", version=0)))
-    cfg = apply_overrides(Config(), {"data.batch_size": "auto", "data.auto_batch_start": 100})
+    cfg = apply_overrides(Config(), {"data.batch_size": "auto", "data.auto_batch_start": 100,
+                                     "data.min_steps_per_epoch": 0})
     got, _ = shared.for_config(cfg)
     assert got.plan.train.batch_size == 100 and got.plan.train.steps_per_epoch == 4
+    # at the default data.min_steps_per_epoch (16) the trial's plan is lowered as a job's is: 400 // 16 per rank
+    got, _ = shared.for_config(apply_overrides(cfg, {"data.min_steps_per_epoch": 16}))
+    assert got.plan.train.batch_size == 25 and got.plan.train.steps_per_epoch == 16
 
 
 def _wait_for(path, timeout=10.0):
