@@ -55,5 +55,5 @@ setup(
                 "ipykernel==7.4.0", "cmake==4.4.4", "import-linter==2.16"],
         **PROFILES,
     },
-    entry_points={"console_scripts": ["lakehouse=pipeline.cli:main"]},
+    entry_points={"console_scripts": ["lakehouse=pipeline.cli:console"]},
 )

@@ -98,7 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command; returns its exit status (jobs/*.py call this in a driver's Python that goes on afterwards)."""
     return _exit_past_abandoned_launches(_main(argv))
+
+
+def console() -> None:
+    """The `lakehouse` command (and `python -m pipeline.cli`): `main`, then the process ends as a normal exit does
+    (threads that are not daemons joined, exit handlers run: Spark's and Petastorm's clean-ups, MLflow's flushes),
+    but without the interpreter's teardown of every module torch, MLflow and py4j loaded: 1.4 s of a training job's
+    exit on this machine, measured. An exception out of `main` takes the normal path."""
+    end_process(main())
+
+
+def end_process(rc: int) -> None:
+    """Exit with `rc` now: join the threads that are not daemons, run the exit handlers, flush, then `os._exit`."""
+    import atexit
+    import threading
+
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not me and not thread.daemon and thread.is_alive():
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(rc)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -222,4 +250,4 @@ def _exit_past_abandoned_launches(rc: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

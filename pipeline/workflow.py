@@ -35,7 +35,7 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
 
     `leases` (pipeline.data.leases.JobLeases, optional): the job's leases; the cache entry used is held in it, so no
     other job evicts or clears it until the job releases it (when its training ends)."""
-    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.data.convert import convert_for_training
     from pipeline.data.readers import require_reader
     from pipeline.distributed.backoff import start_batch_size
     from pipeline.lakehouse.cluster import require_reachable
@@ -44,14 +44,10 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
     df, pinned = read_pinned(spark, cfg)
     log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
-    class_names = class_names_of(df)
-    if not class_names:
-        from pipeline.lakehouse.partition import PlanError
-
-        raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
-    # the batch in use is the plan's (data.batch_size: auto starts at data.auto_batch_start and an out-of-memory halves
-    # it in the launcher); the user's config stays as given
-    data = convert_for_training(spark, df, cfg, world_size_of(cfg), class_names, pinned, leases=leases,
+    # the class names come with the conversion (a cache hit reads them from its manifest: no Spark job); the batch
+    # in use is the plan's (data.batch_size: auto starts at data.auto_batch_start and an out-of-memory halves it in
+    # the launcher); the user's config stays as given
+    data = convert_for_training(spark, df, cfg, world_size_of(cfg), None, pinned, leases=leases,
                                 batch_size=start_batch_size(cfg.data))
     return data, pinned
 

@@ -211,7 +211,7 @@ def score_on_rows(model_uri: str, rows: HeldOutRows, metric: str) -> float:
     if not (metric.endswith("_acc") or metric.endswith("_loss")):
         raise RegistryError(f"config key 'mlflow.gate_metric': {metric!r} is neither an accuracy (*_acc) nor a loss "
                             f"(*_loss); the gate cannot score it on held-out rows")
-    model = load_pyfunc(model_uri)
+    model = load_pyfunc(model_uri, check_requirements=False)  # scored where it was trained: no requirement warning
     where = None
     if metric.endswith("_loss"):
         names = list((model.metadata.metadata or {}).get("class_names") or [])

@@ -27,8 +27,12 @@ log = get_logger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
-def load_pyfunc(model_uri: str):
-    """`mlflow.pyfunc.load_model(model_uri)` in a process that goes on working: MLflow prepends the model's code
+def load_pyfunc(model_uri: str, check_requirements: bool = True):
+    """`mlflow.pyfunc.load_model(model_uri)` in a process that goes on working. `check_requirements=False`: without
+    MLflow's warning about the model's pip requirements and this environment (0.7 s: it maps every installed
+    distribution to its modules), for a caller that scores in the environment that trains (the promotion gate).
+
+    MLflow prepends the model's code
     folder (a partial copy of `pipeline`) to sys.path for good, so processes spawned afterwards (Horovod ranks, the
     bench's controls) would import that copy and miss the rest of the package. The modules the model needs are
     imported while it loads, so sys.path is put back once it has.
@@ -41,7 +45,7 @@ def load_pyfunc(model_uri: str):
     with _LOAD_LOCK:
         path = list(sys.path)
         try:
-            return mlflow.pyfunc.load_model(model_uri)
+            return mlflow.pyfunc.load_model(model_uri, suppress_warnings=not check_requirements)
         finally:
             sys.path[:] = path
 

@@ -16,7 +16,7 @@ def test_loads_never_overlap_and_each_thread_gets_its_own_model(monkeypatch):
     guard = threading.Lock()
     handed_over = {}  # stands in for mlflow.models.model.__mlflow_model__
 
-    def fake_load_model(uri):
+    def fake_load_model(uri, suppress_warnings=False):
         with guard:
             inside[0] += 1
             most[0] = max(most[0], inside[0])

@@ -52,10 +52,29 @@ def test_a_failed_rank_process_prints_its_traceback_and_exits_at_once(monkeypatc
     assert "RuntimeError: rank 1 broke" in capsys.readouterr().err
 
 
-def test_a_rank_process_that_succeeds_returns_its_result(monkeypatch):
+def test_a_rank_process_that_succeeds_returns_its_result_and_ends_fast_only_after(monkeypatch):
+    fast = []
     monkeypatch.setattr(loop, "horovod_worker", lambda job: ("result", job))
     monkeypatch.setattr(loop, "exit_now", lambda code: pytest.fail("a rank that succeeded must not exit early"))
+    monkeypatch.setattr(loop, "exit_fast_after_delivery", lambda: fast.append(True))  # not in pytest's own process
     assert loop.horovod_rank_process("job") == ("result", "job")
+    assert fast == [True]
+
+
+@pytest.mark.parametrize("tail, code", [("", 0), ("raise RuntimeError('delivery failed')", 1),
+                                        ("import sys; sys.stdout.write('delivered'); sys.stdout.flush()", 0)])
+def test_fast_exit_keeps_a_failed_delivery_s_status_and_the_output(tail, code):
+    """A real process: the launcher's code after the rank function runs; a failure there keeps its exit status."""
+    import subprocess
+    import sys
+
+    script = "from pipeline.distributed import loop\nloop.exit_fast_after_delivery()\n" + tail + "\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    if "delivered" in tail:
+        assert done.stdout == "delivered"
+    if code:
+        assert "delivery failed" in done.stderr
 
 
 def test_exit_now_flushes_and_ends_the_process_with_its_code():
