@@ -74,7 +74,7 @@ def rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows:
     from pipeline.bench.lightning_path import timed_train
     from pipeline.bench.reference import horovod_alone, memory_batch_list
     from pipeline.distributed.horovod_strategy import HorovodStrategy
-    from pipeline.distributed.loop import repair_horovod_env
+    from pipeline.distributed.rank_process import repair_horovod_env
 
     if os.environ.get("LAKEHOUSE_BENCH_RAW_HOROVOD_ENV") != "1":  # =1: what training got before the repair
         repair_horovod_env()

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from pipeline.distributed.loop import (RankResult, TrainJob, ddp_worker, fsdp_worker, horovod_rank_process,
-                                      horovod_worker, train, with_env)
+from pipeline.distributed.loop import RankResult, TrainJob, train
+from pipeline.distributed.rank_process import (ddp_worker, fsdp_worker, horovod_rank_process, horovod_worker,
+                                               with_env)
+from pipeline.distributed.executors import (cluster_slots, driver_nics, executor_addresses, spark_context,
+                                            unanswering_executors)
 from pipeline.distributed.rank_env import executor_env, rank_environment
+from pipeline.distributed.rank_signals import forward_sigterm
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -19,82 +21,18 @@ log = get_logger(__name__)
 
 class DistributedTrainingError(RuntimeError):
     """A rank failed; the message names the rank and its exception, `rank_classes` the classes each failed rank
-    recorded (rank -> dotted class names, most specific first: `loop.error_classes`)."""
+    recorded (rank -> dotted class names, most specific first: `rank_process.error_classes`)."""
 
     def __init__(self, message: str, rank_classes: Optional[Dict[int, List[str]]] = None) -> None:
         super().__init__(message)
         self.rank_classes: Dict[int, List[str]] = dict(rank_classes or {})
 
 
-# Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
-# TorchDistributor's torchrun); their launchers' middlemen are left alone so they can clean up.
-RANK_PROCESS_MARKERS = ("horovod.runner.run_task", "horovod.spark.task", "torch.distributed.run", "torchrun")
-
-
-def rank_processes() -> list:
-    """This process's descendants that run a training rank."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            argv = proc.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        # the Python process itself, not the `sh -c` that started it (a signalled shell would make
-        # Horovod's launcher treat the rank as failed and kill the others before they checkpoint)
-        if argv and "python" in os.path.basename(argv[0]) and any(m in " ".join(argv) for m in RANK_PROCESS_MARKERS):
-            found.append(proc)
-    return found
-
-
-class _TermState:
-    terminated = False
-
-
-@contextmanager
-def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
-    """While ranks run, SIGTERM to the driver is passed on to them: each rank's StopSignals callback makes
-    them agree to stop, rank 0 writes a last checkpoint, and they return. Ranks still alive after
-    `grace_s` are killed.
-    """
-    state = _TermState()
-    if threading.current_thread() is not threading.main_thread():
-        yield state
-        return
-
-    def kill_leftovers() -> None:
-        for proc in rank_processes():
-            log.error("rank process %d did not stop within %.0f s of SIGTERM; killing it", proc.pid, grace_s)
-            proc.kill()
-
-    def on_term(signum, frame) -> None:
-        if state.terminated:
-            return
-        state.terminated = True
-        ranks = rank_processes()
-        log.warning("SIGTERM: asking %d rank process(es) to write a last checkpoint and stop", len(ranks))
-        for proc in ranks:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except Exception:
-                pass
-        timer = threading.Timer(grace_s, kill_leftovers)
-        timer.daemon = True
-        timer.start()
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield state
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 # How a collective that ran past the process group's timeout reads (gloo; NCCL's watchdog)
 COLLECTIVE_TIMEOUT_MARKS = ("Timed out waiting", "Watchdog caught collective operation timeout")
 
 
-# A rank that started and left neither an error nor a result (loop.rank_record)
+# A rank that started and left neither an error nor a result (rank_process.rank_record)
 SILENT_RANK = ("ended without reporting an error: killed by a signal (SIGKILL, the kernel's OOM killer, a lost "
                "node) or stopped by the launcher after another rank failed")
 
@@ -118,72 +56,6 @@ def _failures(job: TrainJob) -> str:
         host = folder.host(rank) if rank in started else ""
         parts.append(f"rank {rank}: {first}" + (f" (on host {host})" if host else ""))
     return "; ".join(parts)
-
-
-def _spark_context():
-    from pyspark import SparkContext
-
-    return SparkContext._active_spark_context
-
-
-def _executors(sc) -> List[tuple]:
-    """(id, host, block manager port) of each executor the driver knows of (the lost ones too, until Spark's own
-    timeouts remove them)."""
-    keys = sc._jsc.sc().env().blockManager().master().getMemoryStatus().keys().iterator()
-    found = []
-    while keys.hasNext():
-        bm = keys.next()
-        if bm.executorId() != "driver":
-            found.append((bm.executorId(), bm.host(), bm.port()))
-    return found
-
-
-def _answers(host: str, port: int, timeout_s: float) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
-def _executor_addresses() -> List[str]:
-    """host:port of the block manager of each executor the driver knows of now ([] without a Spark context)."""
-    sc = _spark_context()
-    try:
-        return [f"{host}:{port}" for _, host, port in _executors(sc)] if sc is not None else []
-    except Exception:  # the context stopping
-        return []
-
-
-def unanswering_executors(timeout_s: float = 2.0, known: Sequence[str] = ()) -> List[str]:
-    """The executors (host:port of their block managers) that do not accept a connection now: a host lost, its link
-    cut, its machine stopped. Spark itself learns it only after `spark.network.timeout` (120 s by default). `known`:
-    executors seen earlier, checked too: a standalone master may have dropped a lost host's executor from the list
-    already (its worker silent for `spark.worker.timeout`, 60 s)."""
-    wanted = list(dict.fromkeys([*known, *_executor_addresses()]))
-    return [a for a in wanted if not _answers(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]), timeout_s)]
-
-
-def cluster_slots(timeout_s: float = 2.0) -> int:
-    """Rank slots left on the cluster for an elastic relaunch (train.min_np): task slots on the executors that answer
-    now. Executors that do not are removed from the application first, so no task of the relaunch waits on them."""
-    sc = _spark_context()
-    if sc is None:
-        return 0
-    executors = _executors(sc)
-    conf = sc.getConf()
-    task_cpus = max(1, int(float(conf.get("spark.task.cpus", "1"))))
-    cores = conf.get("spark.executor.cores", None)
-    per = max(1, (int(cores) if cores else sc.defaultParallelism // max(1, len(executors))) // task_cpus)
-    live = 0
-    for executor_id, host, port in executors:
-        if _answers(host, port, timeout_s):
-            live += 1
-        else:
-            log.warning("executor %s on %s:%d does not answer: removed from the application", executor_id, host,
-                        port)
-            sc._jsc.sc().killExecutor(executor_id)
-    return live * per
 
 
 # Threads a launch that `_bounded` gave up on left behind, still waiting on a lost host (Horovod's per-rank threads are
@@ -235,13 +107,13 @@ def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
     seen: Dict[str, None] = {}  # the executors of the launch, in the order first seen
     while thread.is_alive():
         thread.join(timeout=1.0)
-        seen.update(dict.fromkeys(_executor_addresses()))
+        seen.update(dict.fromkeys(executor_addresses()))
         if failed_at is None and job.folder.ranks_with("error"):
             failed_at = time.monotonic()
         if thread.is_alive() and failed_at is not None and time.monotonic() - failed_at > grace:
             lost = unanswering_executors(known=list(seen))
             _ABANDONED.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
-            sc = _spark_context()
+            sc = spark_context()
             if sc is not None:
                 sc.cancelAllJobs()
             log.error("the ranks' launch did not return within %g s after a rank failed; cancelled its Spark jobs",
@@ -317,24 +189,6 @@ def is_restartable(exc: BaseException) -> bool:
         return False
     names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
     return not any(names.intersection(found) for found in getattr(exc, "rank_classes", {}).values())
-
-
-def driver_nics() -> Optional[set]:
-    """The driver's network interface that the executors reach it on (the one holding `spark.driver.host`'s address),
-    for a Horovod launch of one Spark task: Horovod then takes the common interfaces of that one task alone, loopback
-    among them, and its rank would look for the rendezvous server on 127.0.0.1. None: not found (Horovod decides)."""
-    import psutil
-
-    sc = _spark_context()
-    host = sc.getConf().get("spark.driver.host", "") if sc is not None else ""
-    try:
-        address = socket.gethostbyname(host) if host else ""
-    except OSError:
-        return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs) and not address.startswith("127."):
-            return {name}
-    return None
 
 
 def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
@@ -434,7 +288,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                     on_world(new_world, cause)
             if restore and os.path.exists(restore) and (fresh or batch != first_batch or new_world != world):
                 # trained with another batch than this launch's (it records which): steps, schedule, rates restated
-                from pipeline.distributed.checkpoints import restated  # torch: on the driver only when needed
+                from pipeline.distributed.restate import restated  # torch: on the driver only when needed
 
                 restore = restated(restore, data.plan.train.steps_per_epoch, batch, data.plan.train.world_size,
                                    job.cfg.train.lr_scaling)

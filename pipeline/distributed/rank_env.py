@@ -109,7 +109,7 @@ def executor_env(environ: dict, tracking_uri: Optional[str] = None) -> dict:
     MLflow's tracking credentials, and DATABRICKS_HOST / DATABRICKS_TOKEN when `tracking_uri` is a Databricks
     workspace (`workspace_credentials`). Rank 0 writes to MLflow and needs those, and Horovod on Spark gives every
     task the same environment (which task becomes rank 0 is known only there): the other ranks drop them as they start
-    (`loop.rank_record`, pipeline.redact.TRACKING_CREDENTIALS). Withheld names are logged, never values."""
+    (`rank_process.rank_record`, pipeline.redact.TRACKING_CREDENTIALS). Withheld names are logged, never values."""
     wanted = {k: v for k, v in environ.items() if k.startswith(EXECUTOR_ENV_PREFIXES)}
     withheld = sorted(k for k in wanted if is_secret_key(k) and k not in TRACKING_CREDENTIALS)
     if withheld:

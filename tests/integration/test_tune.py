@@ -61,7 +61,7 @@ def _study(tmp_path, name):
 def test_sweep_two_ranks_prune_fail_best_registered(spark, digits_table, tmp_path):
     from optuna.trial import TrialState
 
-    from pipeline.distributed.launcher import rank_processes
+    from pipeline.distributed.rank_signals import rank_processes
     from pipeline.tune.sweep import run_tune
 
     space = tmp_path / "forced.yaml"

@@ -13,8 +13,9 @@ from pipeline.data.shards import ConvertedData
 from pipeline.distributed import launcher
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, check_checkpoint_lineage,
                                               checkpoint_meta, classifier_from_checkpoint, consolidated_state,
-                                              converted_position, rescale_checkpoint, restated, trained_with)
-from pipeline.distributed.loop import rank_record
+                                              trained_with)
+from pipeline.distributed.restate import converted_position, rescale_checkpoint, restated
+from pipeline.distributed.rank_process import rank_record
 
 WORLD, ROWS_PER_RANK = 2, 320  # steps per epoch: 5 at 64 per rank, 10 at 32, 20 at 16
 

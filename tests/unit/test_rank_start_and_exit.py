@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, available_readers
 from pipeline.data.shards import ConversionError
-from pipeline.distributed import loop
+from pipeline.distributed import rank_process as loop
 
 
 def _modules_after(code: str) -> set:
@@ -68,7 +68,7 @@ def test_fast_exit_keeps_a_failed_delivery_s_status_and_the_output(tail, code):
     import subprocess
     import sys
 
-    script = "from pipeline.distributed import loop\nloop.exit_fast_after_delivery()\n" + tail + "\n"
+    script = "from pipeline.distributed import rank_process as loop\nloop.exit_fast_after_delivery()\n" + tail + "\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
     if "delivered" in tail:
@@ -78,7 +78,7 @@ def test_fast_exit_keeps_a_failed_delivery_s_status_and_the_output(tail, code):
 
 
 def test_exit_now_flushes_and_ends_the_process_with_its_code():
-    code = ("import logging, sys\nfrom pipeline.distributed.loop import exit_now\n"
+    code = ("import logging, sys\nfrom pipeline.distributed.rank_process import exit_now\n"
             "sys.stdout.write('unflushed line')\nexit_now(3)\nprint('never')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 3 and out.stdout == "unflushed line"

@@ -164,7 +164,8 @@ def test_executors_get_tracking_credentials_but_no_other_secret(caplog):
 
 @pytest.mark.parametrize("rank, kept", [(0, True), (1, False)])
 def test_ranks_but_zero_drop_the_tracking_credentials(tmp_path, monkeypatch, rank, kept):
-    from pipeline.distributed.loop import TrainJob, rank_record
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.distributed.rank_process import rank_record
 
     for name in TRACKING_CREDENTIALS:
         monkeypatch.setenv(name, "SUPERSECRET456")
@@ -177,7 +178,8 @@ def test_ranks_but_zero_drop_the_tracking_credentials(tmp_path, monkeypatch, ran
 
 
 def test_a_rank_error_in_the_job_folder_hides_url_passwords(tmp_path):
-    from pipeline.distributed.loop import TrainJob, rank_record
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.distributed.rank_process import rank_record
 
     job = TrainJob(cfg=None, data=None, delta_table="t", delta_version=0, job_dir=str(tmp_path))
     with pytest.raises(RuntimeError):

@@ -10,7 +10,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.distributed.rank_env import executor_env, rank_environment, workspace_credentials
-from pipeline.distributed.loop import TrainJob, with_env
+from pipeline.distributed.loop import TrainJob
+from pipeline.distributed.rank_process import with_env
 from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS
 
 TOKEN = "dapiSUPERSECRET456"
@@ -60,7 +61,7 @@ def test_executors_get_the_workspace_credentials_only_when_tracking_to_databrick
     assert set(executor_env(env, "http://127.0.0.1:5000")) == {"MLFLOW_TRACKING_URI"}
     assert set(executor_env(env)) == {"MLFLOW_TRACKING_URI"}
     assert set(WORKSPACE_CREDENTIALS) == {"DATABRICKS_HOST", "DATABRICKS_TOKEN"}
-    assert set(WORKSPACE_CREDENTIALS) <= set(TRACKING_CREDENTIALS)  # ranks but 0 drop them (loop.rank_record)
+    assert set(WORKSPACE_CREDENTIALS) <= set(TRACKING_CREDENTIALS)  # ranks but 0 drop them (rank_process.rank_record)
 
 
 def test_a_torchdistributor_rank_gets_what_it_lacks_and_keeps_what_it_has(monkeypatch):

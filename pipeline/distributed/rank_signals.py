@@ -1,0 +1,77 @@
+"""The driver's hold on its rank processes: finding them among its descendants, and passing a SIGTERM on to them with
+a grace period before the ones left are killed."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+# Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
+# TorchDistributor's torchrun); their launchers' middlemen are left alone so they can clean up.
+RANK_PROCESS_MARKERS = ("horovod.runner.run_task", "horovod.spark.task", "torch.distributed.run", "torchrun")
+
+
+def rank_processes() -> list:
+    """This process's descendants that run a training rank."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            argv = proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        # the Python process itself, not the `sh -c` that started it (a signalled shell would make
+        # Horovod's launcher treat the rank as failed and kill the others before they checkpoint)
+        if argv and "python" in os.path.basename(argv[0]) and any(m in " ".join(argv) for m in RANK_PROCESS_MARKERS):
+            found.append(proc)
+    return found
+
+
+class _TermState:
+    terminated = False
+
+
+@contextmanager
+def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
+    """While ranks run, SIGTERM to the driver is passed on to them: each rank's StopSignals callback makes
+    them agree to stop, rank 0 writes a last checkpoint, and they return. Ranks still alive after
+    `grace_s` are killed.
+    """
+    state = _TermState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def kill_leftovers() -> None:
+        for proc in rank_processes():
+            log.error("rank process %d did not stop within %.0f s of SIGTERM; killing it", proc.pid, grace_s)
+            proc.kill()
+
+    def on_term(signum, frame) -> None:
+        if state.terminated:
+            return
+        state.terminated = True
+        ranks = rank_processes()
+        log.warning("SIGTERM: asking %d rank process(es) to write a last checkpoint and stop", len(ranks))
+        for proc in ranks:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except Exception:
+                pass
+        timer = threading.Timer(grace_s, kill_leftovers)
+        timer.daemon = True
+        timer.start()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGTERM, old)

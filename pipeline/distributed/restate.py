@@ -1,0 +1,117 @@
+"""Restating a checkpoint for another global batch (an OOM back-off's smaller batch, an elastic relaunch's fewer
+ranks): the fit loop's and the schedule's step counters at the same place in training, the rates by
+`train.lr_scaling`, from the batch and world size the checkpoint records (`checkpoints.trained_with`)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from pipeline.distributed.backoff import lr_batch_factor
+from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, is_sharded_checkpoint, read_checkpoint,
+                                              trained_with)
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+def converted_position(total: int, current: int, old_steps: int, old_batch: int, new_steps: int,
+                       new_batch: int) -> Tuple[int, int]:
+    """A checkpoint's place in training, (batches trained in all, batches trained in its epoch) in batches of
+    `old_batch` (`old_steps` per epoch), in batches of `new_batch` (`new_steps` per epoch): the same epoch, and within
+    it the batch that covers the same number of samples (an epoch that had ended stays ended; a mid-epoch one never
+    reaches its last step)."""
+    epochs = (int(total) - int(current)) // old_steps
+    within = new_steps if current >= old_steps else min(new_steps - 1, int(current) * old_batch // new_batch)
+    return epochs * new_steps + within, within
+
+
+# the fit loop's step counters in a Lightning checkpoint (progress trackers with `total` and `current` counts)
+_PROGRESS = ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress",
+             "epoch_loop.automatic_optimization.optim_progress")
+
+
+def _set_counts(node: Dict[str, Any], total: int, current: int) -> None:
+    """Every `total` / `current` count under a progress tracker's state set to `total` / `current`."""
+    for key, value in node.items():
+        if not isinstance(value, dict):
+            continue
+        if key in ("total", "current"):
+            value.update({k: total if key == "total" else current for k, v in value.items() if isinstance(v, int)})
+        else:
+            _set_counts(value, total, current)
+
+
+def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_steps: int, new_batch: int,
+                       lr_factor: float, new_world: Optional[int] = None, rank_batch: Optional[int] = None) -> int:
+    """Write `src` (a Lightning checkpoint trained with `old_batch` per rank) to `dst` as if trained with `new_batch`:
+    every step counter of the fit loop and the LR scheduler at the converted position (`converted_position`), the
+    learning rates of the optimizer and scheduler times `lr_factor`, the data stream's steps per epoch, and its
+    `trained_with` record (`new_world` ranks of `rank_batch` each, when given: the batches are then global). Weights, optimizer moments, lineage and callbacks' states are
+    kept. Returns the converted global step."""
+    ckpt = read_checkpoint(src)
+    fit = ckpt["loops"]["fit_loop"]
+    progress = fit["epoch_loop.batch_progress"]
+    total, current = converted_position(progress["total"]["ready"], progress["current"]["ready"], old_steps,
+                                        old_batch, new_steps, new_batch)
+    for name in _PROGRESS:
+        _set_counts(fit.get(name, {}), total, current)
+    fit.get("epoch_loop.state_dict", {})["_batches_that_stepped"] = total
+    for state in fit.get("state_dict", {}).get("combined_loader", []) or []:
+        if isinstance(state, dict) and "steps_per_epoch" in state:
+            state["steps_per_epoch"] = new_steps
+            if new_world is not None and "world_size" in state:
+                state["world_size"] = int(new_world)
+    for opt in ckpt.get("optimizer_states", []):
+        for group in opt.get("param_groups", []):
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= lr_factor
+    for sched in ckpt.get("lr_schedulers", []):
+        sched["last_epoch"], sched["_step_count"] = total, total + 1
+        for key in ("base_lrs", "_last_lr"):
+            if key in sched:
+                sched[key] = [lr * lr_factor for lr in sched[key]]
+    ckpt["global_step"] = total
+    record = ckpt.get(TRAINED_WITH)
+    if isinstance(record, dict):
+        ckpt[TRAINED_WITH] = {**record, "batch_size": rank_batch or new_batch, "steps_per_epoch": new_steps,
+                              "global_step": total,
+                              "lr": float(record.get("lr", 0.0)) * lr_factor}
+        if new_world is not None:
+            ckpt[TRAINED_WITH]["world_size"] = int(new_world)
+    tmp = dst + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, dst)
+    return total
+
+
+def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str) -> str:
+    """Checkpoint `path` for a launch of `world_size` ranks with `batch_size` per rank (`steps_per_epoch`): `path`
+    itself when it records that batch and world size, else a copy beside it restated from what it records
+    (`rescale_checkpoint`). Positions and rates follow the global batch (per-rank batch x ranks): an OOM back-off
+    halves it, an elastic relaunch on fewer ranks (train.min_np) shrinks it; the rate by `train.lr_scaling`.
+
+    Raises:
+        CheckpointError: it records no batch, or is a sharded (FSDP) checkpoint trained with another batch or world
+            size; naming the file.
+    """
+    record = trained_with(path)
+    old_batch, old_world = int(record["batch_size"]), int(record.get("world_size", world_size))
+    if (old_batch, old_world) == (batch_size, world_size):
+        return path
+    if is_sharded_checkpoint(path):
+        raise CheckpointError(f"checkpoint {path} (sharded, trained with {old_batch} per rank on {old_world} ranks) "
+                              f"cannot be restated for {batch_size} per rank on {world_size}; set a smaller "
+                              f"data.batch_size, or train.min_np=null")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
+    dst = os.path.join(os.path.dirname(path), f"{name}.ckpt")
+    old_global, new_global = old_batch * old_world, batch_size * world_size
+    step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_global, steps_per_epoch, new_global,
+                              lr_batch_factor(new_global, old_global, lr_scaling), new_world=world_size,
+                              rank_batch=batch_size)
+    log.info("checkpoint %s (%d per rank x %d, step %s) restated for %d per rank x %d at step %d: %s", path,
+             old_batch, old_world, record.get("global_step"), batch_size, world_size, step, dst)
+    return dst
