@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import List, Optional
 
-from pipeline.log import get_logger, setup_logging
+from pipeline.log import flush_and_exit, get_logger, setup_logging
 
 log = get_logger("lakehouse")
 
@@ -120,13 +119,7 @@ def end_process(rc: int) -> None:
         if thread is not me and not thread.daemon and thread.is_alive():
             thread.join()
     atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(rc)
+    flush_and_exit(rc)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -243,10 +236,7 @@ def _exit_past_abandoned_launches(rc: int) -> int:
     if not left:
         return rc
     log.warning("exiting without %d launcher thread(s) still waiting on a lost host", len(left))
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    flush_and_exit(rc)
 
 
 if __name__ == "__main__":

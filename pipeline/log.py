@@ -83,3 +83,19 @@ def quiet_third_party_warnings() -> None:
 
 def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
+
+
+def flush_and_exit(code: int) -> None:
+    """Flush the log handlers and the standard streams, then end the process with `code` at once, without the
+    interpreter's teardown (its exit handlers and module clean-up): for a process whose work is done or lost."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Callable, Dict, Iterator
 
 from pipeline.distributed.loop import RankResult, TrainJob, train
-from pipeline.log import get_logger, setup_logging
+from pipeline.log import flush_and_exit, get_logger, setup_logging
 
 log = get_logger(__name__)
 
@@ -115,20 +115,7 @@ def exit_fast_after_delivery() -> None:
 
 def exit_now(code: int) -> None:
     """Flush the logs and the standard streams, then end the process without the interpreter's teardown."""
-    import logging
-    import sys
-
-    for handler in logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+    flush_and_exit(code)
 
 
 def ddp_worker(job: TrainJob, sharded: bool = False) -> RankResult:
