@@ -126,3 +126,23 @@ def test_a_rank_that_ended_without_a_word_is_named_beside_the_ranks_errors(tmp_p
     for name in ("rank0.started", "rank0.error", "rank1.started", "rank10.started", "rank10.error"):
         (folder / name).unlink()
     assert _failures(job) == ""  # every rank that started also finished
+
+
+def test_the_command_s_fast_end_keeps_its_status_threads_and_exit_handlers(tmp_path):
+    """`lakehouse` ends with `cli.end_process`: a thread that is not a daemon finishes its work and the exit handlers
+    run (Spark's, Petastorm's clean-ups) before the process ends, with the command's status."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, threading, time\n"
+        "from pipeline import cli\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'handler')!r}, 'w').write('ran'))\n"
+        f"threading.Thread(target=lambda: (time.sleep(0.3), open({str(tmp_path / 'thread')!r}, 'w').write('done')))"
+        ".start()\n"
+        "print('summary', flush=False)\n"
+        "cli.end_process(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "summary\n"
+    assert (tmp_path / "handler").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
