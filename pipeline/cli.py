@@ -110,14 +110,13 @@ def console() -> None:
 
 
 def end_process(rc: int) -> None:
-    """Exit with `rc` now: join the threads that are not daemons, run the exit handlers, flush, then `os._exit`."""
+    """Exit with `rc` now, in the interpreter's own order: `threading._shutdown` (the threading exit hooks, which tell
+    idle thread pools such as MLflow's artifact uploaders to stop, then the join of the threads that are not daemons:
+    joining them without the hooks waits forever), the exit handlers, a flush, then `os._exit`."""
     import atexit
     import threading
 
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not me and not thread.daemon and thread.is_alive():
-            thread.join()
+    threading._shutdown()
     atexit._run_exitfuncs()
     flush_and_exit(rc)
 

@@ -140,6 +140,8 @@ def test_the_command_s_fast_end_keeps_its_status_threads_and_exit_handlers(tmp_p
         f"atexit.register(lambda: open({str(tmp_path / 'handler')!r}, 'w').write('ran'))\n"
         f"threading.Thread(target=lambda: (time.sleep(0.3), open({str(tmp_path / 'thread')!r}, 'w').write('done')))"
         ".start()\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "pool = ThreadPoolExecutor(2); pool.submit(lambda: 1).result()  # idle workers, as MLflow's uploaders leave\n"
         "print('summary', flush=False)\n"
         "cli.end_process(3)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
