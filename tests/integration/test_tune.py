@@ -17,8 +17,9 @@ from test_notebooks import kernel_name  # noqa: F401  (fixture: a kernelspec for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
+# data.min_steps_per_epoch=0 as make_config has it: a sweep started by the CLI and resumed in-process has one config
 BASE = ("data.batch_size=16", "train.max_epochs=2", "train.warmup_epochs=0", "train.np=-2",
-        "mlflow.experiment=tune", "tune.startup_trials=2", "tune.warmup_epochs=1")
+        "mlflow.experiment=tune", "tune.startup_trials=2", "tune.warmup_epochs=1", "data.min_steps_per_epoch=0")
 
 # Trials 0 and 1 learn (2 complete before the pruner may act); trial 2 diverges at step 2 (the pipeline's non-finite
 # stop: a failed trial); trial 3 is hopeless (Adam at lr 1: every step moves each weight by about 1, the val_loss
