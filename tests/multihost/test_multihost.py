@@ -304,7 +304,7 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
     try:
         done = submit(cluster, "train.py", [*settings(cluster, "elastic"), "train.np=2", "train.min_np=1",
                                             "train.max_restarts=1", "train.max_epochs=2", "train.warmup_epochs=0",
-                                            "data.batch_size=16", "data.reader=arrow",
+                                            "data.batch_size=16", "data.min_steps_per_epoch=0", "data.reader=arrow",
                                             "train.checkpoint_every_n_steps=2", "train.early_stopping.enabled=false",
                                             f"train.stall_timeout_s={stall}", "train.start_timeout_s=60",
                                             "mlflow.gate_min_lift=null"], "train-elastic",
