@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from pipeline.config import Config, apply_overrides
 from pipeline.distributed.backoff import start_batch_size
+from pipeline.lakehouse.partition import plan_shards
 from pipeline.log import get_logger
 from pipeline.tune.space import conversion_settings
 from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
@@ -35,8 +36,6 @@ class TrialFailed(RuntimeError):
 def replan(plan, batch_size: int, min_steps: int = 0):
     """The shard plan for another batch size over the same converted row groups (the files stay valid), lowered on a
     small table as the job's own plan is (`data.min_steps_per_epoch`)."""
-    from pipeline.lakehouse.partition import plan_shards
-
     return plan_shards(plan.train.row_group_rows, plan.val.row_group_rows, plan.train.world_size, batch_size,
                        min_steps)
 
