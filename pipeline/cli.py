@@ -7,6 +7,7 @@ import os
 import sys
 from typing import List, Optional
 
+from pipeline import preload
 from pipeline.log import flush_and_exit, get_logger, setup_logging
 
 log = get_logger("lakehouse")
@@ -173,6 +174,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out,
                                        only=args.only.split(",") if args.only else None)))
             return 0
+        if args.command in ("train", "tune", "predict"):
+            # pyspark (pandas with it) loads here first; MLflow and torch, which these commands need after Spark is up,
+            # then load on a thread while this one waits for the JVM to start
+            import pyspark.sql  # noqa: F401
+
+            preload.start(("mlflow", "torch"))
         from pipeline.lakehouse.spark import spark_session
 
         with spark_session(cfg) as spark:

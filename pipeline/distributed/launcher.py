@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from pipeline import preload
 from pipeline.distributed.loop import RankResult, TrainJob, train
 from pipeline.distributed.rank_process import (ddp_worker, fsdp_worker, horovod_rank_process, horovod_worker,
                                                with_env)
@@ -306,6 +307,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
 
 def _launch(job: TrainJob) -> List[RankResult]:
     cfg = job.cfg
+    preload.wait()  # the launches below may fork this process (Horovod's build check): no import may be half done
     backend = cfg.train.backend
     # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
     np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np

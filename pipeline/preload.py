@@ -1,0 +1,46 @@
+"""Import heavy libraries on a background thread while the main thread waits on something else (the JVM's start)."""
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from typing import List, Sequence
+
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+_threads: List[threading.Thread] = []
+
+
+def start(modules: Sequence[str]) -> threading.Thread:
+    """Import `modules`, in order, on a daemon thread; return it.
+
+    The main thread's own later `import` of one of them waits for this one (Python locks each module while it is
+    imported) and then finds it done, so nothing is imported twice and nothing changes but when the time is spent.
+    A library that fails to import here is left alone: the main thread's import raises the error where it is needed.
+    Only libraries that import none of the project belong here (no two threads then wait on each other's modules).
+    """
+
+    def run() -> None:
+        for name in modules:
+            t0 = time.perf_counter()
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - the main thread's import reports it where it matters
+                log.debug("preloading %s failed: %s", name, exc)
+                continue
+            log.debug("preloaded %s in %.2f s", name, time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="lakehouse-preload", daemon=True)
+    _threads.append(thread)
+    thread.start()
+    return thread
+
+
+def wait() -> None:
+    """Return once every background import has ended. Call it before this process forks (Horovod's launch checks its
+    build in a fork): a fork taken while another thread holds a module's import lock leaves the child's import of that
+    module waiting forever."""
+    while _threads:
+        _threads.pop().join()

@@ -1,0 +1,28 @@
+"""pipeline.preload: modules imported on a background thread, a failed import left to the main thread, wait() joins."""
+import sys
+import threading
+
+from pipeline import preload
+
+
+def test_modules_load_on_the_background_thread_and_wait_joins_it(tmp_path, monkeypatch):
+    (tmp_path / "preload_probe_a.py").write_text(
+        "import threading, time\ntime.sleep(0.3)\nLOADED_ON = threading.current_thread().name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    thread = preload.start(["no_such_module_for_preload", "preload_probe_a"])
+    assert thread.is_alive()  # still sleeping inside the probe's import: start() did not wait for it
+    preload.wait()
+    assert not thread.is_alive()
+    assert sys.modules["preload_probe_a"].LOADED_ON == "lakehouse-preload" != threading.current_thread().name
+    assert "no_such_module_for_preload" not in sys.modules  # its failure was swallowed, the next module still loaded
+
+
+def test_the_main_threads_own_import_waits_for_the_background_one(tmp_path, monkeypatch):
+    (tmp_path / "preload_probe_b.py").write_text(
+        "import time\nCOUNT = globals().get('COUNT', 0) + 1\ntime.sleep(0.3)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preload.start(["preload_probe_b"])
+    import preload_probe_b  # noqa: E402 - blocks on the module's lock until the thread's import is done
+
+    assert preload_probe_b.DONE and preload_probe_b.COUNT == 1
+    preload.wait()
