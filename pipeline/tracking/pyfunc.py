@@ -58,6 +58,10 @@ ERROR_COLUMN = "error"
 ON_ERROR_MODES = ("raise", "null")
 META_KEYS = ("arch", "width", "channels", "image_size", "class_names")
 PREDICT_BATCH_SIZE = 256
+# The most rows one call scores (params["max_rows"] raises or lowers it): a served request over it is answered 400
+# before any row is decoded, so one request's time is bounded (every row's pixels are bounded by pipeline.images).
+# Batch scoring and the gate call with PREDICT_BATCH_SIZE rows or fewer.
+MAX_ROWS_PER_CALL = 10_000
 
 # The modules the served model imports. Only these travel with the model (code_paths), so that it
 # loads in a process that has mlflow, torch and pillow but neither the rest of `pipeline` nor its
@@ -158,12 +162,19 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         on_error = (params or {}).get("on_error") or "raise"
         if on_error not in ON_ERROR_MODES:
             raise InvalidModelInput(f"param 'on_error': {on_error!r} is not one of {', '.join(ON_ERROR_MODES)}")
+        max_rows = (params or {}).get("max_rows")
+        max_rows = MAX_ROWS_PER_CALL if max_rows is None else max_rows
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+            raise InvalidModelInput(f"param 'max_rows': {max_rows!r} is not a positive whole number")
         if not isinstance(model_input, pd.DataFrame):
             raise InvalidModelInput(f"model input must be a pandas DataFrame with a '{CONTENT_COLUMN}' column, "
                                     f"got {type(model_input).__name__}")
         if CONTENT_COLUMN not in model_input.columns:
             raise InvalidModelInput(f"model input has no '{CONTENT_COLUMN}' column (encoded image bytes); "
                                     f"got columns {list(map(str, model_input.columns))}")
+        if len(model_input) > max_rows:
+            raise InvalidModelInput(f"{len(model_input):,} rows in one call, over the limit of {int(max_rows):,} "
+                                    f"(param 'max_rows'); send them in smaller requests")
         contents = list(model_input[CONTENT_COLUMN])
         index = list(model_input.index)
         size, channels = self.meta["image_size"], self.meta["channels"]
@@ -209,7 +220,7 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
 def model_signature() -> "mlflow.models.ModelSignature":
     """Input: a binary `content` column (base64 strings in JSON); output: label, label_index, probability,
-    probabilities, and `error` (only with params on_error=null); param `on_error` (raise|null)."""
+    probabilities, and `error` (only with params on_error=null); params `on_error` (raise|null) and `max_rows`."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
@@ -222,7 +233,8 @@ def model_signature() -> "mlflow.models.ModelSignature":
         ColSpec(Array(DataType.double), "probabilities"),
         ColSpec(DataType.string, ERROR_COLUMN, required=False),
     ])
-    params = ParamSchema([ParamSpec("on_error", DataType.string, "raise")])
+    params = ParamSchema([ParamSpec("on_error", DataType.string, "raise"),
+                          ParamSpec("max_rows", DataType.long, MAX_ROWS_PER_CALL)])
     return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 

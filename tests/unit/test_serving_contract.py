@@ -116,6 +116,27 @@ def test_pyfunc_raise_names_the_row_as_a_400():
     assert len(empty) == 0 and "error" in empty.columns
 
 
+def test_pyfunc_refuses_a_call_over_its_row_limit_before_decoding_any_row(monkeypatch):
+    import pipeline.tracking.pyfunc as pyfunc
+
+    model = _model()
+    decoded = []
+    real = pyfunc.image_bytes
+    monkeypatch.setattr(pyfunc, "image_bytes", lambda c: decoded.append(1) or real(c))
+    three = pd.DataFrame({"content": [_png(1)] * 3})
+    over = r"3 rows in one call, over the limit of 2 \(param 'max_rows'\)"
+    with pytest.raises(InvalidModelInput, match=over) as info:
+        model.predict(None, three, params={"max_rows": 2})
+    assert info.value.get_http_status_code() == 400 and decoded == []
+    monkeypatch.setattr(pyfunc, "MAX_ROWS_PER_CALL", 2)  # the default limit applies without the param
+    with pytest.raises(InvalidModelInput, match="over the limit of 2"):
+        model.predict(None, three)
+    assert len(model.predict(None, three, params={"max_rows": 3})) == 3  # the param raises it
+    for bad in (0, -1, "10", True, 1.5):
+        with pytest.raises(InvalidModelInput, match="param 'max_rows': .* is not a positive whole number"):
+            model.predict(None, three, params={"max_rows": bad})
+
+
 def test_pyfunc_takes_base64_text_as_a_server_sends_it():
     import base64
 
