@@ -458,7 +458,7 @@ def test_gate_scores_both_on_the_same_val_rows_and_a_tie_keeps_the_champion(regi
     info = mlflow.models.get_model_info(f"models:/{name}/{v2}")
     assert info.signature.inputs.input_names() == ["content"]
     assert info.signature.inputs.inputs[0].type == DataType.binary
-    assert {p.name for p in info.signature.params} == {"on_error"}
+    assert {p.name for p in info.signature.params} == {"on_error", "max_rows"}
     example = json.loads(Path(mlflow.artifacts.download_artifacts(
         artifact_uri=f"models:/{name}/{v2}/serving_input_example.json")).read_text())
     assert example["dataframe_split"]["columns"] == ["content"]
