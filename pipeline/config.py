@@ -123,8 +123,11 @@ class TrainConfig:
     threads_per_rank: Optional[int] = None
     # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
     precision: str = "auto"
-    start_timeout_s: int = 120  # every rank must have started within this many seconds
-    # A rank that cannot finish a collective within this many seconds shuts the job down.
+    # Every rank must have started within this many seconds; with Horovod it is also Gloo's timeout for each
+    # collective (one setting in Horovod), so a rank whose peer's host is lost fails after it (docs/multi-host.md)
+    start_timeout_s: int = 120
+    # A rank that cannot finish a collective within this many seconds shuts the job down (Horovod's stall check;
+    # on a Spark cluster the launcher also gives the other ranks this long to return after one failed).
     stall_timeout_s: int = 120
     # Elastic (train.np=N on a cluster): after a restartable failure with fewer task slots left than the job's ranks
     # (a host lost), go on from the last checkpoint with the ranks that remain, down to this many (restated for the
