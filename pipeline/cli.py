@@ -174,12 +174,34 @@ def _main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out,
                                        only=args.only.split(",") if args.only else None)))
             return 0
-        if args.command in ("train", "tune", "predict"):
-            # pyspark (pandas with it) loads here first; MLflow and torch, which these commands need after Spark is up,
-            # then load on a thread while this one waits for the JVM to start
+        if args.command == "predict":
+            # pyspark (pandas with it) loads here first; MLflow and torch, which predict needs after Spark is up, then
+            # load on a thread while this one waits for the JVM to start
             import pyspark.sql  # noqa: F401
 
             preload.start(("mlflow", "torch"))
+        if args.command in ("train", "tune"):
+            # MLflow and torch load on a thread while this one pins the table and looks up the converted data; the
+            # JVM starts only if Spark has work to do (a conversion, or a launch that needs the session)
+            from pipeline.lakehouse.spark import spark_on_demand
+
+            preload.start(("mlflow", "torch"))
+            with spark_on_demand(cfg) as spark:
+                if args.command == "tune":
+                    from pipeline.tune.sweep import run_tune
+
+                    print(json.dumps(run_tune(spark, cfg, args.space, args.trials, args.timeout, args.resume)),
+                          flush=True)
+                    return 0
+                from pipeline.workflow import train
+
+                summary = train(spark, cfg, run_name=args.run_name)
+                print(json.dumps(summary), flush=True)
+                if summary.get("offline_run"):  # trained, but MLflow never came back: nothing registered yet
+                    log.error("MLflow unreachable: run kept in %s; upload it with `lakehouse sync-run %s`",
+                              summary["offline_run"], summary["offline_run"])
+                    return 3
+                return 0
         from pipeline.lakehouse.spark import spark_session
 
         with spark_session(cfg) as spark:
@@ -195,21 +217,6 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
                 print(json.dumps(predict_table(spark, cfg, args.model, args.table, args.out, args.version, args.mode,
                                                run_key=args.run_key)))
-                return 0
-            if args.command == "tune":
-                from pipeline.tune.sweep import run_tune
-
-                print(json.dumps(run_tune(spark, cfg, args.space, args.trials, args.timeout, args.resume)), flush=True)
-                return 0
-            if args.command == "train":
-                from pipeline.workflow import train
-
-                summary = train(spark, cfg, run_name=args.run_name)
-                print(json.dumps(summary), flush=True)
-                if summary.get("offline_run"):  # trained, but MLflow never came back: nothing registered yet
-                    log.error("MLflow unreachable: run kept in %s; upload it with `lakehouse sync-run %s`",
-                              summary["offline_run"], summary["offline_run"])
-                    return 3
                 return 0
     except ConfigError as exc:
         log.error("%s", exc)

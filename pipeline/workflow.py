@@ -24,31 +24,50 @@ def ingest(spark, cfg: Config, source: str, mode: str = "append") -> Dict[str, A
 
 
 def read_pinned(spark, cfg: Config):
-    """The Delta table at `delta.version` (latest when unset) and the version it is pinned to."""
+    """The Delta table at `delta.version` (latest when unset) and the version it is pinned to. `spark`: a session, or
+    a `SparkOnDemand` (started here)."""
     from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.spark import session_of
 
-    return get_engine(cfg.delta.engine).read(spark, cfg.delta.table, cfg.delta.version)
+    return get_engine(cfg.delta.engine).read(session_of(spark), cfg.delta.table, cfg.delta.version)
 
 
 def prepare_data(spark, cfg: Config, leases: Any = None):
     """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts).
+
+    `spark`: a session, or a `SparkOnDemand`, started only when Spark has work to do: the table is pinned from its
+    Delta log where the engine can (delta-rs), so a cache hit reads no DataFrame, and the session is started (ahead,
+    on a thread) only for a launch that needs one (`launch_needs_spark`).
 
     `leases` (pipeline.data.leases.JobLeases, optional): the job's leases; the cache entry used is held in it, so no
     other job evicts or clears it until the job releases it (when its training ends)."""
     from pipeline.data.convert import convert_for_training
     from pipeline.data.readers import require_reader
     from pipeline.distributed.backoff import start_batch_size
+    from pipeline.distributed.launcher import launch_needs_spark
     from pipeline.lakehouse.cluster import require_reachable
+    from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.spark import SparkOnDemand, session_of
 
     require_reachable(cfg)  # on a cluster: every path and address a rank or executor uses is on cluster storage
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
-    df, pinned = read_pinned(spark, cfg)
+    if isinstance(spark, SparkOnDemand) and launch_needs_spark(cfg) and not spark.started:
+        spark.start_soon()  # the JVM starts while the table is pinned and the cache looked up
+    engine = get_engine(cfg.delta.engine)
+    pinned = engine.pin(cfg.delta.table, cfg.delta.version)  # from the Delta log alone where the engine can
+    if pinned is None:
+        df, pinned = read_pinned(spark, cfg)
+    else:
+        def df():  # read only on a cache miss: the conversion's input
+            return engine.read(session_of(spark), cfg.delta.table, pinned.version)[0]
     log.info("reading Delta table %s pinned at version %d", pinned.table, pinned.version)
     # the class names come with the conversion (a cache hit reads them from its manifest: no Spark job); the batch
     # in use is the plan's (data.batch_size: auto starts at data.auto_batch_start and an out-of-memory halves it in
     # the launcher); the user's config stays as given
     data = convert_for_training(spark, df, cfg, world_size_of(cfg), None, pinned, leases=leases,
                                 batch_size=start_batch_size(cfg.data))
+    if launch_needs_spark(cfg):
+        session_of(spark)  # the launch finds it active
     return data, pinned
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.data import cache
@@ -240,13 +240,20 @@ def verify_split(split: ConvertedSplit, files: List[Dict[str, Any]]) -> None:
                                   f"convert again") from None
 
 
-def _key_inputs(df, cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
+def _key_inputs(frame: Callable[[], Any], cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
+    """What the entry's content key hashes. The table's data files: the pinned table's `files_digest` when its engine
+    read them from the log (no Spark work), else the DataFrame's `inputFiles()`."""
     import hashlib
 
-    files = sorted(df.inputFiles())
+    digest = getattr(pinned, "files_digest", None)
+    if digest is not None:
+        count = pinned.num_files
+    else:
+        files = sorted(frame().inputFiles())
+        digest, count = hashlib.sha256("\n".join(files).encode()).hexdigest(), len(files)
     return {
         "table": getattr(pinned, "table", None), "version": getattr(pinned, "version", None),
-        "input_files": hashlib.sha256("\n".join(files).encode()).hexdigest(), "input_file_count": len(files),
+        "input_files": digest, "input_file_count": count,
         "val_fraction": cfg.data.val_fraction, "split_rule": split_rule(cfg.data.split_key),
         "image_size": cfg.data.image_size, "channels": cfg.data.channels, "world_size": world_size,
         "partitions_per_worker": cfg.data.partitions_per_worker, "row_groups_per_rank": cfg.data.row_groups_per_rank,
@@ -305,7 +312,9 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
                          pinned: Any = None, leases: Optional[cache.JobLeases] = None,
                          batch_size: Optional[int] = None) -> ConvertedData:
     """Split, decode and convert the pinned DataFrame (or reuse the cache entry with the same content key), then plan
-    the shards before any rank starts. `batch_size`: the per-rank batch to plan for (the job's batch in use, which
+    the shards before any rank starts. `df`: the DataFrame, or a function that reads it, called only when it is needed:
+    with a table pinned from its log (`pinned.files_digest`), a cache hit runs no Spark at all, so a job whose data is
+    converted already starts no JVM for it. `batch_size`: the per-rank batch to plan for (the job's batch in use, which
     `data.batch_size: auto` leaves to the driver); default `data.batch_size`. `class_names` None: the table's
     (`class_names_of`, a Spark job over the label columns), kept in the entry's manifest, so a cache hit reads them
     from there and runs no Spark job at all (1.7 s of a 2-rank job's start on the sample, measured).
@@ -317,7 +326,8 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
         PlanError: a rank would get no data (with rows, row groups, ranks).
         ConversionError: a cached file is missing or unreadable, named.
     """
-    inputs = _key_inputs(df, cfg, world_size, pinned)
+    frame = _once(df if callable(df) else (lambda: df))
+    inputs = _key_inputs(frame, cfg, world_size, pinned)
     key = cache.content_key(inputs)
     url = cache.entry_url(cfg.data.cache_dir, key)
     if leases is not None:  # first: a deleter under the cache's lock either sees it or has finished deleting
@@ -326,14 +336,14 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
     if _usable(manifest, url):
         log.info("converted data cache hit: %s", url)
         if class_names is None:  # the same table, version and files as when it was converted: the same classes
-            class_names = manifest.get("class_names") or _class_names_to_train(df, pinned)
+            class_names = manifest.get("class_names") or _class_names_to_train(frame(), pinned)
         manifest.setdefault("class_names", list(class_names))  # an entry from before they were kept: from now on
         cache.touch(url, manifest)
     else:
         if class_names is None:
-            class_names = _class_names_to_train(df, pinned)  # before converting: an empty table fails here
+            class_names = _class_names_to_train(frame(), pinned)  # before converting: an empty table fails here
         t0 = time.time()
-        manifest = _convert(df, cfg, world_size, url, inputs, getattr(pinned, "num_rows", None))
+        manifest = _convert(frame(), cfg, world_size, url, inputs, getattr(pinned, "num_rows", None))
         manifest["class_names"] = list(class_names)
         cache.write_manifest(url, manifest)
         log.info("converted %d train + %d val rows into %s in %.1f s", manifest["splits"]["train"]["rows"],
@@ -349,6 +359,17 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
                          image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)
+
+
+def _once(read: Callable[[], Any]) -> Callable[[], Any]:
+    """`read`, called at most once: its value is kept for the later calls."""
+    kept: List[Any] = []
+
+    def get() -> Any:
+        if not kept:
+            kept.append(read())
+        return kept[0]
+    return get
 
 
 def petastorm_row_group_rows(split: ConvertedSplit) -> List[int]:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from pipeline import preload
+from pipeline.config import Config
 from pipeline.distributed.loop import RankResult, TrainJob, train
 from pipeline.distributed.rank_process import (ddp_worker, fsdp_worker, horovod_rank_process, horovod_worker,
                                                with_env)
@@ -129,13 +130,21 @@ def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
     return box["value"]
 
 
+def launch_needs_spark(cfg: Config) -> bool:
+    """Whether the launch needs the driver's SparkSession: every launch on a cluster (`train.np` > 1, Spark tasks),
+    and TorchDistributor's (DDP, FSDP) here too. Horovod's ranks on this machine, and one process, need none."""
+    if cfg.train.np == 1:  # this process (train.backend=single is always one)
+        return False
+    return cfg.train.np > 1 or cfg.train.backend in ("ddp", "fsdp")
+
+
 def spark_schedules_gpus(local_mode: bool) -> bool:
     """Whether TorchDistributor may ask Spark for GPUs: the driver has a `gpu` resource (local mode), or tasks get
     one (`spark.task.resource.gpu.amount` >= 1). Its `use_gpu=True` fails without them, and `use_gpu=False` hides the
     executors' GPUs (CUDA_VISIBLE_DEVICES="") on a cluster. The driver's own CUDA decides nothing."""
-    from pyspark.sql import SparkSession
+    from pipeline.lakehouse.spark import active_session
 
-    spark = SparkSession.getActiveSession()
+    spark = active_session()  # started on another thread too (pipeline.lakehouse.spark.SparkOnDemand)
     if spark is None:
         return False
     if local_mode:

@@ -108,6 +108,9 @@ class PinnedTable:
     version: int
     num_files: int
     num_rows: Optional[int]
+    # the SHA-256 of its data files' URIs, sorted, one per line, where the engine reads them from the log alone
+    # (delta-rs): what the converted-data cache keys on, known without a Spark job; None: the DataFrame's inputFiles
+    files_digest: Optional[str] = None
 
 
 def local_path(table: str) -> Optional[str]:
@@ -169,6 +172,11 @@ class DeltaEngine:
     def read(self, spark, table: str, version: Optional[int] = None) -> Tuple["DataFrame", PinnedTable]:
         """A DataFrame of the table at `version` (latest when None) and the version it is pinned to."""
         raise NotImplementedError
+
+    def pin(self, table: str, version: Optional[int] = None) -> Optional[PinnedTable]:
+        """The table resolved at `version` (latest when None) from its log alone, with `files_digest`, and no Spark
+        work; None when this engine needs Spark to resolve it (a job then reads the table first)."""
+        return None
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
               commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,

@@ -72,21 +72,18 @@ class DeltaRsEngine(DeltaEngine):
                              f"delta-rs engine does not read; it is refused rather than read wrongly. "
                              f"Use delta.engine=spark on a cluster with the Delta jars.")
 
-    def read(self, spark, table: str, version: Optional[int] = None):
+    def _snapshot(self, table: str, version: Optional[int]):
+        """The table at `version` from its log: (DeltaTable, data files by partition values, PinnedTable)."""
+        import hashlib
+
         import pyarrow as pa
-        from pyspark.sql import functions as F
-        from pyspark.sql.pandas.types import from_arrow_schema
 
         dt = self._open(table, version)
         self.check_readable(dt, table)
         pinned_version = dt.version()
-        schema = pa.schema(dt.schema().to_arrow())
         partition_cols = list(dt.metadata().partition_columns or [])
         actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
         root = table_uri(table)
-        data_schema = pa.schema([f for f in schema if f.name not in partition_cols])
-        spark_schema = from_arrow_schema(data_schema)
-
         missing = []
         groups: Dict[Tuple, List[str]] = {}
         for act in actions:
@@ -100,6 +97,26 @@ class DeltaRsEngine(DeltaEngine):
         if missing:
             raise DeltaError(f"Delta table {table} version {pinned_version} references {len(missing)} data file(s) "
                              f"that do not exist, e.g. {missing[0]}; restore them or time-travel to another version")
+        num_rows = sum(int(a.get("num_records") or 0) for a in actions) if all(
+            a.get("num_records") is not None for a in actions) else None
+        files = sorted(f for fs in groups.values() for f in fs)
+        digest = hashlib.sha256("\n".join(files).encode()).hexdigest()
+        return dt, groups, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows,
+                                       files_digest=digest)
+
+    def pin(self, table: str, version: Optional[int] = None) -> PinnedTable:
+        return self._snapshot(table, version)[2]
+
+    def read(self, spark, table: str, version: Optional[int] = None):
+        import pyarrow as pa
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        dt, groups, pinned = self._snapshot(table, version)
+        schema = pa.schema(dt.schema().to_arrow())
+        partition_cols = list(dt.metadata().partition_columns or [])
+        data_schema = pa.schema([f for f in schema if f.name not in partition_cols])
+        spark_schema = from_arrow_schema(data_schema)
 
         full_spark_schema = from_arrow_schema(schema)
         frames = []
@@ -114,9 +131,7 @@ class DeltaRsEngine(DeltaEngine):
             df = frames[0]
             for frame in frames[1:]:
                 df = df.unionByName(frame)
-        num_rows = sum(int(a.get("num_records") or 0) for a in actions) if all(
-            a.get("num_records") is not None for a in actions) else None
-        return df, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows)
+        return df, pinned
 
     def write(self, df, table: str, mode: str, partition_by: Sequence[str] = (),
               commit_metadata: Optional[Dict[str, Any]] = None, read_version: Optional[int] = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Mapping, Optional
@@ -147,6 +148,63 @@ def get_spark(cfg: Config):
     """The driver's SparkSession for this config: the one already there, unchanged, or a new one made from `spark.*`."""
     plan = _plan_here()
     return _create(cfg) if plan.owned else _adopt(cfg, plan.reason)
+
+
+class SparkOnDemand:
+    """The driver's SparkSession, started the first time a step asks for it (`spark()`): a job that needs no Spark
+    work (its table pinned from the Delta log, its data converted already, its ranks started without Spark) starts no
+    JVM, which is most of a job's start on a laptop. The session is the same one `spark_session` gives: the one
+    already there, unchanged, or the project's own, stopped by `close` only if it was started here."""
+
+    def __init__(self, cfg: Config):
+        self._cfg = cfg
+        self._lock = threading.Lock()
+        self._spark = None
+        self._owned = False
+
+    def __call__(self):
+        with self._lock:
+            if self._spark is None:
+                plan = _plan_here()
+                self._spark = _create(self._cfg) if plan.owned else _adopt(self._cfg, plan.reason)
+                self._owned = plan.owned
+            return self._spark
+
+    @property
+    def started(self) -> bool:
+        return self._spark is not None
+
+    def start_soon(self) -> None:
+        """Start the session on a thread now, for a step that will need it, while this thread goes on; a failure is
+        left to the next `spark()`, which tries again and raises it where the session is needed."""
+        def start() -> None:
+            try:
+                self()
+            except Exception as exc:  # raised again by the caller's own spark()
+                log.debug("starting the Spark session ahead failed: %s", exc)
+        threading.Thread(target=start, name="spark-start", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:  # after a start under way has finished
+            if self._spark is not None and self._owned:
+                self._spark.stop()
+            self._spark = None
+
+
+def session_of(spark):
+    """The SparkSession behind `spark`: a session as it is, or a `SparkOnDemand`'s (started now if it was not)."""
+    return spark() if isinstance(spark, SparkOnDemand) else spark
+
+
+@contextmanager
+def spark_on_demand(cfg: Config) -> Iterator[SparkOnDemand]:
+    """A `SparkOnDemand` for a block; the session, if one was started, is stopped when the block ends only if the
+    pipeline created it."""
+    spark = SparkOnDemand(cfg)
+    try:
+        yield spark
+    finally:
+        spark.close()
 
 
 @contextmanager

@@ -137,10 +137,10 @@ def _catalog_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], spl
     from pipeline.data.convert import held_out_frame
     from pipeline.lakehouse.delta import SparkDeltaEngine
 
-    try:
-        from pyspark.sql import SparkSession
+    from pipeline.lakehouse.spark import active_session
 
-        spark = SparkSession.getActiveSession()
+    try:
+        spark = active_session()  # started on another thread too (pipeline.lakehouse.spark.SparkOnDemand)
     except ImportError:
         spark = None
     if spark is None:

@@ -26,3 +26,15 @@ def test_executors_get_no_credentials_or_notebook_variables():
            "LAKEHOUSE_PROGRESS": "0", "NCCL_DEBUG": "INFO"}
     assert set(executor_env(env)) == {"MLFLOW_TRACKING_URI", "HOROVOD_STALL_CHECK_TIME_SECONDS", "PYTHONPATH",
                                       "LAKEHOUSE_PROGRESS", "NCCL_DEBUG"}
+
+
+def test_only_launches_through_spark_need_the_driver_session():
+    from pipeline.distributed.launcher import launch_needs_spark
+
+    def needs(backend, np_):
+        return launch_needs_spark(load_config("conf/local.yaml", [f"train.backend={backend}", f"train.np={np_}"]))
+
+    assert not needs("horovod", -2)  # horovod.run starts its ranks itself
+    assert not needs("horovod", 1) and not needs("ddp", 1) and not needs("single", 1)  # this process
+    assert needs("ddp", -2) and needs("fsdp", -2)  # TorchDistributor reads the active session, local mode too
+    assert needs("horovod", 2) and needs("ddp", 2)  # Spark tasks on a cluster
