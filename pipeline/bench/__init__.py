@@ -1,8 +1,8 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost, job_phases, cross_host), the references they are compared with (reference), the product's train()
-timed step by step (lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
+restart_cost, job_phases, epoch_parity, cross_host), the references they are compared with (reference), the product's
+train() timed step by step (lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu", "job_phases", "cross_host")
+                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host")
 # what `--only` picks from; the conversion always runs (it prepares), unless only cross_host is asked for: it trains on
 # the multi-host cluster's own table
 
@@ -56,8 +56,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
 
     local = [m for m in MEASUREMENTS if want(m) and m != "cross_host"]  # the ones on this machine's sample
 
-    from pipeline.bench import (conversion, cross_host, gpu, input_bound, job_phases, loader, overheads,
-                                predict_throughput, restart_cost, scaling, shard_balance, tune_overhead)
+    from pipeline.bench import (conversion, cross_host, epoch_parity, gpu, input_bound, job_phases, loader,
+                                overheads, predict_throughput, restart_cost, scaling, shard_balance, tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
@@ -143,6 +143,9 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
                 if want("job_phases"):
                     results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir, quick=quick))
+                if want("epoch_parity"):
+                    results.extend(epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
+                                                                     quick=quick))
                 if want("scaling"):
                     results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
                 if cluster is not None:

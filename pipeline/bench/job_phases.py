@@ -1,6 +1,6 @@
 """Job phases: where the wall time of a 2-rank `lakehouse train` goes, phase by phase, for each backend, as a user
 runs it (a new process: interpreter, Spark, data, run set-up, rank start, epochs, model logging, registration and
-gate, exit), and the Horovod backend's epoch time over DDP's at the same batch, both measured in the same bench run."""
+gate, exit). `run_jobs` starts those jobs; pipeline.bench.epoch_parity uses it on longer epochs."""
 from __future__ import annotations
 
 import json
@@ -72,29 +72,29 @@ def run_train(conf_path: str, overrides: List[str], env: Optional[Dict[str, str]
     return {"summary": _last_json(done.stdout), "started": started, "ended": ended}
 
 
-def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False) -> List[Result]:
-    """`repeats` rounds of one 2-rank `lakehouse train` per backend (on this machine, `EPOCHS` epochs, early stopping
-    off, warm converted-data cache), the backends alternating their order; a warm-up job per backend first (`quick`:
-    one round, no warm-up: it proves the measurement runs). Results:
-    `job_fixed_cost` per backend (the seconds outside the epochs / the job's wall time, every phase in the parts) and
-    `horovod_epoch_over_ddp` (steady epoch time, same plan and batch)."""
+def run_jobs(cfg: Config, prep, work_dir: str, name: str, epochs: int, rounds: int, warm_up: bool,
+             extra: Optional[List[str]] = None) -> Dict[str, List[Dict[str, float]]]:
+    """`rounds` rounds of one 2-rank `lakehouse train` of `prep`'s table per backend, as a user runs it (a new process,
+    `epochs` epochs, early stopping off, the bench's converted-data cache), the backends alternating their order; a
+    warm-up job per backend first with `warm_up` (the cache entry, the experiment, the registered model). Each job's
+    phases (`timeline`) and wall time, by backend. Everything it writes is under `<work_dir>/<name>`, removed after."""
     import yaml
     from mlflow import MlflowClient
 
     from pipeline.bench.conversion import bench_cache_dir
     from pipeline.tracking.runs import resolve_tracking_uri
 
-    root = os.path.join(work_dir, "job_phases")
+    root = os.path.join(work_dir, name)
     os.makedirs(root, exist_ok=True)
-    model = f"{cfg.mlflow.registered_model}-bench-phases"
+    model = f"{cfg.mlflow.registered_model}-bench-{name.replace('_', '-')}"
     conf_path = os.path.join(root, "config.yaml")
     fd = os.open(conf_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the user's own config, kept private
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
     common = [f"delta.table={prep.table}", f"delta.version={prep.version}",
-              f"data.cache_dir={bench_cache_dir(cfg, work_dir)}", "train.np=-2", f"train.max_epochs={EPOCHS}",
+              f"data.cache_dir={bench_cache_dir(cfg, work_dir)}", "train.np=-2", f"train.max_epochs={epochs}",
               "train.early_stopping.enabled=false", "train.warmup_epochs=0", f"mlflow.registered_model={model}",
-              "mlflow.gate_min_lift=null"]
+              "mlflow.gate_min_lift=null", *(extra or [])]
     env = {**os.environ, "LAKEHOUSE_PROGRESS": "0"}
     runs: Dict[str, List[Dict[str, float]]] = {b: [] for b in BACKENDS}
 
@@ -105,15 +105,24 @@ def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bo
         client = MlflowClient(resolve_tracking_uri(cfg.mlflow.tracking_uri))  # the summary's is redacted
         phases = timeline(s, job["started"], job["ended"], client.get_metric_history(s["run_id"], "epoch_time_s"))
         phases["wall_s"] = job["ended"] - job["started"]
-        log.info("job phases (%s, %d): %s", backend, i, {k: round(v, 2) for k, v in phases.items()})
+        log.info("%s (%s, %d): %s", name, backend, i, {k: round(v, 2) for k, v in phases.items()})
         return phases
 
     with discarded(root, cfg.mlflow, model):
-        for backend in BACKENDS if not quick else ():
-            one(backend, 0)  # warm-up: the cache entry, the experiment, the registered model
-        for i in range(1, (1 if quick else sizes.repeats) + 1):
+        for backend in BACKENDS if warm_up else ():
+            one(backend, 0)
+        for i in range(1, rounds + 1):
             for backend in (BACKENDS if i % 2 else BACKENDS[::-1]):
                 runs[backend].append(one(backend, i))
+    return runs
+
+
+def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False) -> List[Result]:
+    """`repeats` rounds of one 2-rank `lakehouse train` of the sample per backend (`run_jobs`, `EPOCHS` epochs, warm
+    converted-data cache; `quick`: one round, no warm-up: it proves the measurement runs). Result per backend:
+    `job_fixed_cost` (the seconds outside the epochs / the job's wall time, every phase in the parts). The epoch
+    time of the two backends is compared on longer epochs (pipeline.bench.epoch_parity)."""
+    runs = run_jobs(cfg, prep, work_dir, "job_phases", EPOCHS, 1 if quick else sizes.repeats, warm_up=not quick)
     results = []
     for backend in BACKENDS:
         rs = runs[backend]
@@ -123,9 +132,4 @@ def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bo
                       "after_last_step_s": median([sum(r[k] for k in PHASES[5:]) for r in rs]),
                       "backend": backend, "world_size": 2, "epochs": EPOCHS, "per_run": rs})
         results.append(Result("job_fixed_cost", prep.name, median(fixed), parts, len(rs), fixed, variant=backend))
-    per = [ratio(h["steady_epoch_s"], d["steady_epoch_s"]) for h, d in zip(runs["horovod"], runs["ddp"])]
-    results.append(Result("horovod_epoch_over_ddp", prep.name, median(per),
-                          {"horovod_epoch_s": median([r["steady_epoch_s"] for r in runs["horovod"]]),
-                           "ddp_epoch_s": median([r["steady_epoch_s"] for r in runs["ddp"]]), "epochs": EPOCHS},
-                          len(per), per))
     return results

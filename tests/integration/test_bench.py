@@ -99,6 +99,13 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert all(parts[k] >= 0 for k in PHASES) and parts["epochs_s"] > 0 and parts["rank_start_s"] > 0, parts
         assert sum(parts[k] for k in PHASES) == pytest.approx(parts["wall_s"], rel=0.01), parts
     assert not (tmp_path / "bench" / "job_phases").exists()  # its scratch folder is removed
+    # Horovod's steady epoch over DDP's, on the synthetic table's longer epochs: one job per backend in --quick
+    parity = [r for r in report["results"] if r["name"] == "horovod_epoch_over_ddp"]
+    assert [p["dataset"] for p in parity] == ["synthetic"]
+    parts = parity[0]["parts"]
+    assert parts["horovod_epoch_s"] > 0 and parts["ddp_epoch_s"] > 0 and parts["batch_per_rank"] == 32
+    assert parity[0]["ratio"] == pytest.approx(parts["horovod_epoch_s"] / parts["ddp_epoch_s"], rel=0.01)
+    assert not (tmp_path / "bench" / "epoch_parity").exists()
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
