@@ -6,6 +6,7 @@ groups sized by the plan (so whole row groups spread evenly over the ranks), int
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 import uuid
@@ -326,7 +327,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
         PlanError: a rank would get no data (with rows, row groups, ranks).
         ConversionError: a cached file is missing or unreadable, named.
     """
-    frame = _once(df if callable(df) else (lambda: df))
+    frame = functools.cache(df if callable(df) else (lambda: df))  # read at most once
     inputs = _key_inputs(frame, cfg, world_size, pinned)
     key = cache.content_key(inputs)
     url = cache.entry_url(cfg.data.cache_dir, key)
@@ -359,17 +360,6 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
                          image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)
-
-
-def _once(read: Callable[[], Any]) -> Callable[[], Any]:
-    """`read`, called at most once: its value is kept for the later calls."""
-    kept: List[Any] = []
-
-    def get() -> Any:
-        if not kept:
-            kept.append(read())
-        return kept[0]
-    return get
 
 
 def petastorm_row_group_rows(split: ConvertedSplit) -> List[int]:
