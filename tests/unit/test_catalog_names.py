@@ -30,11 +30,11 @@ def test_delta_rs_refuses_a_catalog_name_saying_what_to_do():
 
 
 def test_the_gate_on_a_catalog_name_without_spark_says_where_to_run_it(monkeypatch):
-    from pyspark.sql import SparkSession
-
+    import pipeline.lakehouse.spark as spark_module
     from pipeline.tracking.registry import RegistryError, held_out_rows
 
-    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))  # other tests may hold one
+    # no session in this process (other tests may hold one, active in a thread or the default)
+    monkeypatch.setattr(spark_module, "active_session", lambda: None)
 
     with pytest.raises(RegistryError, match="main.ml.images is a catalog name.*Spark session"):
         held_out_rows("main.ml.images", 3, 0.2)
