@@ -16,6 +16,7 @@ from pipeline.config import Config
 from pipeline.data import cache
 from pipeline.data.shards import (COLUMNS, FORMAT_VERSION, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedData,
                                   ConvertedSplit)
+from pipeline.lakehouse.delta_common import files_digest
 from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, PlanError, ShardPlan,
                                          num_partitions, plan_shards, split_rule)
 from pipeline.log import get_logger
@@ -244,14 +245,12 @@ def verify_split(split: ConvertedSplit, files: List[Dict[str, Any]]) -> None:
 def _key_inputs(frame: Callable[[], Any], cfg: Config, world_size: int, pinned) -> Dict[str, Any]:
     """What the entry's content key hashes. The table's data files: the pinned table's `files_digest` when its engine
     read them from the log (no Spark work), else the DataFrame's `inputFiles()`."""
-    import hashlib
-
     digest = getattr(pinned, "files_digest", None)
     if digest is not None:
         count = pinned.num_files
     else:
-        files = sorted(frame().inputFiles())
-        digest, count = hashlib.sha256("\n".join(files).encode()).hexdigest(), len(files)
+        files = frame().inputFiles()
+        digest, count = files_digest(files), len(files)
     return {
         "table": getattr(pinned, "table", None), "version": getattr(pinned, "version", None),
         "input_files": digest, "input_file_count": count,

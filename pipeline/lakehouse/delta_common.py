@@ -2,6 +2,7 @@
 every commit carries (writer, claim) and the claims it is checked against, and the engine interface."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -111,6 +112,11 @@ class PinnedTable:
     # the SHA-256 of its data files' URIs, sorted, one per line, where the engine reads them from the log alone
     # (delta-rs): what the converted-data cache keys on, known without a Spark job; None: the DataFrame's inputFiles
     files_digest: Optional[str] = None
+
+
+def files_digest(files: Sequence[str]) -> str:
+    """The SHA-256 of a version's data-file URIs, sorted, one per line: `PinnedTable.files_digest`."""
+    return hashlib.sha256("\n".join(sorted(files)).encode()).hexdigest()
 
 
 def local_path(table: str) -> Optional[str]:

@@ -9,8 +9,8 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipeline.lakehouse.delta_common import (COMMIT_RETRIES, SAFE_READER_FEATURES, DeltaEngine, DeltaError, PinnedTable,
-                                             _lost_race, _user_metadata, claims_after, local_path, own_commit,
-                                             refuse_catalog_name, table_uri)
+                                             _lost_race, _user_metadata, claims_after, files_digest, local_path,
+                                             own_commit, refuse_catalog_name, table_uri)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -74,8 +74,6 @@ class DeltaRsEngine(DeltaEngine):
 
     def _snapshot(self, table: str, version: Optional[int]):
         """The table at `version` from its log: (DeltaTable, data files by partition values, PinnedTable)."""
-        import hashlib
-
         import pyarrow as pa
 
         dt = self._open(table, version)
@@ -99,10 +97,8 @@ class DeltaRsEngine(DeltaEngine):
                              f"that do not exist, e.g. {missing[0]}; restore them or time-travel to another version")
         num_rows = sum(int(a.get("num_records") or 0) for a in actions) if all(
             a.get("num_records") is not None for a in actions) else None
-        files = sorted(f for fs in groups.values() for f in fs)
-        digest = hashlib.sha256("\n".join(files).encode()).hexdigest()
         return dt, groups, PinnedTable(table=table, version=pinned_version, num_files=len(actions), num_rows=num_rows,
-                                       files_digest=digest)
+                                       files_digest=files_digest([f for fs in groups.values() for f in fs]))
 
     def pin(self, table: str, version: Optional[int] = None) -> PinnedTable:
         return self._snapshot(table, version)[2]
