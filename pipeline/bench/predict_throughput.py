@@ -78,7 +78,7 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
     importing torch and mlflow); it is reported as `cold_rows_per_s`, not in the ratio. `spark_job_floor_s` is the
     median of `repeats` runs of `spark_job_floor` on the same table: the part of a predict call no model can save.
     """
-    from pipeline.tracking.pyfunc import load_pyfunc
+    from pipeline.tracking.pyfunc import MAX_ROWS_PER_CALL, load_pyfunc
 
     from pipeline.serving.predict import predict_table
 
@@ -94,9 +94,10 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
         model = load_pyfunc(model_uri)
         model.predict(frame.head(64), params={"on_error": "null"})  # warm-up: first-call allocations
 
-        def direct() -> float:
+        def direct() -> float:  # in calls of at most the model's row limit, as a client must send them
             t0 = time.perf_counter()
-            model.predict(frame, params={"on_error": "null"})
+            for start in range(0, len(frame), MAX_ROWS_PER_CALL):
+                model.predict(frame.iloc[start:start + MAX_ROWS_PER_CALL], params={"on_error": "null"})
             return len(frame) / (time.perf_counter() - t0)
 
         def product() -> float:
