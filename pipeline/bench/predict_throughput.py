@@ -69,6 +69,15 @@ def spark_job_floor(spark, cfg: Config, table: str, out: str) -> float:
     return time.perf_counter() - t0
 
 
+def score_directly(model, frame: pd.DataFrame, max_rows: int) -> int:
+    """Score `frame` with the pyfunc in calls of at most `max_rows` rows (the model's limit per call, as a client must
+    send them); the rows scored."""
+    scored = 0
+    for start in range(0, len(frame), max_rows):
+        scored += len(model.predict(frame.iloc[start:start + max_rows], params={"on_error": "null"}))
+    return scored
+
+
 def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, sizes: Sizes, work_dir: str) -> Result:
     """`repeats` interleaved pairs, after one untimed call of each: predict_table(table -> a scratch Delta table,
     overwrite) in `spark`, timed around the call (Delta read, spark_udf, write, commit, row check), and
@@ -94,10 +103,9 @@ def measure_predict_throughput(spark, cfg: Config, dataset: str, table: str, siz
         model = load_pyfunc(model_uri)
         model.predict(frame.head(64), params={"on_error": "null"})  # warm-up: first-call allocations
 
-        def direct() -> float:  # in calls of at most the model's row limit, as a client must send them
+        def direct() -> float:
             t0 = time.perf_counter()
-            for start in range(0, len(frame), MAX_ROWS_PER_CALL):
-                model.predict(frame.iloc[start:start + MAX_ROWS_PER_CALL], params={"on_error": "null"})
+            score_directly(model, frame, MAX_ROWS_PER_CALL)
             return len(frame) / (time.perf_counter() - t0)
 
         def product() -> float:

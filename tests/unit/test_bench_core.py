@@ -132,3 +132,28 @@ def test_bench_only_names_unknown_measurements_before_any_work():
     assert "loader" in MEASUREMENTS and "restart_cost" in MEASUREMENTS
     with pytest.raises(ConfigError, match="unknown measurement.*loaders.*choose from loader"):
         run_bench(Config(), only=["loaders"], out="/nonexistent/bench.json")
+
+
+def test_the_direct_pyfunc_calls_of_predict_throughput_stay_within_the_row_limit():
+    """The full bench scores 50,000 rows directly; the model refuses more than its limit in one call (the serving
+    bound), so the bench sends them as a client must: every row once, no call over the limit."""
+    import pandas as pd
+
+    from pipeline.bench.predict_throughput import score_directly
+
+    class Limited:
+        calls = []
+
+        def predict(self, frame, params=None):
+            if len(frame) > 4:
+                raise ValueError(f"{len(frame)} rows in one call, over the limit of 4")
+            self.calls.append(list(frame["content"]))
+            return frame.assign(label="x")
+
+    frame = pd.DataFrame({"content": list(range(11))})
+    model = Limited()
+    assert score_directly(model, frame, 4) == 11
+    assert [len(c) for c in model.calls] == [4, 4, 3]
+    assert sum(model.calls, []) == list(range(11))
+    with pytest.raises(ValueError, match="over the limit"):
+        score_directly(model, frame, 5)
