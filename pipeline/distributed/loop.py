@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -156,16 +155,18 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
     model = model_for(job, lr)
 
-    # rank 0's tracker opens on a thread (MLflow's import and store: 1-1.5 s that only rank 0 pays), overlapping the
-    # rank's set-up, the rendezvous and the first epoch instead of holding every rank at the first collective
-    opening = _open_tracker(job, precision) if is_zero and job.run_id and job.tracker is not None else None
+    tracker = None
+    if is_zero and job.run_id and job.tracker is not None:
+        tracker = job.tracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
+        tracker.record_precision(precision)
+        # this machine sampled into the run in the background; a relaunch continues the same run's series
+        tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
 
     ckpt_dir = job.ckpt_dir
     es = cfg.train.early_stopping
     stop = StopSignals(os.path.join(ckpt_dir, "last.ckpt"))
     resources = RankResources()  # every rank's host CPU and memory, peak RSS and peak GPU memory, per epoch
-    accounting = EpochAccounting(report=(lambda metrics, step: opening.result().log_epoch(metrics, step))
-                                 if opening is not None else None, extra=resources.epoch_metrics)
+    accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
     # best.ckpt when the monitored metric improves; last.ckpt after EVERY epoch (a monitored ModelCheckpoint writes
     # its last.ckpt only in epochs that improved, so a resume would go back to the last improving epoch) and, with
     # train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
@@ -208,7 +209,6 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     finally:
         stop.restore()
-        tracker = _opened(opening)
         if tracker is not None:
             tracker.stop_telemetry()
         if threads is not None:
@@ -241,8 +241,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         finite = [h for h in accounting.history if h.get(key) == h.get(key)]
         best_epoch = pick(finite, key=lambda h: h[key]) if finite else accounting.history[-1]
         result.metrics = {k: v for k, v in best_epoch.items() if isinstance(v, float)}
-    if opening is not None:
-        tracker = opening.result()  # its opening's own error, if it failed and training did not
+    if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
         from pipeline.distributed.fsdp import LakehouseFSDPStrategy
@@ -255,31 +254,6 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
             model.load_state_dict(consolidated_state(best))  # FSDP: its shards gathered here, on rank 0
         result.model_uri = tracker.finish(model, job, accounting.history, result)
     return result
-
-
-def _open_tracker(job: TrainJob, precision: str) -> "Future":
-    """Rank 0's tracker (`job.tracker`), opened on a thread: MLflow imported and its store reached, the precision
-    tagged, this machine's sampling started (a relaunch continues the run's series). The first use waits for it."""
-
-    def open_() -> Any:
-        tracker = job.tracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
-        tracker.record_precision(precision)
-        tracker.start_telemetry(job.cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
-        return tracker
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakehouse-tracker")
-    try:
-        return pool.submit(open_)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with its one task
-
-
-def _opened(opening: Optional["Future"]) -> Any:
-    """The tracker once its opening ended; None without one or when it failed (training's own error, if any, is the
-    one that propagates; otherwise the caller's `result()` raises the opening's)."""
-    if opening is None or opening.exception() is not None:
-        return None
-    return opening.result()
 
 
 def model_for(job: TrainJob, lr: float):
