@@ -43,7 +43,7 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "predict_throughput": (">=", 0.8, "rows/s of `lakehouse predict` (predict_table in a warm local[2] session: pinned "
                                       "Delta read, mlflow.pyfunc.spark_udf, Delta write and commit) / rows/s of the "
                                       "same registered pyfunc called directly in one process on the same rows (in calls "
-                                      "of at most its 10,000-row limit)"),
+                                      "within its per-call row limit, MAX_ROWS_PER_CALL)"),
     "cross_host_epoch": ("<=", 1.15, "epoch time of `lakehouse train` with 2 Horovod ranks as Spark tasks, one on each "
                                      "of two worker hosts (network namespaces on a veth bridge, scripts/multihost.sh) / "
                                      "the same with both ranks' executors on one host's 127.0.0.1; first epoch left "
