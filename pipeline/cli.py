@@ -181,11 +181,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
             preload.start(("mlflow", "torch"))
         if args.command in ("train", "tune"):
-            # MLflow and torch load on a thread while this one pins the table and looks up the converted data; the
-            # JVM starts only if Spark has work to do (a conversion, or a launch that needs the session)
+            # MLflow loads on a thread while this one pins the table and looks up the converted data; the JVM starts
+            # only if Spark has work to do (a conversion, or a launch that needs the session). torch is not needed
+            # here before the ranks return (workflow.train_in_run loads it then, for the promotion gate)
             from pipeline.lakehouse.spark import spark_on_demand
 
-            preload.start(("mlflow", "torch"))
+            preload.start(("mlflow",))
             with spark_on_demand(cfg) as spark:
                 if args.command == "tune":
                     from pipeline.tune.sweep import run_tune

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from typing import List, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Sequence
 
 from pipeline.log import get_logger
 
@@ -44,3 +45,29 @@ def wait() -> None:
     module waiting forever."""
     while _threads:
         _threads.pop().join()
+
+
+@contextmanager
+def once(ready: Callable[[], bool], modules: Sequence[str], poll_s: float = 0.2) -> Iterator[None]:
+    """While the block runs, `start(modules)` as soon as `ready()` (asked every `poll_s` seconds on a watcher thread)
+    is true; if it never was, when the block ends. For an import the process needs after the block, timed to a moment
+    the machine has a core to spare."""
+    over = threading.Event()
+    started: List[bool] = []
+
+    def watch() -> None:
+        while not over.wait(poll_s):
+            if ready():
+                started.append(True)
+                start(modules)
+                return
+
+    watcher = threading.Thread(target=watch, name="lakehouse-preload-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        over.set()
+        watcher.join()
+        if not started:
+            start(modules)

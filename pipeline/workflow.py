@@ -1,10 +1,12 @@
 """The jobs users run (ingest, train, promote, sync-run), wiring the planes in the one direction of the data flow."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Dict, List, Optional
 
+from pipeline import preload
 from pipeline.config import Config, ConfigError, world_size_of
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
@@ -163,8 +165,6 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         Terminated: SIGTERM reached the ranks.
         TrainingStopped: a non-finite loss stopped training.
     """
-    import contextlib
-
     from pipeline.distributed.launcher import launch_with_restarts
     from pipeline.distributed.loop import TrainJob
     from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
@@ -193,7 +193,10 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     t0 = time.time()
     if marks is not None:
         marks["launch"] = t0
-    with epoch_gate if epoch_gate is not None else contextlib.nullcontext():
+    # torch for the promotion gate, which scores the model: loaded once the first rank is done (a core is then idle
+    # while rank 0 logs the model); before the launch it delayed the ranks' start, after their return it delays the gate
+    torch_for_the_gate = preload.once(lambda: bool(job.folder.ranks_with("done")), ("torch",))
+    with epoch_gate if epoch_gate is not None else contextlib.nullcontext(), torch_for_the_gate:
         results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause),
                                        on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause),
                                        on_world=lambda world, cause: _record_world(run, world, cause))

@@ -88,6 +88,28 @@ def _signals_left_to_the_driver() -> Iterator[None]:
         gloo_run.register_shutdown_event = original
 
 
+@contextmanager
+def _gloo_checked_by_the_ranks() -> Iterator[None]:
+    """horovod.run and horovod.spark.run first check that Horovod was built with Gloo, in a fork of the driver that
+    imports horovod.torch: the driver's build, not the ranks' (on a cluster they are other machines), and 0.9 s of
+    torch's import when the driver has not loaded it (measured), which it needs only for the promotion gate after
+    training. Each rank checks its own build before `hvd.init()` instead (`rank_process.horovod_with_gloo`), so the
+    launch inside this block skips the driver's check (Horovod 0.28.1's `run_controller` reads it from
+    horovod.runner.launch). The driver then forks nothing: a thread still importing cannot hang the launch."""
+    import horovod.runner.launch as horovod_launch
+
+    original = horovod_launch.gloo_built
+
+    def checked_by_the_ranks(verbose: bool = False) -> bool:
+        return True
+
+    horovod_launch.gloo_built = checked_by_the_ranks
+    try:
+        yield
+    finally:
+        horovod_launch.gloo_built = original
+
+
 def _bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
     """`call()`, a launch of ranks as Spark tasks, with a bound: once a rank has reported an error, the launch must
     return within `train.stall_timeout_s`. When a host is gone, Horovod's driver and Spark wait on it for minutes (the
@@ -316,7 +338,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
 
 def _launch(job: TrainJob) -> List[RankResult]:
     cfg = job.cfg
-    preload.wait()  # the launches below may fork this process (Horovod's build check): no import may be half done
+    preload.wait()  # the launch's background imports are done before any rank process starts (nothing half loaded)
     backend = cfg.train.backend
     # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
     np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np
@@ -325,22 +347,18 @@ def _launch(job: TrainJob) -> List[RankResult]:
             return [horovod_worker(job)]
         return [train(job)]
     if backend == "horovod":
-        # horovod.run and horovod.spark.run first check that Horovod was built with Gloo in a fork of this process
-        # that imports horovod.torch: 0.9 s with torch not yet imported here, 0.1 s with it (measured); the driver
-        # needs torch after training anyway (the promotion gate scores the model)
-        import torch  # noqa: F401
-
         if np_ < 0:
             import horovod
 
             log.info("launching %d Horovod processes on this machine (gloo)", -np_)
-            return list(horovod.run(horovod_rank_process, args=(job,), num_proc=-np_, use_gloo=True,
-                                    start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
-                                    verbose=0))
+            with _gloo_checked_by_the_ranks():
+                return list(horovod.run(horovod_rank_process, args=(job,), num_proc=-np_, use_gloo=True,
+                                        start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
+                                        verbose=0))
         import horovod.spark
 
         log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
-        with _signals_left_to_the_driver():
+        with _signals_left_to_the_driver(), _gloo_checked_by_the_ranks():
             return list(_bounded(job, lambda: horovod.spark.run(
                 horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
                 start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ), cfg.mlflow.tracking_uri),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Callable, Dict, Iterator
 
+from pipeline.config import ConfigError
 from pipeline.distributed.loop import RankResult, TrainJob, train
-from pipeline.log import flush_and_exit, get_logger, setup_logging
+from pipeline.log import current_rank, flush_and_exit, get_logger, setup_logging
 
 log = get_logger(__name__)
 
@@ -58,18 +60,37 @@ def repair_horovod_env() -> None:
                 del os.environ[key]
 
 
+def horovod_with_gloo(python: str = sys.executable):
+    """horovod.torch, once this rank's own build is known to have Gloo (the launcher leaves that check to the ranks:
+    launcher._gloo_checked_by_the_ranks).
+
+    Raises:
+        ConfigError: horovod.torch does not import here, or was built without Gloo (names `train.backend`)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise ConfigError(f"config key 'train.backend' = 'horovod': horovod.torch does not import in {python} "
+                          f"({exc}); reinstall Horovod against this torch (`make setup`), or use "
+                          f"train.backend=ddp") from exc
+    if not hvd.gloo_built():
+        raise ConfigError(f"config key 'train.backend' = 'horovod': the Horovod in {python} was built without Gloo, "
+                          f"which the launcher uses; reinstall it with HOROVOD_WITH_GLOO=1 (`make setup` does), or "
+                          f"use train.backend=ddp")
+    return hvd
+
+
 def horovod_worker(job: TrainJob) -> RankResult:
-    """The Horovod entry of the super train loop: init, shard = rank, LR × size, then the same `train()`."""
+    """The Horovod entry of the super train loop: init, shard = rank, LR × size, then the same `train()`. Recorded
+    from the start under the rank its launcher gave it (HOROVOD_RANK, which `hvd.init()` takes), so a build without
+    Gloo reaches the driver as this rank's ConfigError."""
     setup_logging()
-    import horovod.torch as hvd
-
-    from pipeline.distributed.horovod_strategy import HorovodStrategy
-
     repair_horovod_env()
-    hvd.init()
-    rank = hvd.rank()
-    with rank_record(job, rank):
-        return train(job, rank, hvd.size(), HorovodStrategy(), local_rank=hvd.local_rank(),
+    with rank_record(job, current_rank()):
+        hvd = horovod_with_gloo()
+        from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+        hvd.init()
+        return train(job, hvd.rank(), hvd.size(), HorovodStrategy(), local_rank=hvd.local_rank(),
                      local_world_size=hvd.local_size())
 
 

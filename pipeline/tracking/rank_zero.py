@@ -31,11 +31,13 @@ class RankZeroTracker:
     """
 
     def __init__(self, tracking_uri: Optional[str], run_id: str, local_dir: Optional[str] = None) -> None:
-        import mlflow
         from mlflow.tracking import MlflowClient
 
+        # MLflow, with pipeline.tracking.runs, loads only in rank 0: every rank unpickles this class with its job
+        from pipeline.tracking.runs import use_tracking_uri
+
         if tracking_uri:
-            mlflow.set_tracking_uri(tracking_uri)
+            use_tracking_uri(tracking_uri)
         self.run_id = run_id
         self.client = MlflowClient(tracking_uri) if tracking_uri else MlflowClient()
         self.pending: List = []  # (step, metrics) not yet accepted by the server, oldest first

@@ -26,3 +26,29 @@ def test_the_main_threads_own_import_waits_for_the_background_one(tmp_path, monk
 
     assert preload_probe_b.DONE and preload_probe_b.COUNT == 1
     preload.wait()
+
+
+def test_once_starts_the_import_when_ready_or_when_the_block_ends(tmp_path, monkeypatch):
+    """The driver's torch for the promotion gate: loaded once the first rank is done (rank 0 then logs the model and a
+    core is idle), never while every rank trains; at the latest when the launch returns."""
+    import time
+
+    from pipeline.distributed.job_folder import JobFolder
+
+    started = []
+    monkeypatch.setattr(preload, "start", lambda modules: started.append(tuple(modules)))
+    folder = JobFolder(str(tmp_path / "job"))
+    folder.reset()
+    with preload.once(lambda: bool(folder.ranks_with("done")), ("torch",), poll_s=0.01):
+        time.sleep(0.1)
+        assert started == []  # ranks still training: nothing competes with them for the cores
+        folder.write(1, "done")
+        deadline = time.monotonic() + 5
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started == [("torch",)]
+    assert started == [("torch",)]  # not a second time at the end
+    started.clear()
+    with preload.once(lambda: False, ("torch",), poll_s=0.01):
+        pass  # ranks whose markers this host never sees (a cluster job folder on a host-private disk)
+    assert started == [("torch",)]
