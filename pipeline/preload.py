@@ -40,8 +40,8 @@ def start(modules: Sequence[str]) -> threading.Thread:
 
 
 def wait() -> None:
-    """Return once every background import has ended. Call it before this process forks (Horovod's launch checks its
-    build in a fork): a fork taken while another thread holds a module's import lock leaves the child's import of that
+    """Return once every background import has ended. Call it before this process forks or starts rank processes (the
+    launcher does): a fork taken while another thread holds a module's import lock leaves the child's import of that
     module waiting forever."""
     while _threads:
         _threads.pop().join()
