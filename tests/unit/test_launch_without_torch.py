@@ -38,9 +38,13 @@ def test_the_launch_skips_the_drivers_forked_gloo_check_and_restores_it(monkeypa
 
 
 def test_a_rank_whose_horovod_has_no_gloo_fails_with_a_config_error_naming_the_key(monkeypatch):
+    import horovod
+
     hvd = types.ModuleType("horovod.torch")
     hvd.gloo_built = lambda: False
     monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    # `import horovod.torch as hvd` reads the package's attribute once the real one was imported (by an earlier test)
+    monkeypatch.setattr(horovod, "torch", hvd, raising=False)
     with pytest.raises(ConfigError, match=r"train\.backend.*without Gloo.*HOROVOD_WITH_GLOO=1"):
         horovod_with_gloo("/opt/venv/bin/python")
     hvd.gloo_built = lambda: True
