@@ -82,7 +82,19 @@ def test_sweep_two_ranks_prune_fail_best_registered(spark, digits_table, tmp_pat
     study = _study(tmp_path, "forced")
     states = [t.state for t in study.trials]
     assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED]
-    assert list(study.trials[3].intermediate_values) == [0, 1]  # pruned at the first epoch boundary judged
+    # pruned at the first boundary where the median pruner's rule holds (its best value so far above the median of the
+    # complete trials at that epoch, from epoch tune.warmup_epochs on): epoch 1 when trials 0 and 1 learned, as they
+    # mostly do; a later one when one of them did not (CI saw trial 1 at chance, its median then above trial 3's)
+    import statistics
+
+    pruned, complete = study.trials[3], [t for t in study.trials if t.state == TrialState.COMPLETE]
+    values = pruned.intermediate_values
+
+    def rule(step):
+        best = min(values[s] for s in values if s <= step)
+        return step >= 1 and best > statistics.median(t.intermediate_values[step] for t in complete)
+
+    assert max(values) == min(s for s in values if rule(s))
 
     client = MlflowClient(summary["tracking_uri"])
     parent = client.get_run(summary["parent_run_id"])
