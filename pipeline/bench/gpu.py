@@ -2,10 +2,10 @@
 GPU-resident batches, and the input-bound fraction with the real loader (only where torch sees CUDA)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from pipeline.bench.core import Result, Sizes, input_bound_fraction, median, ratio
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -75,6 +75,20 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
 GPU_ARCHS = ("cnn", "resnet", "timm/resnet18")
 
 
+def installed_reader(configured: str, runs: Callable[[str], Optional[str]]) -> Tuple[str, Optional[str]]:
+    """The reader the GPU figures use, and why it is not the configured one (None when it is).
+
+    `runs(name)` says why reader `name` cannot run in this install (None when it can). A GPU image has no Petastorm
+    (STACK.md), so `data.reader=petastorm` (conf/local.yaml's) falls back to the arrow reader, which reads the same
+    Parquet files with pyarrow alone; any other reader that cannot run is refused here, before a rank is launched."""
+    why = runs(configured)
+    if why is None:
+        return configured, None
+    if configured == "petastorm" and runs("arrow") is None:
+        return "arrow", f"data.reader={configured} cannot run here ({why}): the GPU figures read with data.reader=arrow"
+    raise ConfigError(why)
+
+
 def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[str] = GPU_ARCHS,
                   rows: int = 0) -> Dict[str, Any]:
     """`lakehouse bench --gpu`: the GPU figures alone, per architecture and precision, on a converted data set written
@@ -95,8 +109,12 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     from pipeline.bench.core import FULL, QUICK, load, machine
     from pipeline.bench.datasets import converted_without_spark
     from pipeline.bench.report import log_table
-    from pipeline.config import ConfigError
 
+    # the reader first: a refusal names data.reader before anything is converted or launched
+    reader, fallback = installed_reader(cfg.data.reader, loader.reader_problem)
+    if fallback:
+        log.warning("bench --gpu: %s", fallback)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, reader=reader))
     if not torch.cuda.is_available():
         raise ConfigError(f"bench --gpu: torch {torch.__version__} sees no CUDA device "
                           f"(CUDA build: {torch.version.cuda or 'none'})")
@@ -116,7 +134,8 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     report: Dict[str, Any] = {"bench": "lakehouse --gpu", "quick": quick, "repeats": sizes.repeats,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
                               "load": {"before": load()}, "sizes": dataclasses.asdict(sizes), "batch_size": bs,
-                              "dataset": prep.info(), "per_arch": {}}
+                              "dataset": prep.info(), "reader": reader, "reader_fallback": fallback,
+                              "per_arch": {}}
     results: List[Result] = []
     try:
         for reader in loader.available_readers(cfg):

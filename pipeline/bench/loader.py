@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List
+from typing import List, Optional
 
 from pipeline.bench.core import Result, Sizes, interleaved, median, torch_threads
 from pipeline.bench.reference import parquet_paths, pyarrow_pass
@@ -13,18 +13,24 @@ def configured_reader(cfg: Config) -> str:
     return cfg.data.reader
 
 
+def reader_problem(name: str) -> Optional[str]:
+    """Why reader `name` cannot run in this install (the message of pipeline.data.readers.require_reader, which names
+    `data.reader`), or None when it can."""
+    from pipeline.data.readers import require_reader
+    from pipeline.data.shards import ConversionError
+
+    try:
+        require_reader(name)
+    except ConversionError as e:
+        return str(e)
+    return None
+
+
 def available_readers(cfg: Config) -> List[str]:
     """The readers this install can run (petastorm is absent from the `modern` profile), the configured one first."""
-    from pipeline.data.readers import require_reader
-    from pipeline.data.shards import READERS, ConversionError
+    from pipeline.data.shards import READERS
 
-    found = []
-    for reader in READERS:
-        try:
-            require_reader(reader)
-        except ConversionError:
-            continue
-        found.append(reader)
+    found = [reader for reader in READERS if reader_problem(reader) is None]
     return sorted(found, key=lambda r: r != configured_reader(cfg))
 
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.bench.gpu import MIN_BATCH, PRECISIONS, gpu_batch_size, gpu_results
+from pipeline.bench.gpu import MIN_BATCH, PRECISIONS, gpu_batch_size, gpu_results, installed_reader
 from pipeline.bench.jobs import autocast_dtype
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 
 
 def test_autocast_dtype_per_precision():
@@ -46,3 +46,26 @@ def test_gpu_results_ratio_and_input_bound_fraction():
     assert by_key["gpu_input_bound_fraction/synthetic/bf16-mixed"].ratio == pytest.approx(0.0)
     assert per_dev["bf16-mixed"]["images_per_s_per_gpu_plain_loop"] == 2000.0
     assert per_dev["32-true"]["lightning_over_plain"] == pytest.approx(0.85)
+
+
+def _runs(missing):
+    """A stand-in for the install: the readers in `missing` cannot run, with require_reader's kind of message."""
+    return lambda name: (f"config key 'data.reader' is {name!r} but it is not installed" if name in missing else None)
+
+
+def test_gpu_figures_read_with_the_configured_reader_where_it_runs():
+    assert installed_reader("petastorm", _runs(set())) == ("petastorm", None)
+    assert installed_reader("arrow", _runs({"petastorm"})) == ("arrow", None)
+
+
+def test_gpu_figures_fall_back_to_arrow_on_an_image_without_petastorm():
+    reader, why = installed_reader("petastorm", _runs({"petastorm"}))
+    assert reader == "arrow"
+    assert "data.reader=petastorm" in why and "data.reader=arrow" in why and "not installed" in why
+
+
+def test_gpu_figures_refuse_a_reader_that_cannot_run_naming_the_key():
+    with pytest.raises(ConfigError, match="data.reader"):
+        installed_reader("arrow", _runs({"arrow"}))
+    with pytest.raises(ConfigError, match="data.reader"):  # no arrow to fall back to either
+        installed_reader("petastorm", _runs({"petastorm", "arrow"}))
