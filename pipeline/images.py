@@ -5,6 +5,10 @@ all open images here, so one bound protects them all from a decompression bomb: 
 image (a 164 KB PNG of 13000x13000 pixels decodes to ~500 MB). PIL reads only the header when it opens a file; the
 declared width x height is checked against the bound before any pixel is decoded. PIL's own guard only warns below
 2 x its `Image.MAX_IMAGE_PIXELS` (~179 MP); nothing here relies on it.
+
+Only the formats in ACCEPTED_FORMATS are ever opened: PIL is told to try those plugins and no other, so bytes of any
+other format (EPS, whose plugin hands the sender's PostScript to Ghostscript; PSD, ICO, JPEG 2000, ...) are refused
+as undecodable before any plugin but the accepted ones has read them.
 """
 from __future__ import annotations
 
@@ -20,6 +24,13 @@ import numpy as np
 # it is refused with TooManyPixelsError, never decoded. Callers may pass a different `max_pixels`.
 MAX_PIXELS = 64_000_000
 
+# The image formats PIL may open (passed to Image.open as `formats=`), those of ingest.extensions' default: JPEG and
+# PNG (what cameras, scanners and datasets hold), GIF, BMP, TIFF (microscopes, scanners) and WebP. Plain raster
+# codecs: no interpreter behind them (EPS/PS runs Ghostscript), none of PIL's rarely used, thinly tested parsers (PSD,
+# ICO, JPEG 2000, DDS, TGA, PCX, ...). A camera's multi-picture JPEG (MPO) opens through the JPEG plugin: accepted.
+# Anything else is an ImageDecodeError naming this list; the caller names the file or row.
+ACCEPTED_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
+
 
 class ImageDecodeError(ValueError):
     """The bytes are not an image PIL can decode; the message says why (the caller adds the file or row)."""
@@ -31,6 +42,8 @@ class TooManyPixelsError(ImageDecodeError):
 
 def _reason(exc: Exception) -> str:
     text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
+    if type(exc).__name__ == "UnidentifiedImageError":  # no accepted format's plugin took the bytes
+        text = f"{text}; accepted formats: {', '.join(ACCEPTED_FORMATS)}"
     return f"not a decodable image ({type(exc).__name__}: {text})"
 
 
@@ -50,12 +63,12 @@ def opened(content: bytes, max_pixels: int = MAX_PIXELS) -> Iterator["PIL.Image.
 
     Raises:
         TooManyPixelsError: the declared size is over the bound (nothing was decoded).
-        ImageDecodeError: the bytes are not an image PIL can open.
+        ImageDecodeError: the bytes are not an image of ACCEPTED_FORMATS that PIL can open.
     """
     from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(content))
+        img = Image.open(io.BytesIO(content), formats=ACCEPTED_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # over PIL's own, higher, limit
         raise TooManyPixelsError(f"too many pixels: {exc}; not decoded") from None
     except Exception as exc:  # PIL raises many types for bad data

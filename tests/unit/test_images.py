@@ -143,3 +143,94 @@ def test_bomb_is_refused_in_milliseconds_without_allocating_it(bomb):
     assert decoded["error"] is None
     assert decoded["peak_growth_kb"] > 150 * 1024, decoded  # the 169 MB of pixels
     assert decoded["elapsed_s"] > 10 * refused["elapsed_s"], (decoded, refused)
+
+
+# --- the format allow-list: only JPEG, PNG, GIF, BMP, TIFF and WebP are ever opened --------------------------------
+
+ACCEPTED = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP")
+REFUSED_NEEDLE = r"accepted formats: JPEG, PNG, GIF, BMP, TIFF, WEBP"
+# A valid EPS (PIL identifies it as EPS and would hand its PostScript to Ghostscript to rasterise it)
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\n"
+       b"0 setgray 0 0 8 8 rectfill\nshowpage\n%%EOF\n")
+
+
+def _psd() -> bytes:
+    """An 8x8 greyscale Photoshop file (PIL reads PSD; nothing here writes it)."""
+    import struct
+
+    header = b"8BPS" + struct.pack(">H", 1) + b"\0" * 6 + struct.pack(">HIIHH", 1, 8, 8, 8, 1)
+    return header + struct.pack(">IIIH", 0, 0, 0, 0) + b"\x80" * 64
+
+
+def _encoded(fmt: str) -> bytes:
+    if fmt == "EPS":
+        return EPS
+    if fmt == "PSD":
+        return _psd()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 120, 250)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ACCEPTED)
+def test_the_accepted_formats_decode(fmt):
+    from pipeline.images import ACCEPTED_FORMATS
+
+    assert ACCEPTED_FORMATS == ACCEPTED
+    content = _encoded(fmt)
+    assert inspect_image(content)[:2] == (8, 8)
+    assert decode_image(content, 8, 3).shape == (3, 8, 8)
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PSD", "ICO", "PPM", "TGA", "PCX", "SGI", "JPEG2000", "IM", "DDS", "QOI"])
+def test_every_other_format_is_refused_before_its_plugin_reads_it(fmt, monkeypatch):
+    from PIL import EpsImagePlugin
+
+    content = _encoded(fmt)
+    with Image.open(io.BytesIO(content)) as img:  # PIL alone takes it: the refusal below is the allow-list's
+        assert img.format == fmt
+    ghostscript = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: ghostscript.append(a) or 1 / 0)
+    for call in (lambda: opened(content).__enter__(), lambda: inspect_image(content),
+                 lambda: decode_image(content, 8, 1), lambda: decode_batch([_png(8, 8), content], 8, 3)):
+        with pytest.raises(ImageDecodeError, match=rf"not a decodable image .*{REFUSED_NEEDLE}"):
+            call()
+    assert ghostscript == []
+
+
+def test_without_the_allow_list_pil_would_run_ghostscript_on_an_eps(monkeypatch):
+    """The control of the test above: PIL's own open + load of the same bytes reaches Ghostscript."""
+    from PIL import EpsImagePlugin
+
+    ghostscript = []
+
+    def fake(tile, size, fp, *args, **kwargs):
+        ghostscript.append(size)
+        raise OSError("Ghostscript would run here")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", fake)
+    with Image.open(io.BytesIO(EPS)) as img, pytest.raises(OSError, match="Ghostscript would run here"):
+        img.load()
+    assert ghostscript == [(8, 8)]
+
+
+def test_an_eps_row_is_refused_by_name_by_the_served_model_and_the_reference_preprocess():
+    from pipeline.model.nets import build_network
+    from pipeline.serving.contract import preprocess, preprocessing_contract
+    from pipeline.tracking.pyfunc import ImageClassifierModel, InvalidModelInput
+
+    meta = {"arch": "cnn", "width": 4, "channels": 1, "image_size": 16, "class_names": ["a", "b"]}
+    model = ImageClassifierModel()
+    model.meta, model.class_names = dict(meta), list(meta["class_names"])
+    model.network = build_network("cnn", 1, 2, width=4).eval()
+    frame = pd.DataFrame({"content": [_png(16, 16), EPS, _psd()]}, index=["ok", "eps", "psd"])
+    with pytest.raises(InvalidModelInput, match=rf"row 'eps', column 'content': not a decodable image .*"
+                                                rf"{REFUSED_NEEDLE}") as err:
+        model.predict(None, frame)
+    assert err.value.get_http_status_code() == 400
+    out = model.predict(None, frame, params={"on_error": "null"})
+    assert out["error"]["ok"] is None and out["label"]["ok"] is not None
+    for row in ("eps", "psd"):
+        assert "accepted formats: JPEG" in out["error"][row] and out["label"][row] is None
+    with pytest.raises(ValueError, match=rf"row 1: not a decodable image .*{REFUSED_NEEDLE}"):
+        preprocess(list(frame["content"]), preprocessing_contract(meta))
