@@ -4,29 +4,28 @@ records here).
 
 A checkpoint is a Lightning file (`*.ckpt`) or, with FSDP, a folder of per-rank shards plus Lightning's `meta.pt`.
 Either appears whole or not at all: a file is written beside its name and renamed into place (`write_atomically`); a
-sharded folder is written by every rank into a new folder beside its name (`<name>.tmp-<step>-<id>`), and only once
-every shard and `meta.pt` are on disk (a barrier) does rank 0 swap it in: the old folder renamed aside
-(`<name>.old-<id>`), the new one renamed in, the old one removed (`write_sharded`). `settle` finishes or undoes a swap
-a crash interrupted and removes what an interrupted write left; every reader of a checkpoint name settles it first.
+sharded folder is written by every rank into a new folder beside its name (`<name>.lakehouse-staged-<step>-<id>`),
+and only once every shard and `meta.pt` are on disk (a barrier) does rank 0 swap it in: the old folder renamed aside
+(`<name>.lakehouse-aside-<id>`), the new one renamed in, the old one removed (`write_sharded`). `settle` finishes or
+undoes a swap a crash interrupted and removes what an interrupted write left, only entries named exactly so (`<id>`:
+8 hex digits); every reader of a checkpoint name settles it first.
 Every one the loop writes records, beside the weights, the Delta table and version it was trained on (`lakehouse`)
 and how it was trained (`trained_with`: per-rank batch, world size, steps per epoch, global step, learning rate):
 an OOM back-off restates a checkpoint from what it records, never from when it was written.
 
-Every read uses `torch.load(weights_only=True)` (tensors and plain values only): a checkpoint whose pickle would
-construct anything else, which could run code, is refused with `CheckpointError` naming the file. A sharded folder's
-`.metadata` (torch.distributed.checkpoint pickles it) is read with an unpickler that admits only that format's own
-record types.
+Every read goes through safe_read.py: `torch.load(weights_only=True)` (tensors and plain values only), and a
+checkpoint whose pickle would construct anything else, which could run code, is refused with `CheckpointError` naming
+the file. A sharded folder's `.metadata` is read with an unpickler that admits only that format's own record types,
+and every non-tensor item of its shards (which torch's own reader unpickles whole) with `weights_only=True`.
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
-import pickle
+import re
 import shutil
 import tempfile
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytorch_lightning as pl
@@ -36,19 +35,21 @@ from pipeline.config import ConfigError, ModelConfig
 from pipeline.log import get_logger
 from pipeline.model.module import ImageClassifier
 from pipeline.model.nets import build_network
+# CheckpointError and read_checkpoint are imported from here by the modules that read checkpoints
+from pipeline.distributed.safe_read import (DCP_METADATA, CheckpointError, check_sharded,  # noqa: F401
+                                            read_checkpoint, sharded_state)
 
 log = get_logger(__name__)
 
 META_FILE = "meta.pt"  # Lightning's file of the non-tensor state inside a sharded checkpoint folder
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded folder's tensors (a pickle)
 LINEAGE = "lakehouse"  # checkpoint key: the Delta table and version trained on
 TRAINED_WITH = "trained_with"  # checkpoint key: batch_size (per rank), world_size, steps_per_epoch, global_step, lr
-STAGED = ".tmp-"  # <name>.tmp-<step>-<id>: a sharded checkpoint being written by every rank (never read as such)
-ASIDE = ".old-"  # <name>.old-<id>: the previous folder of <name>, renamed aside while the new one is renamed in
+# The names this project gives what it writes beside a checkpoint <name>: its marker, then an id of 8 hex digits the
+# writer drew. Only entries named exactly so are ever settled (renamed or removed): never a user's <name>.old-2024-06-01
+STAGED = ".lakehouse-staged-"  # <name>.lakehouse-staged-<step>-<id>: a sharded checkpoint every rank is writing
+ASIDE = ".lakehouse-aside-"  # <name>.lakehouse-aside-<id>: the previous folder of <name>, set aside during a swap
+_OURS = re.compile(rf"(?:{re.escape(STAGED)}(?P<step>\d+)-|{re.escape(ASIDE)})[0-9a-f]{{8}}")
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: unreadable, unsafe to read, or missing what a restart needs (names the file)."""
 
 
 class CheckpointLineageError(CheckpointError):
@@ -108,33 +109,34 @@ def _is_complete(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, META_FILE)) and os.path.isfile(os.path.join(folder, DCP_METADATA))
 
 
-def _staged_step(name: str) -> int:
-    try:
-        return int(name.rsplit(STAGED, 1)[1].split("-", 1)[0])
-    except (IndexError, ValueError):
-        return -1
-
-
 def leftovers(path: str) -> Tuple[List[str], List[str]]:
-    """(staged folders, folders set aside) of checkpoint `path` that an interrupted write or swap left beside it."""
+    """(staged folders, folders set aside) of checkpoint `path` that an interrupted write or swap left beside it:
+    only entries named as this project names them (`STAGED`, `ASIDE`, each with its writer's 8-hex-digit id)."""
     folder, name = os.path.split(os.path.abspath(os.fspath(path)))
     try:
         entries = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return [], []
-    staged = sorted((e for e in entries if e.startswith(name + STAGED)), key=_staged_step)
-    aside = sorted(e for e in entries if e.startswith(name + ASIDE))
-    return [os.path.join(folder, e) for e in staged], [os.path.join(folder, e) for e in aside]
+    staged: List[Tuple[int, str]] = []
+    aside: List[str] = []
+    for entry in entries:
+        ours = _OURS.fullmatch(entry, len(name)) if entry.startswith(name) else None
+        if ours is not None and ours.group("step") is not None:
+            staged.append((int(ours.group("step")), entry))
+        elif ours is not None:
+            aside.append(entry)
+    return [os.path.join(folder, e) for _, e in sorted(staged)], [os.path.join(folder, e) for e in sorted(aside)]
 
 
 def settle(path: str) -> Optional[str]:
-    """Leave checkpoint `path` as its last complete write left it, and nothing else beside it.
+    """Leave checkpoint `path` as its last complete write left it, and nothing of this project's writes beside it.
 
     A crash between the two renames of a swap (`swap_in`) left no `path`, the old checkpoint set aside and the new one
     staged and complete: the new one is renamed in (the old one when the staged folder is incomplete). Then every
     staged folder (a write interrupted before its swap: shards of an epoch no checkpoint completed) and every folder
-    set aside are removed. Safe when several processes settle the same path at once (each rename is tried once and a
-    rename another process made first is taken as done); never while ranks are writing that checkpoint.
+    set aside are removed: only what this project names so (`leftovers`), never another file beside `path`. Safe
+    when several processes settle the same path at once (each rename is tried once and a rename another process made
+    first is taken as done); never while ranks are writing that checkpoint.
 
     Returns `path` when a checkpoint is there afterwards, else None.
     """
@@ -215,69 +217,24 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
 
 
-def read_checkpoint(path: str) -> Dict[str, Any]:
-    """One checkpoint file with `weights_only=True`; refused (CheckpointError naming it) when it holds more."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain values; refused "
-                              f"(reading it could run code stored in the file): {first}") from None
-    except (OSError, EOFError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from exc
-
-
-class _DcpMetadataUnpickler(pickle.Unpickler):
-    """Admits what torch.distributed.checkpoint writes into `.metadata` (its dataclasses and enums, dtypes, sizes,
-    layouts, paths) and nothing else: no function or class that could act when the pickle is read."""
-
-    _PLAIN = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-              ("pathlib", "PureWindowsPath"), ("builtins", "set"), ("builtins", "frozenset")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._PLAIN:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith("torch.distributed.checkpoint.") and "." not in name:
-            found = super().find_class(module, name)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
-
-
-def _check_sharded(path: str) -> None:
-    """Refuse a sharded folder whose `.metadata` would construct anything but the format's own records."""
-    index = os.path.join(path, DCP_METADATA)
-    try:
-        with open(index, "rb") as fh:
-            _DcpMetadataUnpickler(fh).load()
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"checkpoint {index} holds objects other than a sharded checkpoint's index; refused "
-                              f"(reading it could run code stored in the file): {exc}") from None
-    except (OSError, EOFError) as exc:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {index} cannot be read ({exc})") from exc
-
-
 def checkpoint_meta(path: str) -> Dict[str, Any]:
     """The non-tensor part of a checkpoint (global_step, callbacks, lineage, trained_with): a file's whole dict, or a
-    sharded checkpoint folder's meta.pt (its `.metadata` checked first)."""
+    sharded checkpoint folder's meta.pt, once its `.metadata` and every non-tensor item of its shards passed
+    `safe_read.check_sharded` (every reader of a folder, Lightning's resume included, comes through here first)."""
     if is_sharded_checkpoint(path):
-        _check_sharded(path)
+        check_sharded(path)
         return read_checkpoint(os.path.join(path, META_FILE))
     return read_checkpoint(path)
 
 
 def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
     """The LightningModule state dict of a checkpoint, in one process and without a process group: a file's
-    `state_dict`, or the full state gathered from a sharded folder's shards."""
+    `state_dict`, or the full state gathered from a sharded folder's shards (read by `safe_read.sharded_state`, its
+    weights only: the optimizer's state stays on disk)."""
     if not is_sharded_checkpoint(path):
         return read_checkpoint(path)["state_dict"]
-    checkpoint_meta(path)  # .metadata and meta.pt pass the same checks before torch.distributed.checkpoint reads them
-    from lightning_fabric.utilities.load import _load_distributed_checkpoint
-
-    return _load_distributed_checkpoint(Path(path))["model"]
+    checkpoint_meta(path)  # meta.pt, the index and the shards' non-tensor items pass the same checks first
+    return sharded_state(path, keys=["model"])["model"]
 
 
 # -------------------------------------------------------------------------------------- what a checkpoint records

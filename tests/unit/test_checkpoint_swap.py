@@ -128,6 +128,29 @@ def test_settle_leaves_other_checkpoints_alone(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["best.ckpt", f"best.ckpt{STAGED}10-00000000", "last.ckpt"]
 
 
+def test_reading_a_checkpoint_leaves_the_users_own_files_beside_it(tmp_path):
+    """Only what this project wrote is settled: a user's backups named like `<name>.old-*` / `<name>.tmp-*` beside a
+    checkpoint survive every read of it, and one beside a missing checkpoint is never renamed into its place."""
+    from pipeline.config import ConfigError
+    from pipeline.distributed.checkpoints import resolve_checkpoint
+
+    prod = tmp_path / "prod.ckpt"
+    write_atomically({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, str(prod))
+    users = {"prod.ckpt.old-2024-06-01": "a file", "prod.ckpt.old-1a2b3c4d": "a file", "prod.ckpt.tmp-3-5e6f7a8b": "",
+             "prod.ckpt.tmp-notes": "text", "gone.ckpt.old-2024-06-01": "a backup of a checkpoint since deleted"}
+    for name, text in users.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "prod.ckpt.old-folder").mkdir()
+    assert resolve_checkpoint(str(prod), str(tmp_path)) == str(prod)
+    assert checkpoint_meta(str(prod))["global_step"] == 7 and settle(prod) == str(prod)
+    assert settle(tmp_path / "gone.ckpt") is None
+    with pytest.raises(ConfigError, match="gone.ckpt does not exist"):
+        resolve_checkpoint(str(tmp_path / "gone.ckpt"), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([*users, "prod.ckpt", "prod.ckpt.old-folder"])
+    assert all((tmp_path / name).read_text() == text for name, text in users.items())
+    assert leftovers(prod) == ([], [])
+
+
 def test_swap_in_over_a_file_and_over_nothing(tmp_path):
     staged = tmp_path / "staged"
     staged.mkdir()

@@ -179,6 +179,40 @@ def test_a_sharded_checkpoint_is_read_only_when_its_index_and_meta_are_plain(tmp
     assert not marker.exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_whose_shard_would_run_code_is_refused_naming_the_shard(tmp_path):
+    """torch.distributed.checkpoint stores a sharded folder's non-tensor items (an optimizer's param groups) as pickles
+    inside the shard files and reads them back with torch.load(weights_only=False): every read here refuses a shard
+    item that is more than tensors and plain values, naming the shard file, before anything in it runs."""
+    import torch.distributed.checkpoint as dcp
+    from lightning_fabric.utilities.load import _load_distributed_checkpoint
+
+    meta = {"global_step": 4, "lakehouse": {"delta_table": "t", "delta_version": 0},
+            TRAINED_WITH: {"batch_size": 32, "world_size": 2, "steps_per_epoch": 10, "global_step": 4, "lr": 0.1}}
+
+    def write(folder, param_group):
+        dcp.save({"model": {"w": torch.arange(6.0).reshape(3, 2)},
+                  "optimizer_0": {"state": {}, "param_groups": [param_group]}}, checkpoint_id=str(folder), no_dist=True)
+        torch.save(meta, folder / "meta.pt")
+        return folder
+
+    plain = write(tmp_path / "plain.ckpt", {"lr": 0.1, "momentum": 0.9, "params": [0]})  # plain values: read as before
+    assert checkpoint_meta(str(plain))["global_step"] == 4 and trained_with(str(plain))["batch_size"] == 32
+    torch.testing.assert_close(consolidated_state(str(plain))["w"], torch.arange(6.0).reshape(3, 2))
+
+    marker = tmp_path / "ran"
+    folder = write(tmp_path / "last.ckpt", {"lr": 0.1, "params": [0], "x": _Payload(marker)})
+    [shard] = [f for f in os.listdir(folder) if f.endswith(".distcp")]
+    for read in (checkpoint_meta, consolidated_state, trained_with, classifier_from_checkpoint,
+                 lambda p: check_checkpoint_lineage(p, {"delta_table": "t", "delta_version": 0}, False)):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {folder / shard} holds objects other than tensors "
+                                                  rf"and plain values \(item 'optimizer_0\.param_groups\.0\.x'\)"):
+            read(str(folder))
+    assert not marker.exists()
+    _load_distributed_checkpoint(folder)  # the control: torch's own reader of the folder does run the shard's code
+    assert marker.exists()
+
+
 # --------------------------------------------------------------------------- restartability from a rank's class
 def _ranks_failing(job_dir_errors):
     """A stand-in for the launchers: every rank runs under rank_record and raises its error; the launcher itself
