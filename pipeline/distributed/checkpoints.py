@@ -254,14 +254,21 @@ class CheckpointRecord(pl.Callback):
         checkpoint[TRAINED_WITH] = {**self.trained, "global_step": int(trainer.global_step)}
 
 
+def recorded_training(path: str) -> Optional[Dict[str, Any]]:
+    """What checkpoint `path` records of how it was trained (`CheckpointRecord`); None when it records nothing
+    (written before checkpoints recorded it)."""
+    record = checkpoint_meta(path).get(TRAINED_WITH)
+    return record if isinstance(record, dict) and "batch_size" in record else None
+
+
 def trained_with(path: str) -> Dict[str, Any]:
     """What checkpoint `path` records of how it was trained (`CheckpointRecord`).
 
     Raises:
         CheckpointError: it records nothing (written before checkpoints recorded it), naming the file.
     """
-    record = checkpoint_meta(path).get(TRAINED_WITH)
-    if not isinstance(record, dict) or "batch_size" not in record:
+    record = recorded_training(path)
+    if record is None:
         raise CheckpointError(f"checkpoint {path} does not record the batch it was trained with ('{TRAINED_WITH}'); "
                               f"it cannot be restated for another batch")
     return record

@@ -243,6 +243,28 @@ def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
     return slots
 
 
+def _given_restore_point(job: TrainJob) -> Optional[str]:
+    """The checkpoint the job's first launch resumes from (`TrainJob.restore_point`), as a path (`last`: the job's own
+    last.ckpt) and settled (a swap a crash cut is finished first); as given when there is none (the ranks say so)."""
+    value = job.restore_point
+    if not value:
+        return None
+    from pipeline.distributed.checkpoints import settle  # torch: on the driver only when a checkpoint is given
+
+    path = os.path.join(job.ckpt_dir, "last.ckpt") if value == "last" else value
+    return path if settle(path) else value
+
+
+def _restated(job: TrainJob, path: str, data: Any, batch: int, first: tuple) -> str:
+    """Checkpoint `path` for a launch of `data`'s plan with `batch` per rank: itself when it records that batch and
+    world size, else restated from what it records (`restate.restated`); one that records neither is taken as trained
+    like the job's first launch (`first`: its per-rank batch and world size)."""
+    from pipeline.distributed.restate import restated
+
+    plan = data.plan.train
+    return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first)
+
+
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
                          on_batch: Optional[Callable[[int, Any, str], None]] = None,
                          on_world: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
@@ -258,6 +280,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
       lost) goes on with the slots left, down to `train.min_np`: the plan re-made for the new world size (equal
       steps), the checkpoint restated for the smaller global batch (steps, schedule, rates).
 
+    Every launch, the first included, resumes its checkpoint (the given one, or the job's own last.ckpt) restated
+    when it records another per-rank batch or world size than that launch's (`restate.restated`).
     `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
     shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow).
 
@@ -272,10 +296,13 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
 
     limit = max(0, job.cfg.train.max_restarts)
     last = os.path.join(job.ckpt_dir, "last.ckpt")
-    restore_first = job.restore_point
     started = time.time()
     attempt = restarts = backoffs = 0
-    first_batch = batch = job.data.plan.train.batch_size
+    batch = job.data.plan.train.batch_size
+    first = (batch, job.data.plan.train.world_size)  # taken for a given checkpoint that records neither
+    restore_first = _given_restore_point(job)
+    if restore_first and os.path.exists(restore_first):  # restated when it records another batch or world size
+        job = dataclasses.replace(job, restore_from=_restated(job, restore_first, job.data, batch, first))
     while True:
         try:
             return launch(job)
@@ -318,12 +345,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                 job = dataclasses.replace(job, world_size=new_world)
                 if on_world is not None:
                     on_world(new_world, cause)
-            if restore and os.path.exists(restore) and (fresh or batch != first_batch or new_world != world):
-                # trained with another batch than this launch's (it records which): steps, schedule, rates restated
-                from pipeline.distributed.restate import restated  # torch: on the driver only when needed
-
-                restore = restated(restore, data.plan.train.steps_per_epoch, batch, data.plan.train.world_size,
-                                   job.cfg.train.lr_scaling)
+            if restore and os.path.exists(restore):  # by the batch and world size IT records, not the last launch's
+                restore = _restated(job, restore, data, batch, first)
             if oom:
                 log.warning("out of memory: relaunching every rank with %d samples per rank (was %d) from %s: %s",
                             batch, was, restore or "the start", cause)

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.distributed.backoff import lr_batch_factor
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, is_sharded_checkpoint, read_checkpoint,
-                                              trained_with)
+                                              recorded_training, trained_with)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -48,8 +48,8 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
     """Write `src` (a Lightning checkpoint trained with `old_batch` per rank) to `dst` as if trained with `new_batch`:
     every step counter of the fit loop and the LR scheduler at the converted position (`converted_position`), the
     learning rates of the optimizer and scheduler times `lr_factor`, the data stream's steps per epoch, and its
-    `trained_with` record (`new_world` ranks of `rank_batch` each, when given: the batches are then global). Weights, optimizer moments, lineage and callbacks' states are
-    kept. Returns the converted global step."""
+    `trained_with` record (`new_world` ranks of `rank_batch` each, when given: the batches are then global).
+    Weights, optimizer moments, lineage and callbacks' states are kept. Returns the converted global step."""
     ckpt = read_checkpoint(src)
     fit = ckpt["loops"]["fit_loop"]
     progress = fit["epoch_loop.batch_progress"]
@@ -87,24 +87,37 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
     return total
 
 
-def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str) -> str:
+def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str,
+             unrecorded: Optional[Tuple[int, int]] = None) -> str:
     """Checkpoint `path` for a launch of `world_size` ranks with `batch_size` per rank (`steps_per_epoch`): `path`
     itself when it records that batch and world size, else a copy beside it restated from what it records
     (`rescale_checkpoint`). Positions and rates follow the global batch (per-rank batch x ranks): an OOM back-off
-    halves it, an elastic relaunch on fewer ranks (train.min_np) shrinks it; the rate by `train.lr_scaling`.
+    halves it, an elastic relaunch on fewer ranks (train.min_np) shrinks it, a restore point trained on another
+    number of ranks differs from it; the rate by `train.lr_scaling`. Always decided from what the checkpoint records,
+    never from the launch before.
+
+    `unrecorded`: the (per-rank batch, world size) a checkpoint that records neither (written before checkpoints
+    recorded them) is taken to have been trained with; such a checkpoint is `path` itself for a launch of exactly
+    that. None: it is refused.
 
     Raises:
-        CheckpointError: it records no batch, or is a sharded (FSDP) checkpoint trained with another batch or world
-            size; naming the file.
+        CheckpointError: it records no batch (and `unrecorded` is not this launch's), or is a sharded (FSDP)
+            checkpoint trained with another batch or world size; naming the file.
     """
-    record = trained_with(path)
+    record = recorded_training(path)
+    if record is None and unrecorded is not None and tuple(unrecorded) == (batch_size, world_size):
+        log.info("checkpoint %s records no batch or world size; resumed as it is", path)
+        return path
+    if record is None:
+        record = trained_with(path)  # raises, naming the file
     old_batch, old_world = int(record["batch_size"]), int(record.get("world_size", world_size))
     if (old_batch, old_world) == (batch_size, world_size):
         return path
     if is_sharded_checkpoint(path):
         raise CheckpointError(f"checkpoint {path} (sharded, trained with {old_batch} per rank on {old_world} ranks) "
-                              f"cannot be restated for {batch_size} per rank on {world_size}; set a smaller "
-                              f"data.batch_size, or train.min_np=null")
+                              f"cannot be restated for {batch_size} per rank on {world_size}: a sharded checkpoint "
+                              f"resumes only with the batch and world size it records (data.batch_size={old_batch} "
+                              f"on {old_world} ranks; train.min_np=null keeps the world size on a relaunch)")
     stem = os.path.splitext(os.path.basename(path))[0]
     name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
     dst = os.path.join(os.path.dirname(path), f"{name}.ckpt")

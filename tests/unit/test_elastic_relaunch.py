@@ -77,6 +77,66 @@ def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_
     assert job.cfg.train.np == 2  # the user's config is as it was
 
 
+def test_a_given_restore_point_is_restated_on_every_relaunch_by_the_world_size_it_records(tmp_path, monkeypatch):
+    """train.ckpt_restore names another run's checkpoint (trained on 2 ranks); the job fails twice before writing one
+    of its own, and both relaunches go on with 1 rank: each resumes the given checkpoint restated for 1 rank, the
+    second as well as the first (it still records 2 ranks, whatever the world size of the launch before)."""
+    given = tmp_path / "other-run" / "last.ckpt"
+    given.parent.mkdir()
+    _checkpoint(str(given), 32, 2, 10, 13, 3, lr=0.2)
+    job = _job(tmp_path, "train.min_np=1", f"train.ckpt_restore={given}")
+    seen = []
+
+    def fake_launch(job):
+        restore = job.restore_point
+        ckpt = torch.load(restore, weights_only=True)
+        seen.append((job.attempt, job.data.plan.train.world_size, os.path.basename(restore), ckpt["global_step"],
+                     ckpt["optimizer_states"][0]["param_groups"][0]["lr"]))
+        if job.attempt < 2:
+            raise _lost()  # before this job wrote a checkpoint of its own
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.setattr(launcher, "cluster_slots", lambda: 1)
+    assert launcher.launch_with_restarts(job) == ["done"]
+    assert seen == [(0, 2, "last.ckpt", 13, pytest.approx(0.2)),
+                    (1, 1, "last-batch32-np1.ckpt", 26, pytest.approx(0.1)),
+                    (2, 1, "last-batch32-np1.ckpt", 26, pytest.approx(0.1))]
+    assert torch.load(given, weights_only=True)["global_step"] == 13  # the given checkpoint itself is as it was
+
+
+def test_the_first_launch_restates_a_given_checkpoint_recorded_at_another_world_size(tmp_path, monkeypatch):
+    """A checkpoint trained on 4 ranks of 32 (global 128, 5 steps per epoch) resumed by a job of 2 ranks of 32: the
+    first launch already resumes it restated for the global batch of 64 (10 steps per epoch, half the rate)."""
+    given = tmp_path / "other-run" / "last.ckpt"
+    given.parent.mkdir()
+    _checkpoint(str(given), 32, 4, 5, 13, 3, lr=0.2)
+    job = _job(tmp_path, f"train.ckpt_restore={given}")
+    seen = []
+
+    def fake_launch(job):
+        restore = job.restore_point
+        seen.append((os.path.basename(restore), torch.load(restore, weights_only=True)))
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    assert launcher.launch_with_restarts(job) == ["done"]
+    [(name, ckpt)] = seen
+    assert name == "last-batch32-np2.ckpt"
+    assert ckpt["global_step"] == converted_position(13, 3, 5, 128, 10, 64)[0] == 26
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)
+    assert ckpt[TRAINED_WITH]["world_size"] == 2 and ckpt[TRAINED_WITH]["steps_per_epoch"] == 10
+
+    # recorded at this launch's batch and world size: the checkpoint itself
+    _checkpoint(str(given), 32, 2, 10, 13, 3, lr=0.2)
+    seen.clear()
+    assert launcher.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
+    # one that records nothing (written before checkpoints recorded their batch) is resumed as it is
+    torch.save({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, given)
+    seen.clear()
+    assert launcher.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
+
+
 def test_fewer_slots_than_min_np_fail_saying_so(tmp_path, monkeypatch):
     job = _job(tmp_path, "train.np=3", "train.min_np=2")
     monkeypatch.setattr(launcher, "launch", lambda job: (_ for _ in ()).throw(_lost()))
