@@ -5,13 +5,14 @@ import base64
 import binascii
 import io
 import json
+import os
 import re
 import shutil
 import tempfile
 import threading
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlflow
 import mlflow.pyfunc
@@ -58,10 +59,11 @@ ERROR_COLUMN = "error"
 ON_ERROR_MODES = ("raise", "null")
 META_KEYS = ("arch", "width", "channels", "image_size", "class_names")
 PREDICT_BATCH_SIZE = 256
-# The most rows one call scores (params["max_rows"] raises or lowers it): a served request over it is answered 400
-# before any row is decoded, so one request's time is bounded (every row's pixels are bounded by pipeline.images).
-# Batch scoring and the gate call with PREDICT_BATCH_SIZE rows or fewer.
-MAX_ROWS_PER_CALL = 10_000
+# The most rows one call scores (see row_limit: set when the model is logged or the server starts; a request's
+# params["max_rows"] may lower it, never raise it): a served request over it is answered 400 before any row is decoded,
+# so one request's time is bounded (every row's pixels are bounded by pipeline.images). Batch scoring and the gate
+# call with PREDICT_BATCH_SIZE rows or fewer, so a logged limit is at least that.
+MAX_ROWS_PER_CALL, MAX_ROWS_CONFIG_KEY, MAX_ROWS_ENV = 10_000, "max_rows_per_call", "LAKEHOUSE_SERVING_MAX_ROWS"
 
 # The modules the served model imports. Only these travel with the model (code_paths), so that it
 # loads in a process that has mlflow, torch and pillow but neither the rest of `pipeline` nor its
@@ -138,13 +140,35 @@ def check_meta(meta: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _whole(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
+
+
+def row_limit(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str, bool]:
+    """(limit, what set it, whether the model records one): MAX_ROWS_ENV in the environment where the model loads (the
+    server's), else the model config's MAX_ROWS_CONFIG_KEY (what log_model recorded, or what a loader passed as
+    model_config), else MAX_ROWS_PER_CALL (a model logged before the limit was recorded). ValueError names a bad one."""
+    recorded = (model_config or {}).get(MAX_ROWS_CONFIG_KEY)
+    env = os.environ.get(MAX_ROWS_ENV, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{MAX_ROWS_ENV}={os.environ[MAX_ROWS_ENV]!r} is not a positive whole number")
+        return int(env), f"set by {MAX_ROWS_ENV}", recorded is not None
+    if recorded is None:
+        return MAX_ROWS_PER_CALL, "set by pipeline.tracking.pyfunc.MAX_ROWS_PER_CALL", False
+    if not _whole(recorded):
+        raise ValueError(f"model config key '{MAX_ROWS_CONFIG_KEY}': {recorded!r} is not a positive whole number")
+    return int(recorded), f"set by the model's config {MAX_ROWS_CONFIG_KEY}", True
+
+
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     """Classify encoded images (PNG/JPEG bytes in a `content` column) with the trained network."""
 
     def load_context(self, context: Any) -> None:
-        """Rebuild the network from the `meta` artifact and load the `weights` state_dict."""
+        """Rebuild the network from the `meta` artifact and load the `weights` state_dict; read the row limit."""
         from pipeline.model.nets import build_network
 
+        self.max_rows = row_limit(context.model_config)
         with open(context.artifacts["meta"]) as fh:
             self.meta = check_meta(json.load(fh))
         self.class_names: List[str] = self.meta["class_names"]
@@ -162,19 +186,25 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         on_error = (params or {}).get("on_error") or "raise"
         if on_error not in ON_ERROR_MODES:
             raise InvalidModelInput(f"param 'on_error': {on_error!r} is not one of {', '.join(ON_ERROR_MODES)}")
+        limit, source, recorded = getattr(self, "max_rows", None) or row_limit(None)
         max_rows = (params or {}).get("max_rows")
-        max_rows = MAX_ROWS_PER_CALL if max_rows is None else max_rows
-        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        if max_rows is not None and not _whole(max_rows):
             raise InvalidModelInput(f"param 'max_rows': {max_rows!r} is not a positive whole number")
+        if max_rows == 10_000 and not recorded:  # a model logged before row_limit: MLflow filled in its signature's
+            max_rows = None  # default, 10,000, where the request gave none
+        if max_rows is not None and max_rows > limit:
+            raise InvalidModelInput(f"param 'max_rows': {int(max_rows):,} is over this model's limit of {limit:,} "
+                                    f"rows per call ({source}); a request may lower it, never raise it")
         if not isinstance(model_input, pd.DataFrame):
             raise InvalidModelInput(f"model input must be a pandas DataFrame with a '{CONTENT_COLUMN}' column, "
                                     f"got {type(model_input).__name__}")
         if CONTENT_COLUMN not in model_input.columns:
             raise InvalidModelInput(f"model input has no '{CONTENT_COLUMN}' column (encoded image bytes); "
                                     f"got columns {list(map(str, model_input.columns))}")
-        if len(model_input) > max_rows:
-            raise InvalidModelInput(f"{len(model_input):,} rows in one call, over the limit of {int(max_rows):,} "
-                                    f"(param 'max_rows'); send them in smaller requests")
+        if len(model_input) > (limit if max_rows is None else max_rows):
+            bound = f"{limit:,} rows per call ({source})" if max_rows is None else f"{max_rows:,} (param 'max_rows')"
+            raise InvalidModelInput(f"{len(model_input):,} rows in one call, over the limit of {bound}; send them in "
+                                    f"smaller requests")
         contents = list(model_input[CONTENT_COLUMN])
         index = list(model_input.index)
         size, channels = self.meta["image_size"], self.meta["channels"]
@@ -220,7 +250,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
 def model_signature() -> "mlflow.models.ModelSignature":
     """Input: a binary `content` column (base64 strings in JSON); output: label, label_index, probability,
-    probabilities, and `error` (only with params on_error=null); params `on_error` (raise|null) and `max_rows`."""
+    probabilities, and `error` (only with params on_error=null); params `on_error` (raise|null) and `max_rows` (none
+    given: the model's limit, row_limit)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
@@ -234,7 +265,7 @@ def model_signature() -> "mlflow.models.ModelSignature":
         ColSpec(DataType.string, ERROR_COLUMN, required=False),
     ])
     params = ParamSchema([ParamSpec("on_error", DataType.string, "raise"),
-                          ParamSpec("max_rows", DataType.long, MAX_ROWS_PER_CALL)])
+                          ParamSpec("max_rows", DataType.long, None)])
     return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
 
@@ -313,19 +344,23 @@ def _check_weights_fit(state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> 
 
 def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str = "model",
               input_example_content: Optional[bytes] = None, *, run_id: Optional[str] = None,
-              step: int = 0) -> str:
+              step: int = 0, max_rows_per_call: int = MAX_ROWS_PER_CALL) -> str:
     """Log `network` as an ImageClassifierModel into run `run_id` (default: the active run).
 
     The run's status is left as it is: the model is created as an MLflow 3 LoggedModel in the run's
     experiment with the run as its source, its artifacts uploaded, and linked to the run as an
     output, so both `models:/<model_id>` (returned) and `runs:/<run_id>/<artifact_path>` load it.
-    Uses the current tracking URI (see `pipeline.tracking.runs.configure`).
+    Uses the current tracking URI (see `pipeline.tracking.runs.configure`). `max_rows_per_call`, the most rows one
+    call scores, is recorded in the model's config (MAX_ROWS_CONFIG_KEY): a request may lower it, never raise it.
 
     Returns:
         The model URI to register, `models:/<model_id>`.
     """
     from mlflow.models import Model
 
+    if not _whole(max_rows_per_call) or max_rows_per_call < PREDICT_BATCH_SIZE:
+        raise ValueError(f"max_rows_per_call={max_rows_per_call!r}: must be a whole number of at least "
+                         f"{PREDICT_BATCH_SIZE} (the gate and batch scoring send up to {PREDICT_BATCH_SIZE} rows a call)")
     meta = check_meta(meta)
     if run_id is None:
         active = mlflow.active_run()
@@ -363,6 +398,7 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
             artifacts={"weights": str(weights), "meta": str(meta_file)},
             code_paths=[str(code_pkg)],
             signature=model_signature(),
+            model_config={MAX_ROWS_CONFIG_KEY: int(max_rows_per_call)},
             input_example=pd.DataFrame({CONTENT_COLUMN: [example]}),
             pip_requirements=pip_requirements(),
             metadata={"class_names": meta["class_names"], "image_size": meta["image_size"],

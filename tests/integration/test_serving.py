@@ -33,6 +33,10 @@ VENV_BIN = Path(sys.executable).parent
 NAME = "serving_clf"
 CORRUPT_PATH = "/corrupt/not-an-image.png"
 CORRUPT_BYTES = b"\x89PNG\r\n\x1a\n but the rest is not a PNG"
+# PIL identifies this as EPS: with Ghostscript installed, decoding it runs the sender's PostScript
+EPS_BYTES = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\n"
+             b"0 setgray 0 0 8 8 rectfill\nshowpage\n%%EOF\n")
+ACCEPTED = "accepted formats: JPEG, PNG, GIF, BMP, TIFF, WEBP"
 
 
 def _table_rows(table: Path) -> pa.Table:
@@ -155,11 +159,11 @@ def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows
           f"process: {direct:.0f} rows/s; ratio {result['rows_per_s'] / direct:.2f}")
 
 
-def _start_server(model_uri: str, tracking_uri: str, log_path: Path):
+def _start_server(model_uri: str, tracking_uri: str, log_path: Path, **extra_env: str):
     port = free_port()
     # MLflow execs `uvicorn` by name: the venv's bin must be on PATH (as in an activated venv)
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri,
-           "PATH": os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")])}
+           "PATH": os.pathsep.join([str(VENV_BIN), os.environ.get("PATH", "")]), **extra_env}
     cmd = [str(VENV_BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
            "-h", "127.0.0.1", "-p", str(port), "-w", "1"]
     url = f"http://127.0.0.1:{port}"
@@ -197,6 +201,7 @@ def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(regi
                                        np.stack(pyfunc_out["probabilities"].to_numpy()[picks]), atol=1e-6)
 
         not_image = base64.b64encode(b"these bytes are no image").decode()
+        eps = base64.b64encode(EPS_BYTES).decode()
         cases = {
             "not an image (row 1)": ({"dataframe_split": {"columns": ["content"], "data": [[b64[0]], [not_image]]}},
                                      ["row 1", "content", "not a decodable image"]),
@@ -208,6 +213,9 @@ def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(regi
             # instances: the model decodes the base64 text itself (row named)
             "bad base64, instances": ({"instances": [{"content": b64[0]}, {"content": "abc"}]},
                                       ["row 1", "content", "not valid base64"]),
+            # a format outside the allow-list (pipeline.images.ACCEPTED_FORMATS): its PIL plugin never reads it
+            "EPS (row 1)": ({"instances": [{"content": b64[0]}, {"content": eps}]},
+                            ["row 1", "content", "not a decodable image", ACCEPTED]),
             "wrong column": ({"dataframe_split": {"columns": ["image"], "data": [[b64[0]]]}},
                              ["missing inputs", "content"]),
         }
@@ -251,8 +259,9 @@ def test_served_model_refuses_a_decompression_bomb_from_its_header_and_a_request
         registered, rows, tmp_path):
     """The issue's file (a ~164 KB PNG declaring 13000x13000 pixels, ~500 MB decoded) sent to `mlflow models serve`:
     400 naming the row and the pixel count, and the server's processes' peak memory grows by under 100 MB (decoded,
-    it grew by ~1 GB). A request over the row limit (param max_rows) is 400 naming the limit. The server still
-    answers afterwards."""
+    it grew by ~1 GB). A request over the row limit (param max_rows) is 400 naming the limit; a request may lower
+    the limit, never raise it (the issue's `"max_rows": 2**62` scored 30,000 rows). The server still answers
+    afterwards."""
     import io
 
     from PIL import Image
@@ -285,9 +294,61 @@ def test_served_model_refuses_a_decompression_bomb_from_its_header_and_a_request
         status, answer = _post(url, {"instances": [{"content": good}] * 3, "params": {"max_rows": 2}})
         assert status == 400 and "3 rows in one call, over the limit of 2 (param 'max_rows')" in answer["message"]
         assert _post(url, {"instances": [{"content": good}] * 3})[0] == 200  # under the default limit
+        # a client cannot lift the server's limit (10,000 rows, recorded when the model was logged)
+        t0 = time.monotonic()
+        status, answer = _post(url, {"instances": [{"content": good}] * 10_001, "params": {"max_rows": 2**62}})
+        assert status == 400, (status, str(answer)[:500])
+        assert (f"param 'max_rows': {2**62:,} is over this model's limit of 10,000 rows per call"
+                in answer["message"]), answer["message"]
+        assert time.monotonic() - t0 < 5  # refused before any row is decoded
+        status, answer = _post(url, {"instances": [{"content": good}], "params": {"max_rows": 10_001}})
+        assert status == 400 and "over this model's limit of 10,000" in answer["message"], answer
+        assert _post(url, {"instances": [{"content": good}], "params": {"max_rows": 10_000}})[0] == 200
     finally:
         stop_mlflow_server(proc)
     assert proc.poll() is not None
+
+
+@pytest.mark.timeout(600)
+def test_the_row_limit_is_set_when_the_model_is_logged_or_the_server_starts_never_by_a_request(registered, rows,
+                                                                                             tmp_path):
+    """log_model records the limit in the model's config; LAKEHOUSE_SERVING_MAX_ROWS in the server's environment (or
+    a Python loader's model_config) sets it when the server starts; a request's max_rows may only lower it."""
+    from pipeline.tracking.pyfunc import load_pyfunc
+
+    cfg, pinned = registered
+    info = mlflow.models.get_model_info(pinned.uri)
+    assert info.flavors["python_function"]["config"] == {"max_rows_per_call": 10_000}  # MLmodel: config
+    assert {p.name: p.default for p in info.signature.params}["max_rows"] is None  # none given: the model's limit
+
+    good = base64.b64encode(rows.column("content")[0].as_py()).decode()
+    proc, url = _start_server(f"models:/{NAME}@champion", cfg.mlflow.tracking_uri, tmp_path / "serve.log",
+                              LAKEHOUSE_SERVING_MAX_ROWS="2")
+    try:
+        assert _post(url, {"instances": [{"content": good}] * 2})[0] == 200
+        status, answer = _post(url, {"instances": [{"content": good}] * 3})
+        assert status == 400, answer
+        assert ("3 rows in one call, over the limit of 2 rows per call (set by LAKEHOUSE_SERVING_MAX_ROWS)"
+                in answer["message"]), answer["message"]
+        for asked in (3, 10_000, 2**62):  # even for one row: the request asked for what it may not have
+            status, answer = _post(url, {"instances": [{"content": good}], "params": {"max_rows": asked}})
+            assert status == 400, (asked, answer)
+            assert (f"param 'max_rows': {asked:,} is over this model's limit of 2 rows per call (set by "
+                    f"LAKEHOUSE_SERVING_MAX_ROWS); a request may lower it, never raise it") in answer["message"]
+        status, answer = _post(url, {"instances": [{"content": good}] * 2, "params": {"max_rows": 1}})
+        assert status == 400 and "2 rows in one call, over the limit of 1 (param 'max_rows')" in answer["message"]
+        assert _post(url, {"instances": [{"content": good}], "params": {"max_rows": 1}})[0] == 200
+    finally:
+        stop_mlflow_server(proc)
+
+    frame = pd.DataFrame({"content": [rows.column("content")[0].as_py()] * 3})
+    lowered = mlflow.pyfunc.load_model(pinned.uri, model_config={"max_rows_per_call": 2})
+    with pytest.raises(ValueError, match=r"3 rows in one call, over the limit of 2 rows per call \(set by the "
+                                         r"model's config max_rows_per_call\)"):
+        lowered.predict(frame)
+    with pytest.raises(ValueError, match=r"param 'max_rows': 3 is over this model's limit of 2 rows per call"):
+        lowered.predict(frame, params={"max_rows": 3})
+    assert len(load_pyfunc(pinned.uri).predict(frame)) == 3  # as logged: 10,000
 
 
 def _contents(rows, n=None):

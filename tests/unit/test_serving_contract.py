@@ -129,12 +129,88 @@ def test_pyfunc_refuses_a_call_over_its_row_limit_before_decoding_any_row(monkey
         model.predict(None, three, params={"max_rows": 2})
     assert info.value.get_http_status_code() == 400 and decoded == []
     monkeypatch.setattr(pyfunc, "MAX_ROWS_PER_CALL", 2)  # the default limit applies without the param
-    with pytest.raises(InvalidModelInput, match="over the limit of 2"):
+    with pytest.raises(InvalidModelInput, match=r"3 rows in one call, over the limit of 2 rows per call \(set by "
+                                                r"pipeline\.tracking\.pyfunc\.MAX_ROWS_PER_CALL\)"):
         model.predict(None, three)
-    assert len(model.predict(None, three, params={"max_rows": 3})) == 3  # the param raises it
+    for asked in (3, 2**62):  # a request may not raise the limit (the issue's 2**62 scored 30,000 rows)
+        for frame in (three, three.iloc[:1]):  # refused even where the rows would fit: it asked for more
+            with pytest.raises(InvalidModelInput, match=rf"param 'max_rows': {asked:,} is over this model's limit of "
+                                                        r"2 rows per call .*a request may lower it, never raise it"):
+                model.predict(None, frame, params={"max_rows": asked})
+    assert decoded == []
+    with pytest.raises(InvalidModelInput, match=r"2 rows in one call, over the limit of 1 \(param 'max_rows'\)"):
+        model.predict(None, three.iloc[:2], params={"max_rows": 1})  # it may lower it
+    assert len(model.predict(None, three.iloc[:2], params={"max_rows": 2})) == 2
+    assert len(model.predict(None, three.iloc[:2], params={"max_rows": None})) == 2  # none given (the signature's)
     for bad in (0, -1, "10", True, 1.5):
         with pytest.raises(InvalidModelInput, match="param 'max_rows': .* is not a positive whole number"):
             model.predict(None, three, params={"max_rows": bad})
+
+
+def _loaded(tmp_path, model_config):
+    """An ImageClassifierModel through its own load_context, with `model_config` as MLflow hands it over."""
+    import json
+
+    from mlflow.pyfunc.model import PythonModelContext
+
+    (tmp_path / "meta.json").write_text(json.dumps(META))
+    torch.save(build_network("cnn", 1, 3, width=4).state_dict(), tmp_path / "weights.pt")
+    model = ImageClassifierModel()
+    model.load_context(PythonModelContext({"meta": str(tmp_path / "meta.json"),
+                                           "weights": str(tmp_path / "weights.pt")}, model_config))
+    return model
+
+
+def test_the_row_limit_is_the_model_configs_or_the_servers_environments(tmp_path, monkeypatch):
+    import pipeline.tracking.pyfunc as pyfunc
+
+    monkeypatch.delenv(pyfunc.MAX_ROWS_ENV, raising=False)
+    assert pyfunc.MAX_ROWS_ENV == "LAKEHOUSE_SERVING_MAX_ROWS"
+    rows = lambda n: pd.DataFrame({"content": [_png(1)] * n})  # noqa: E731
+    logged = _loaded(tmp_path, {"max_rows_per_call": 300})  # what log_model(max_rows_per_call=300) records
+    with pytest.raises(InvalidModelInput, match=r"301 rows in one call, over the limit of 300 rows per call \(set "
+                                                r"by the model's config max_rows_per_call\)"):
+        logged.predict(None, rows(301))
+    with pytest.raises(InvalidModelInput, match="param 'max_rows': 301 is over this model's limit of 300"):
+        logged.predict(None, rows(1), params={"max_rows": 301})
+    assert len(logged.predict(None, rows(300), params={"max_rows": 300, "on_error": "null"})) == 300
+
+    monkeypatch.setenv(pyfunc.MAX_ROWS_ENV, "2")  # the server's environment, read when the model loads
+    served = _loaded(tmp_path, {"max_rows_per_call": 300})
+    with pytest.raises(InvalidModelInput, match=r"3 rows in one call, over the limit of 2 rows per call \(set by "
+                                                r"LAKEHOUSE_SERVING_MAX_ROWS\)"):
+        served.predict(None, rows(3))
+    with pytest.raises(InvalidModelInput, match=r"param 'max_rows': 300 is over this model's limit of 2 rows per "
+                                                r"call \(set by LAKEHOUSE_SERVING_MAX_ROWS\)"):
+        served.predict(None, rows(1), params={"max_rows": 300})
+    assert len(served.predict(None, rows(2))) == 2
+    # a model logged before the limit was recorded: 10,000, and its signature's default max_rows (10,000, filled in by
+    # MLflow when a request gives none) counts as none given
+    legacy = _loaded(tmp_path, None)
+    assert len(legacy.predict(None, rows(2), params={"max_rows": pyfunc.MAX_ROWS_PER_CALL})) == 2
+    with pytest.raises(InvalidModelInput, match="3 rows in one call, over the limit of 2 rows per call"):
+        legacy.predict(None, rows(3), params={"max_rows": pyfunc.MAX_ROWS_PER_CALL})
+    monkeypatch.delenv(pyfunc.MAX_ROWS_ENV)
+    with pytest.raises(InvalidModelInput, match="10,001 rows in one call, over the limit of 10,000 rows per call"):
+        _loaded(tmp_path, {}).predict(None, rows(10_001))
+
+    for bad in ("0", "-5", "lots", "1e9", "2.5"):
+        monkeypatch.setenv(pyfunc.MAX_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"LAKEHOUSE_SERVING_MAX_ROWS={bad!r} is not a positive whole number"):
+            _loaded(tmp_path, None)
+    monkeypatch.delenv(pyfunc.MAX_ROWS_ENV)
+    for bad in (0, "300", True, 2.5):
+        with pytest.raises(ValueError, match=r"model config key 'max_rows_per_call': .* is not a positive whole"):
+            _loaded(tmp_path, {"max_rows_per_call": bad})
+
+
+def test_log_model_refuses_a_limit_the_gate_and_batch_scoring_could_not_call_under():
+    from pipeline.tracking.pyfunc import PREDICT_BATCH_SIZE, log_model
+
+    net = build_network("cnn", 1, 3, width=4)
+    for bad in (PREDICT_BATCH_SIZE - 1, 0, True, "10000"):
+        with pytest.raises(ValueError, match=rf"max_rows_per_call={bad!r}: .*at least {PREDICT_BATCH_SIZE}"):
+            log_model(net, META, max_rows_per_call=bad, run_id="never-looked-up")
 
 
 def test_pyfunc_takes_base64_text_as_a_server_sends_it():
