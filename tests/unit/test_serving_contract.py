@@ -194,6 +194,9 @@ def test_the_row_limit_is_the_model_configs_or_the_servers_environments(tmp_path
     with pytest.raises(InvalidModelInput, match="10,001 rows in one call, over the limit of 10,000 rows per call"):
         _loaded(tmp_path, {}).predict(None, rows(10_001))
 
+    monkeypatch.setenv(pyfunc.MAX_ROWS_ENV, " ")  # set but empty: as if unset
+    assert _loaded(tmp_path, {"max_rows_per_call": 300}).max_rows[:2] == (300, "set by the model's config "
+                                                                          "max_rows_per_call")
     for bad in ("0", "-5", "lots", "1e9", "2.5"):
         monkeypatch.setenv(pyfunc.MAX_ROWS_ENV, bad)
         with pytest.raises(ValueError, match=rf"LAKEHOUSE_SERVING_MAX_ROWS={bad!r} is not a positive whole number"):
