@@ -114,9 +114,9 @@ def check_sharded(folder: str) -> None:
     plain = {fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
     for storage_index, info in metadata.storage_data.items():
         fqn = getattr(storage_index, "fqn", None)
+        shard = _shard_file(folder, metadata, storage_index)  # every item's file inside the folder
         if fqn not in plain:
             continue  # a tensor's bytes: torch reads those with weights_only=True itself
-        shard = _shard_file(folder, metadata, storage_index)
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"checkpoint {shard}: item '{fqn}' is stored transformed "
                                   f"({', '.join(info.transform_descriptors)}), which is not read here")

@@ -212,6 +212,18 @@ def test_a_sharded_checkpoint_whose_shard_would_run_code_is_refused_naming_the_s
     _load_distributed_checkpoint(folder)  # the control: torch's own reader of the folder does run the shard's code
     assert marker.exists()
 
+    import dataclasses
+    import pickle
+
+    with open(plain / ".metadata", "rb") as fh:  # an index that sends a read outside the folder is refused too
+        index = pickle.load(fh)
+    index.storage_data = {k: dataclasses.replace(v, relative_path="../elsewhere.distcp")
+                          for k, v in index.storage_data.items()}
+    with open(plain / ".metadata", "wb") as fh:
+        pickle.dump(index, fh)
+    with pytest.raises(CheckpointError, match=r"places item .* outside its folder \('../elsewhere.distcp'\)"):
+        consolidated_state(str(plain))
+
 
 # --------------------------------------------------------------------------- restartability from a rank's class
 def _ranks_failing(job_dir_errors):
