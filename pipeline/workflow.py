@@ -228,10 +228,11 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
                      extra_tags: Optional[Dict[str, Any]] = None) -> str:
     """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
     lineage, world size, backend and logged gate metric. Returns the version."""
+    from pipeline.lakehouse.delta import table_location
     from pipeline.tracking.registry import register_model
 
-    metric = cfg.mlflow.gate_metric
-    tags = {"run_id": run_id, "delta_table": pinned.table, "delta_version": str(pinned.version),
+    metric = cfg.mlflow.gate_metric  # the table by its location: the gate finds it from any working directory
+    tags = {"run_id": run_id, "delta_table": table_location(pinned.table), "delta_version": str(pinned.version),
             metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
     return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)

@@ -103,7 +103,8 @@ def _user_metadata(commit_metadata: Optional[Dict[str, Any]], writer: str, claim
 
 @dataclass(frozen=True)
 class PinnedTable:
-    """A Delta table resolved at one version: what every later step records."""
+    """A Delta table resolved at one version: what every later step records. `table` is the table's location
+    (`table_location`), whatever spelling it was given in: the same table from any working directory."""
 
     table: str
     version: int
@@ -112,6 +113,10 @@ class PinnedTable:
     # the SHA-256 of its data files' URIs, sorted, one per line, where the engine reads them from the log alone
     # (delta-rs): what the converted-data cache keys on, known without a Spark job; None: the DataFrame's inputFiles
     files_digest: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.table, str) and self.table:
+            object.__setattr__(self, "table", table_location(self.table))
 
 
 def files_digest(files: Sequence[str]) -> str:
@@ -144,6 +149,32 @@ def catalog_name(table: str) -> Optional[str]:
 def table_uri(table: str) -> str:
     path = local_path(table)
     return path if path is not None else table
+
+
+def table_location(table: str) -> str:
+    """Where a Delta table is, in the one spelling every record of a pinned table stores (run params and tags, a
+    version's tags, a checkpoint's lineage, the train summary) and every comparison of two tables compares:
+
+    - a local path (relative, with `.` or `..`, through a symbolic link, a `file:` URI, a trailing slash): its
+      absolute real path (os.path.realpath), a relative one resolved against the working directory, so the record
+      names the same table from wherever it is read;
+    - any other URI (s3://bucket/x/, abfss://..., dbfs:/...): as written, its scheme lower-cased and its trailing
+      slashes removed (`s3://bucket/x`);
+    - a catalog name (catalog.schema.table): the name, as written.
+
+    Idempotent. A record made before locations were stored holds the spelling as typed: reading it through this
+    function resolves a relative path against the working directory, as before."""
+    if not table or catalog_name(table):
+        return table
+    path = local_path(table)
+    if path is not None:
+        return os.path.realpath(path)
+    scheme = urlparse(table).scheme
+    body = table[len(scheme) + 1:]  # after "scheme:"
+    trimmed = body.rstrip("/")
+    if not trimmed.strip("/"):  # the root itself (`dbfs:/`, `s3://`) keeps its slashes
+        trimmed = "//" if body.startswith("//") else body[:1]
+    return f"{scheme.lower()}:{trimmed}"
 
 
 def describe_schema_diff(existing: Dict[str, str], incoming: Dict[str, str]) -> List[str]:

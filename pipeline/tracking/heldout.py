@@ -16,6 +16,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from urllib.parse import urlparse
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -277,24 +278,34 @@ def pinned_data(name: str, mv: ModelVersion) -> Tuple[str, int]:
         raise RegistryError(f"model {name!r} version {mv.version} has no tag(s) {', '.join(missing)}: the gate "
                             f"cannot tell which Delta version's held-out rows to score it on")
     try:
-        return tags["delta_table"], int(tags["delta_version"])
+        return _location(name, mv, tags["delta_table"]), int(tags["delta_version"])
     except ValueError:
         raise RegistryError(f"model {name!r} version {mv.version}: tag delta_version is "
                             f"{tags['delta_version']!r}, not a number") from None
 
 
+def _location(name: str, mv: ModelVersion, recorded: str) -> str:
+    """A version's recorded table as its location (pipeline.lakehouse.delta.table_location). A version registered
+    before locations were recorded may hold a relative path: it is resolved against this working directory, as it
+    always was, and said so."""
+    from pipeline.lakehouse.delta import catalog_name, table_location
+
+    location = table_location(recorded)
+    if not catalog_name(recorded) and not urlparse(recorded).scheme and not os.path.isabs(recorded):
+        log.warning("model %r version %s records delta_table=%r, a relative path: read as %s (relative to this "
+                    "working directory)", name, mv.version, recorded, location)
+    return location
+
+
 def _same_table(a: str, b: str) -> bool:
-    """One table under two spellings: a catalog name in any case; a local path relative or absolute, with or without
-    file:// (other URLs compared as written)."""
-    from pipeline.lakehouse.delta import catalog_name
+    """One table under two spellings: their locations (pipeline.lakehouse.delta.table_location: a local path
+    absolute and real, a `file:` URI as its path, a URI without trailing slashes) are equal, or a catalog name in any
+    case. A relative path (recorded before locations were) is resolved against this working directory."""
+    from pipeline.lakehouse.delta import catalog_name, table_location
 
     if catalog_name(a) or catalog_name(b):
         return a.lower() == b.lower()
-
-    def norm(t: str) -> str:
-        t = t[len("file://"):] if t.startswith("file://") else t[len("file:"):] if t.startswith("file:") else t
-        return t.rstrip("/") if "://" in t else os.path.normpath(os.path.abspath(t))
-    return norm(a) == norm(b)
+    return table_location(a) == table_location(b)
 
 
 def comparable(name: str, challenger: ModelVersion, holder: ModelVersion) -> Optional[str]:

@@ -1,5 +1,6 @@
 """What a run was trained from: the config as params and artifact (secrets redacted), the Delta table and version as
-the run's input, and the code's git commit."""
+the run's input, and the code's git commit. The table is recorded by its location (table_location: a local path
+absolute and real), never as typed, so the record names the same table from any working directory."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,7 @@ from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Param
 
 from pipeline.config import Config
+from pipeline.lakehouse.delta_common import table_location
 from pipeline.redact import redacted
 
 # MLflow servers before 1.x/2.x accepted 500 characters per param value; newer ones more. The whole
@@ -27,16 +29,22 @@ def _param_value(value: Any) -> str:
 
 
 def config_yaml(cfg: Config) -> str:
-    """The config as YAML with its secrets redacted (pipeline.redact): what `config.yaml` artifacts and the offline
-    folder keep. `lakehouse sync-run` reloads it; only the redacted values (never the secrets) are then missing."""
+    """The config as YAML with its secrets redacted (pipeline.redact) and `delta.table` as its location: what
+    `config.yaml` artifacts and the offline folder keep. `lakehouse sync-run` reloads it (from any working directory);
+    only the redacted values (never the secrets) are then missing."""
     import yaml
 
-    return yaml.safe_dump(redacted(cfg.to_dict()), sort_keys=False)
+    data = redacted(cfg.to_dict())
+    data["delta"]["table"] = table_location(data["delta"]["table"])
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def config_params(cfg: Config) -> Dict[str, Any]:
-    """The flattened config (`train.np`, `spark.conf`, ...) as logged in params, secrets redacted (pipeline.redact)."""
-    return redacted(cfg.flat())
+    """The flattened config (`train.np`, `spark.conf`, ...) as logged in params, secrets redacted (pipeline.redact),
+    `delta.table` as its location."""
+    params = redacted(cfg.flat())
+    params["delta.table"] = table_location(params["delta.table"])
+    return params
 
 
 def log_config(client: MlflowClient, run_id: str, cfg: Config) -> None:
@@ -67,9 +75,10 @@ class PinnedDeltaSource(DeltaDatasetSource):
 
 
 def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlflow.data.meta_dataset.MetaDataset":
-    """The Delta table at `version` as an MLflow dataset (no Spark needed)."""
+    """The Delta table at `version` as an MLflow dataset (no Spark needed), by its location."""
     from mlflow.data.meta_dataset import MetaDataset
 
+    table = table_location(str(table))
     digest = hashlib.sha256(f"{table}@{version}".encode()).hexdigest()[:16]
     ds_name = name or f"{Path(str(table).rstrip('/')).name or table}@v{version}"
     return MetaDataset(source=PinnedDeltaSource(path=str(table), delta_table_version=int(version)),
@@ -78,14 +87,14 @@ def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlfl
 
 def log_lineage(client: MlflowClient, run_id: str, table: str, version: int, rows: Dict[str, int],
                 extra_tags: Optional[Dict[str, Any]] = None) -> None:
-    """Tag the run with the Delta table, version and row counts, and log the table as the run's input.
+    """Tag the run with the Delta table (its location), version and row counts, and log the table as the run's input.
 
     `rows` maps split name to row count ({'train': 800, 'val': 200} -> tags rows_train, rows_val).
     `extra_tags` (world_size, backend, ...) are added; `git_commit` too when the code is a git checkout.
     """
     if version is None or int(version) < 0:
         raise ValueError(f"log_lineage: delta version must be a pinned version >= 0, got {version!r}")
-    tags: Dict[str, str] = {"delta_table": str(table), "delta_version": str(int(version))}
+    tags: Dict[str, str] = {"delta_table": table_location(str(table)), "delta_version": str(int(version))}
     for split, count in rows.items():
         tags[f"rows_{split}"] = str(int(count))
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})

@@ -155,12 +155,14 @@ def test_tracked_run_model_and_registry(store, tmp_path, gate_table):
     assert r.info.status == "FINISHED"
     assert r.data.params["train.np"] == "-2" and r.data.params["model.arch"] == "cnn"
     assert r.data.params["delta.version"] == "null"
-    assert r.data.tags["delta_table"] == "work/delta/images" and r.data.tags["delta_version"] == "3"
+    # recorded by its location (issue 37, defect 4): the path typed relative, resolved where the run was logged
+    assert r.data.tags["delta_table"] == os.path.realpath("work/delta/images") and r.data.tags["delta_version"] == "3"
+    assert r.data.params["delta.table"] == os.path.realpath(cfg.delta.table)
     assert (r.data.tags["rows_train"], r.data.tags["rows_val"]) == ("8", "2")
     assert r.data.tags["world_size"] == "2" and r.data.tags["purpose"] == "test"
     assert [m.value for m in client.get_metric_history(run_id, "val_acc")] == [0.4, 0.55]
     source = json.loads(r.inputs.dataset_inputs[0].dataset.source)
-    assert source["path"] == "work/delta/images" and source["delta_table_version"] == 3
+    assert source["path"] == os.path.realpath("work/delta/images") and source["delta_table_version"] == 3
     assert {"config.yaml", "learning_curves.png"} <= {a.path for a in client.list_artifacts(run_id)}
     config_text = mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml")
     assert "image_size: 16" in config_text
