@@ -1,8 +1,11 @@
 """The converted-data cache: content keys, entry manifests, listing, a size bound (least recently used first) and clearing.
 
-An entry is ``<data.cache_dir>/<key>/`` holding ``train/`` and ``val/`` Parquet files and ``manifest.json``, written
-last: an entry without a manifest is incomplete and is rebuilt. The key is a hash of everything that decides the
-files' content, so a later job (or a tuning trial, or another process) on the same pinned table reuses them.
+An entry is ``<data.cache_dir>/<key>/`` holding ``lakehouse-cache-entry.json`` (the marker, written before anything
+else: `mark_entry`), ``train/`` and ``val/`` Parquet files and ``manifest.json``, written last: an entry without a
+manifest is incomplete and is rebuilt. Only a folder carrying the marker is an entry: listing, the size bound and
+`clear` never touch anything else in `data.cache_dir` (a shared folder may hold Delta tables and checkpoints). The key
+is a hash of everything that decides the files' content, so a later job (or a tuning trial, or another process) on
+the same pinned table reuses them.
 
 An entry a job reads is leased (`pipeline.data.leases`: who holds it, taken before the job looks at the entry, held
 until its training ends): the size bound and `clear` delete only entries nobody live holds, under the cache's lock.
@@ -23,6 +26,8 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
+MARKER = "lakehouse-cache-entry.json"  # names the folder as an entry of this cache; written before its first byte
+MARKER_KIND = "lakehouse converted-data cache entry"
 
 
 def filesystem(url: str) -> Tuple[Any, str]:
@@ -70,6 +75,32 @@ def read_manifest(url: str) -> Optional[Dict[str, Any]]:
         return None
 
 
+def mark_entry(url: str) -> None:
+    """Mark the folder of entry `url` as this cache's own (created if absent), before any of its files is written:
+    only a marked folder is ever listed, evicted or cleared. Written through a rename: a half-written marker is never
+    seen (and a folder whose marker is unreadable is not an entry, so it is left alone)."""
+    fs, path = filesystem(url)
+    fs.create_dir(path, recursive=True)
+    tmp = f"{path}/.{MARKER}.{os.getpid()}.tmp"
+    with fs.open_output_stream(tmp) as fh:
+        fh.write(json.dumps({"kind": MARKER_KIND, "key": url.rstrip("/").rsplit("/", 1)[-1],
+                             "created": time.time()}, sort_keys=True).encode())
+    fs.move(tmp, f"{path}/{MARKER}")
+
+
+def is_marked(url: str) -> bool:
+    """Whether the folder at `url` carries this cache's marker (`mark_entry`)."""
+    fs, path = filesystem(url)
+    try:
+        with fs.open_input_stream(f"{path}/{MARKER}") as fh:
+            return json.loads(fh.read().decode()).get("kind") == MARKER_KIND
+    except FileNotFoundError:
+        return False
+    except Exception as exc:
+        log.warning("%s/%s is unreadable (%s): the folder is not treated as a cache entry", url, MARKER, exc)
+        return False
+
+
 def write_manifest(url: str, manifest: Dict[str, Any]) -> None:
     """Write the manifest through a temporary file and a rename, so a reader never sees half of it."""
     fs, path = filesystem(url)
@@ -80,9 +111,12 @@ def write_manifest(url: str, manifest: Dict[str, Any]) -> None:
 
 
 def touch(url: str, manifest: Dict[str, Any]) -> None:
-    """Record a use of the entry (the size bound evicts the least recently used first)."""
+    """Record a use of the entry (the size bound evicts the least recently used first). An entry written before the
+    marker existed is marked now: a cache hit (its content key, its format) shows the cache wrote it."""
     manifest["last_used"] = time.time()
     try:
+        if not is_marked(url):
+            mark_entry(url)
         write_manifest(url, manifest)
     except OSError as exc:  # a read-only cache still serves
         log.warning("could not record the use of cache entry %s: %s", url, exc)
@@ -112,9 +146,11 @@ def _live(fs, root: str) -> Dict[str, List[Any]]:
             if (live := [h for h in holders if stale_reason(h, now, host, boot_id) is None])}
 
 
-def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None) -> List[Dict[str, Any]]:
-    """Every entry under `data.cache_dir`, most recently used first, with its size, what it was made from and the jobs
-    holding it now (`held_by`: job, pid, host)."""
+def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None,
+                 others: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """Every entry under `data.cache_dir` (a folder carrying the cache's marker: complete with a manifest, incomplete
+    without), most recently used first, with its size, what it was made from and the jobs holding it now (`held_by`:
+    job, pid, host). The names of the other folders there, which are not the cache's, are appended to `others`."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(cache_dir)
@@ -129,6 +165,10 @@ def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None)
         if info.type != pafs.FileType.Directory or info.base_name.startswith("."):  # .leases
             continue
         url = f"{base}/{info.base_name}"
+        if not is_marked(url):  # not written by this cache (a Delta table, checkpoints, ...): never listed
+            if others is not None:
+                others.append(info.base_name)
+            continue
         held_by = [h.public() for h in holders.get(info.base_name, [])]
         manifest = read_manifest(url)
         if manifest is None:
@@ -153,12 +193,13 @@ def take_lease(leases: JobLeases, cache_dir: str, key: str) -> None:
 
 
 def clear(cache_dir: str, keys: Optional[Iterable[str]] = None, force: bool = False) -> Dict[str, Any]:
-    """Delete the given entries (all when None), except those a live job holds unless `force`.
+    """Delete the given entries (all when None), except those a live job holds unless `force`. Only folders carrying
+    the cache's marker are entries: anything else under `data.cache_dir` is left alone.
 
     Returns {"cleared": [keys], "kept": [{"key", "held_by": [{job, pid, host, taken, renewed}]}]}.
 
     Raises:
-        ConversionError: a key in `keys` is not in the cache.
+        ConversionError: a key in `keys` is not in the cache, or names a folder the cache did not write.
     """
     wanted = set(keys) if keys is not None else None
     done: List[str] = []
@@ -167,10 +208,19 @@ def clear(cache_dir: str, keys: Optional[Iterable[str]] = None, force: bool = Fa
     fs, path = filesystem(cache_dir)
     with cache_lock(fs, path):
         holders = live_holders(fs, path, prune=True)
-        entries = list_entries(cache_dir, holders)
-        missing = (wanted or set()) - {e["key"] for e in entries}
+        others: List[str] = []
+        entries = list_entries(cache_dir, holders, others)
+        missing = sorted((wanted or set()) - {e["key"] for e in entries})
+        foreign = [k for k in missing if k in others]
+        if foreign:
+            raise ConversionError(f"{path}/{foreign[0]} is not a converted-data cache entry (it carries no valid "
+                                  f"{MARKER}, which the cache writes before anything else): `lakehouse cache clear` "
+                                  f"leaves it alone; nothing was deleted")
         if missing:
-            raise ConversionError(f"no cache entry {sorted(missing)[0]!r} under data.cache_dir={cache_dir}")
+            raise ConversionError(f"no cache entry {missing[0]!r} under data.cache_dir={cache_dir}")
+        if others and wanted is None:
+            log.info("left alone under data.cache_dir=%s, not written by the cache: %s", cache_dir,
+                     ", ".join(sorted(others)))
         for entry in entries:
             if wanted is not None and entry["key"] not in wanted:
                 continue

@@ -343,6 +343,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
         if class_names is None:
             class_names = _class_names_to_train(frame(), pinned)  # before converting: an empty table fails here
         t0 = time.time()
+        cache.mark_entry(url)  # before any byte of it: only a marked folder is ever evicted or cleared
         manifest = _convert(frame(), cfg, world_size, url, inputs, getattr(pinned, "num_rows", None))
         manifest["class_names"] = list(class_names)
         cache.write_manifest(url, manifest)

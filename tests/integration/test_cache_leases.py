@@ -139,3 +139,52 @@ def test_train_holds_its_entry_while_the_ranks_run_and_releases_it(spark, digits
     [entry] = cache.list_entries(cfg.data.cache_dir)
     assert entry["key"] == key and entry["held_by"] == []  # kept for the next job, released
     assert cache.clear(cfg.data.cache_dir) == {"cleared": [key], "kept": []}
+
+
+def _files(folder) -> dict:
+    """Every file under `folder` with its bytes."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_cache_clear_in_a_shared_folder_deletes_only_the_caches_entries(spark, digits_table, tmp_path):
+    """`data.cache_dir` pointed at a folder that also holds a Delta table and checkpoints (issue 37, defect 5): a real
+    conversion's entry is listed and cleared; the table and the checkpoint folder are neither listed nor deleted, they
+    survive byte for byte, and `cache clear --key <one of them>` is refused naming the folder."""
+    import deltalake
+    import pyarrow as pa
+
+    from pipeline.data import cache
+
+    shared = tmp_path / "shared"
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", f"data.cache_dir={shared}")
+    deltalake.write_deltalake(str(shared / "scores"), pa.table({"path": ["a.png", "b.png"], "label": [0, 1]}))
+    deltalake.write_deltalake(str(shared / "scores"), pa.table({"path": ["c.png"], "label": [2]}), mode="append")
+    (shared / "ckpt").mkdir()
+    (shared / "ckpt" / "best.ckpt").write_bytes(os.urandom(4096))
+    before = {name: _files(shared / name) for name in ("scores", "ckpt")}
+
+    data = _convert(spark, cfg, digits_table)
+    other = _convert(spark, make_config(tmp_path, f"delta.table={digits_table}", f"data.cache_dir={shared}",
+                                        "data.image_size=16"), digits_table)
+    out, _ = _lakehouse("clear", "--key", other.key, cache_dir=str(shared))
+    assert out["cleared"] == [other.key]
+    out, _ = _lakehouse("clear", cache_dir=str(shared))
+    assert {name: _files(shared / name) for name in before} == before  # neither the table nor the checkpoint went
+    assert out["cleared"] == [data.key] and out["kept"] == []
+    assert not (shared / data.key).exists() and not (shared / other.key).exists()
+    assert deltalake.DeltaTable(str(shared / "scores")).to_pyarrow_table().num_rows == 3
+
+    data = _convert(spark, cfg, digits_table)  # converted again: the cache marked its entry before writing it
+    assert json.loads((shared / data.key / cache.MARKER).read_text())["key"] == data.key
+    listed, _ = _lakehouse("ls", cache_dir=str(shared))
+    assert [e["key"] for e in listed["entries"]] == [data.key]
+    conf = ["--conf", str(ROOT / "conf/local.yaml"), f"data.cache_dir={shared}"]
+    for name in before:
+        out = subprocess.run(cli("cache", "clear", "--key", name, *conf), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and f"{shared}/{name} is not a converted-data cache entry" in out.stderr, \
+            out.stderr[-2000:]
+    assert {name: _files(shared / name) for name in before} == before
+    assert [e["key"] for e in cache.list_entries(str(shared))] == [data.key]

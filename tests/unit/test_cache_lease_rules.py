@@ -129,7 +129,7 @@ def test_taking_a_lease_waits_for_the_cache_lock(tmp_path):
 
 def _entry(cache_dir: str, key: str, mb: float, last_used: float) -> None:
     url = cache.entry_url(cache_dir, key)
-    os.makedirs(url[len("file://"):], exist_ok=True)
+    cache.mark_entry(url)  # as the converter does, before anything else
     files = [{"name": "part-00000.parquet", "bytes": int(mb * 2 ** 20), "row_groups": [1]}]
     cache.write_manifest(url, {"format": FORMAT_VERSION, "created": last_used, "last_used": last_used,
                                "inputs": {"table": "t", "version": 0},
@@ -188,3 +188,80 @@ def test_lease_files_are_not_entries(tmp_path):
         assert cache.list_entries(cache_dir) == []
         data = json.loads(open(read_holders(FS, cache.filesystem(cache_dir)[1])["a"][0].file).read())
         assert data["pid"] == os.getpid() and data["host"] == HOST and data["job"] == "train"
+
+
+# --- only what the cache wrote (issue 37, defect 5) ----------------------------------------------------
+
+def _snapshot(folder) -> dict:
+    """Every file under `folder` with its bytes (to show it survived byte for byte)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _foreign_folders(root) -> dict:
+    """What a shared folder holds beside the cache: a real Delta table, and a plain folder with a checkpoint-like file
+    (neither has a manifest, so before the fix both counted as incomplete entries). Returns their snapshots."""
+    import deltalake
+    import pyarrow as pa
+
+    deltalake.write_deltalake(str(root / "digits_delta"), pa.table({"path": ["a.png", "b.png"], "label": [0, 1]}))
+    (root / "checkpoints").mkdir()
+    (root / "checkpoints" / "last.ckpt").write_bytes(b"\x80\x02weights" * 100)
+    return {name: _snapshot(root / name) for name in ("digits_delta", "checkpoints")}
+
+
+def test_clear_deletes_only_entries_the_cache_wrote(tmp_path):
+    import deltalake
+
+    cache_dir = str(tmp_path / "shared")
+    _entry(cache_dir, "a", 1.0, 1.0)
+    before = _foreign_folders(tmp_path / "shared")
+    assert [e["key"] for e in cache.list_entries(cache_dir)] == ["a"]  # the others are not entries
+    assert cache.clear(cache_dir) == {"cleared": ["a"], "kept": []}
+    assert {name: _snapshot(tmp_path / "shared" / name) for name in before} == before
+    assert not (tmp_path / "shared" / "a").exists()
+    for name in before:  # asked for by name: refused, naming the folder, nothing deleted
+        with pytest.raises(ConversionError, match=f"{tmp_path}/shared/{name} is not a converted-data cache entry"):
+            cache.clear(cache_dir, [name])
+    assert {name: _snapshot(tmp_path / "shared" / name) for name in before} == before
+    assert deltalake.DeltaTable(str(tmp_path / "shared" / "digits_delta")).to_pyarrow_table().num_rows == 2
+    assert cache.enforce_bound(cache_dir, 1e-9, keep="") == []  # nor does the size bound touch them
+
+
+def test_an_incomplete_entry_is_one_the_cache_marked(tmp_path):
+    """A folder the converter marked before writing anything, with no manifest yet: incomplete, deleted by clear unless
+    the writing job holds it (its lease is taken before it marks the folder)."""
+    cache_dir = str(tmp_path / "cache")
+    for key in ("crashed", "writing"):
+        url = cache.entry_url(cache_dir, key)
+        cache.mark_entry(url)
+        os.makedirs(f"{url[len('file://'):]}/run-1/train")
+        open(f"{url[len('file://'):]}/run-1/train/.part-00000.parquet.0-abc.tmp", "wb").write(b"half")
+    with JobLeases("train writer") as job:
+        cache.take_lease(job, cache_dir, "writing")
+        assert {(e["key"], e["complete"]) for e in cache.list_entries(cache_dir)} == {("crashed", False),
+                                                                                     ("writing", False)}
+        out = cache.clear(cache_dir)
+        assert out["cleared"] == ["crashed"] and [k["key"] for k in out["kept"]] == ["writing"]
+        assert (tmp_path / "cache" / "writing" / "run-1" / "train").is_dir()
+    assert cache.clear(cache_dir) == {"cleared": ["writing"], "kept": []}
+
+
+def test_an_unmarked_entry_is_adopted_when_it_is_used(tmp_path):
+    """An entry written before the marker existed (manifest, no marker) is not listed, so never deleted, until a job
+    reuses it (a cache hit `touch`es it): then the cache marks it as its own."""
+    cache_dir = str(tmp_path / "cache")
+    _entry(cache_dir, "old", 1.0, 1.0)
+    url = cache.entry_url(cache_dir, "old")
+    os.remove(f"{url[len('file://'):]}/{cache.MARKER}")
+    assert cache.list_entries(cache_dir) == []
+    cache.touch(url, cache.read_manifest(url))
+    assert [e["key"] for e in cache.list_entries(cache_dir)] == ["old"]
+
+
+def test_a_marker_that_does_not_name_the_cache_is_not_one(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    _entry(cache_dir, "a", 1.0, 1.0)
+    marker = tmp_path / "cache" / "a" / cache.MARKER
+    for text in ("", "{", json.dumps({"kind": "something else"})):
+        marker.write_text(text)
+        assert cache.list_entries(cache_dir) == []
