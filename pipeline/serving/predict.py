@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -143,6 +142,21 @@ def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     )
 
 
+def refuse_output_onto_input(table: str, out: str) -> None:
+    """Refuse an output table that is the input table, compared by location (`table_location`: a `file:` URI, a
+    symbolic link, a relative path, a trailing slash all name the same folder), not by how either was typed.
+
+    Raises:
+        PredictError: naming both as typed and the location they share.
+    """
+    from pipeline.lakehouse.delta import table_location
+
+    where = table_location(table)
+    if where == table_location(out):
+        raise PredictError(f"--out {out!r} is the input table {table!r} (both are {where}); write predictions to "
+                           f"another table")
+
+
 def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Optional[int] = None,
                   mode: str = "append", run_key: Optional[str] = None) -> Dict[str, Any]:
     """Score Delta `table` at `version` (latest when None) with `model_uri`; write `out` in one commit.
@@ -162,8 +176,7 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
 
     if mode not in ("append", "overwrite"):
         raise PredictError(f"--mode {mode!r} is not append or overwrite")
-    if os.path.abspath(table) == os.path.abspath(out):
-        raise PredictError(f"--out {out!r} is the input table; write predictions to another table")
+    refuse_output_onto_input(table, out)
     started = time.monotonic()
     client = configure(cfg.mlflow)
     pinned_model = resolve(client, model_uri)
