@@ -257,12 +257,14 @@ def _given_restore_point(job: TrainJob) -> Optional[str]:
 
 def _restated(job: TrainJob, path: str, data: Any, batch: int, first: tuple) -> str:
     """Checkpoint `path` for a launch of `data`'s plan with `batch` per rank: itself when it records that batch and
-    world size, else restated from what it records (`restate.restated`); one that records neither is taken as trained
-    like the job's first launch (`first`: its per-rank batch and world size)."""
+    world size, else restated from what it records (`restate.restated`) into the job's own checkpoint folder (never
+    beside another run's checkpoint); one that records neither is taken as trained like the job's first launch
+    (`first`: its per-rank batch and world size)."""
     from pipeline.distributed.restate import restated
 
     plan = data.plan.train
-    return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first)
+    return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first,
+                    folder=job.ckpt_dir)
 
 
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,

@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional, Tuple
 
-import torch
-
 from pipeline.distributed.backoff import lr_batch_factor
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, is_sharded_checkpoint, read_checkpoint,
-                                              recorded_training, trained_with)
+                                              recorded_training, trained_with, write_atomically)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -81,17 +79,17 @@ def rescale_checkpoint(src: str, dst: str, old_steps: int, old_batch: int, new_s
                               "lr": float(record.get("lr", 0.0)) * lr_factor}
         if new_world is not None:
             ckpt[TRAINED_WITH]["world_size"] = int(new_world)
-    tmp = dst + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, dst)
+    write_atomically(ckpt, dst)  # a temporary file of its own: a reader of `dst` sees a whole checkpoint
     return total
 
 
 def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, lr_scaling: str,
-             unrecorded: Optional[Tuple[int, int]] = None) -> str:
+             unrecorded: Optional[Tuple[int, int]] = None, folder: Optional[str] = None) -> str:
     """Checkpoint `path` for a launch of `world_size` ranks with `batch_size` per rank (`steps_per_epoch`): `path`
-    itself when it records that batch and world size, else a copy beside it restated from what it records
-    (`rescale_checkpoint`). Positions and rates follow the global batch (per-rank batch x ranks): an OOM back-off
+    itself when it records that batch and world size, else a copy restated from what it records
+    (`rescale_checkpoint`), written into `folder` (the job's own checkpoint folder; default: beside `path`). A
+    checkpoint of another run is never written beside: two jobs resuming it at once, with other rules, would read
+    each other's copy. Positions and rates follow the global batch (per-rank batch x ranks): an OOM back-off
     halves it, an elastic relaunch on fewer ranks (train.min_np) shrinks it, a restore point trained on another
     number of ranks differs from it; the rate by `train.lr_scaling`. Always decided from what the checkpoint records,
     never from the launch before.
@@ -120,7 +118,7 @@ def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, 
                               f"on {old_world} ranks; train.min_np=null keeps the world size on a relaunch)")
     stem = os.path.splitext(os.path.basename(path))[0]
     name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
-    dst = os.path.join(os.path.dirname(path), f"{name}.ckpt")
+    dst = os.path.join(folder or os.path.dirname(path), f"{name}.ckpt")
     old_global, new_global = old_batch * old_world, batch_size * world_size
     step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_global, steps_per_epoch, new_global,
                               lr_batch_factor(new_global, old_global, lr_scaling), new_world=world_size,

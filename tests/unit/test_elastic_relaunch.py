@@ -170,3 +170,30 @@ def test_restated_for_the_same_batch_and_world_is_the_checkpoint_itself(tmp_path
 def test_min_np_must_fit_a_cluster_job(np_, min_np):
     with pytest.raises(ConfigError, match="train.min_np"):
         load_config(None, [f"train.np={np_}", f"train.min_np={min_np}"])
+
+
+def test_two_jobs_resuming_one_given_checkpoint_at_once_each_resume_their_own_restated_copy(tmp_path, monkeypatch):
+    """Two jobs (train.lr_scaling linear and none) resume the same checkpoint of another run, trained on 4 ranks, on 2
+    ranks each, at the same time: each resumes a copy restated by its own rule, in its own checkpoint folder (the
+    other run's folder is left as it was), never the copy the other job restated meanwhile."""
+    given = tmp_path / "other-run" / "last.ckpt"
+    given.parent.mkdir()
+    _checkpoint(str(given), 32, 4, 5, 13, 3, lr=0.2)
+    first = _job(tmp_path / "a", f"train.ckpt_restore={given}", "train.lr_scaling=linear")
+    second = _job(tmp_path / "b", f"train.ckpt_restore={given}", "train.lr_scaling=none")
+    seen = {}
+
+    def fake_launch(job):
+        which = "a" if job.cfg.train.lr_scaling == "linear" else "b"
+        if which == "a":  # the second job restates and starts while the first one's ranks are starting
+            launcher.launch_with_restarts(second)
+        restore = job.restore_point
+        seen[which] = (restore, torch.load(restore, weights_only=True))
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    assert launcher.launch_with_restarts(first) == ["done"]
+    assert seen["a"][1]["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)  # linear: 0.2 x 64/128
+    assert seen["b"][1]["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.2)  # none: as it was
+    assert os.path.dirname(seen["a"][0]) == first.ckpt_dir and os.path.dirname(seen["b"][0]) == second.ckpt_dir
+    assert os.listdir(given.parent) == ["last.ckpt"]  # nothing written into the other run's folder
