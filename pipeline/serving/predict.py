@@ -203,7 +203,7 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     else:
         log.info("scoring Delta table %s version %d (%d rows) with model %r version %s", table, pinned.version,
                  rows_in, pinned_model.name, pinned_model.version)
-        scored = scored_frame(spark, df, pinned_model, table, pinned.version)
+        scored = scored_frame(spark, df, pinned_model, pinned.table, pinned.version)  # its location, not as typed
         try:
             with session_conf(spark, {ARROW_BATCH_KEY: str(ARROW_BATCH_ROWS)}):
                 out_version = engine.write(scored, out, mode, commit_metadata={METADATA_KEY: {**identity,

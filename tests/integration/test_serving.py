@@ -125,7 +125,8 @@ def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows
     corrupt = {name: None for name in rows.schema.names}
     corrupt.update({"path": CORRUPT_PATH, "label": "?", "label_index": -1, "content": CORRUPT_BYTES})
     write_deltalake(str(table), pa.Table.from_pylist([corrupt], schema=rows.schema), mode="append")  # version 1
-    args = ["predict", "--model", f"models:/{NAME}@champion", "--table", str(table), "--version", "1",
+    # the table as a user may type it, relative to the working directory (ROOT): its rows record its location
+    args = ["predict", "--model", f"models:/{NAME}@champion", "--table", os.path.relpath(table, ROOT), "--version", "1",
             "--out", str(out), "--conf", str(ROOT / "conf/local.yaml"),
             f"mlflow.tracking_uri={cfg.mlflow.tracking_uri}", f"mlflow.experiment={cfg.mlflow.experiment}",
             "spark.app_name=lakehouse-predict-test"]
@@ -140,7 +141,7 @@ def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows
     got = dt.to_pyarrow_table().to_pandas().sort_values("path").reset_index(drop=True)
     assert len(got) == len(rows) + 1 and got["path"].is_unique
     assert set(got["model_name"]) == {NAME} and set(got["model_version"]) == {int(pinned.version)}
-    assert set(got["input_version"]) == {1} and set(got["input_table"]) == {str(table)}
+    assert set(got["input_version"]) == {1} and set(got["input_table"]) == {os.path.realpath(table)}
     bad = got[got["path"] == CORRUPT_PATH].iloc[0]
     assert bad["label"] is None and pd.isna(bad["probability"]) and bad["probabilities"] is None
     assert "not a decodable image" in bad["error"], bad["error"]
