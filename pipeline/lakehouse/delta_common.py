@@ -135,7 +135,7 @@ def local_path(table: str) -> Optional[str]:
 
 
 _NAME_PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|`[^`]+`)"
-_CATALOG_NAME = re.compile(rf"^{_NAME_PART}\.{_NAME_PART}\.{_NAME_PART}$")
+_CATALOG_NAME = re.compile(rf"^({_NAME_PART})\.({_NAME_PART})\.({_NAME_PART})$")
 
 
 def catalog_name(table: str) -> Optional[str]:
@@ -175,6 +175,20 @@ def table_location(table: str) -> str:
     if not trimmed.strip("/"):  # the root itself (`dbfs:/`, `s3://`) keeps its slashes
         trimmed = "//" if body.startswith("//") else body[:1]
     return f"{scheme.lower()}:{trimmed}"
+
+
+def same_table(a: str, b: str) -> bool:
+    """Whether `a` and `b` name one table: two catalog names part by part, without case and without their backticks
+    (Unity Catalog and Spark's catalog compare identifiers so: `main.ml.digits` is Main.ML.`digits`); anything else
+    by location (`table_location`)."""
+    if catalog_name(a) or catalog_name(b):
+        return _catalog_key(a) is not None and _catalog_key(a) == _catalog_key(b)
+    return table_location(a) == table_location(b)
+
+
+def _catalog_key(table: str) -> Optional[Tuple[str, ...]]:
+    match = _CATALOG_NAME.match(table) if catalog_name(table) else None
+    return tuple(part.strip("`").lower() for part in match.groups()) if match else None
 
 
 def describe_schema_diff(existing: Dict[str, str], incoming: Dict[str, str]) -> List[str]:

@@ -144,17 +144,17 @@ def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
 
 def refuse_output_onto_input(table: str, out: str) -> None:
     """Refuse an output table that is the input table, compared by location (`table_location`: a `file:` URI, a
-    symbolic link, a relative path, a trailing slash all name the same folder), not by how either was typed.
+    symbolic link, a relative path, a trailing slash all name the same folder) or, for catalog names, without case
+    or backticks (`same_table`), not by how either was typed.
 
     Raises:
         PredictError: naming both as typed and the location they share.
     """
-    from pipeline.lakehouse.delta import table_location
+    from pipeline.lakehouse.delta import same_table, table_location
 
-    where = table_location(table)
-    if where == table_location(out):
-        raise PredictError(f"--out {out!r} is the input table {table!r} (both are {where}); write predictions to "
-                           f"another table")
+    if same_table(table, out):
+        raise PredictError(f"--out {out!r} is the input table {table!r} (both are {table_location(table)}); write "
+                           f"predictions to another table")
 
 
 def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Optional[int] = None,

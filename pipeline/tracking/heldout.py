@@ -300,12 +300,11 @@ def _location(name: str, mv: ModelVersion, recorded: str) -> str:
 def _same_table(a: str, b: str) -> bool:
     """One table under two spellings: their locations (pipeline.lakehouse.delta.table_location: a local path
     absolute and real, a `file:` URI as its path, a URI without trailing slashes) are equal, or a catalog name in any
-    case. A relative path (recorded before locations were) is resolved against this working directory."""
-    from pipeline.lakehouse.delta import catalog_name, table_location
+    case or quoting (pipeline.lakehouse.delta.same_table). A relative path (recorded before locations were) is
+    resolved against this working directory."""
+    from pipeline.lakehouse.delta import same_table
 
-    if catalog_name(a) or catalog_name(b):
-        return a.lower() == b.lower()
-    return table_location(a) == table_location(b)
+    return same_table(a, b)
 
 
 def comparable(name: str, challenger: ModelVersion, holder: ModelVersion) -> Optional[str]:

@@ -43,3 +43,14 @@ def test_another_table_passes_the_guard(table, tmp_path):
     with pytest.raises(PredictError):
         refuse_output_onto_input("s3://bucket/scores", "S3://bucket/scores/")
     assert os.path.isdir(table)
+
+
+@pytest.mark.parametrize("out", ["main.ml.DIGITS", "Main.ML.`digits`", "`main`.`ml`.`digits`"])
+def test_a_catalog_table_is_refused_in_any_case_or_quoting(out):
+    """Unity Catalog (and Spark's catalog) compare identifiers without case, and `digits` quoted is digits: each of
+    these names the input table main.ml.digits, which --mode overwrite would replace."""
+    from pipeline.serving.predict import refuse_output_onto_input
+
+    with pytest.raises(PredictError, match="is the input table"):
+        refuse_output_onto_input("main.ml.digits", out)
+    refuse_output_onto_input("main.ml.digits", "main.ml.digits_out")

@@ -83,6 +83,8 @@ def test_same_table_compares_locations(tmp_path, monkeypatch):
     assert _same_table(str(tmp_path / "link" / "t"), str(tmp_path / "real" / "t"))
     assert not _same_table("s3://bucket/a", "/a") and _same_table("s3://bucket/a//", "s3://bucket/a")
     assert _same_table("Main.ML.Images", "main.ml.images")
+    assert _same_table("main.ml.`images`", "Main.ML.images") and _same_table("`main`.ml.images", "main.ml.images")
+    assert not _same_table("main.ml.images", "main.ml.images_v2") and not _same_table("main.ml.images", "/images")
     monkeypatch.chdir(tmp_path / "real")
     assert _same_table("t", str(tmp_path / "link" / "t"))  # an old relative record: against this directory
 
