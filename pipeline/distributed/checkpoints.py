@@ -298,12 +298,12 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
     """
     ckpt = checkpoint_meta(path)  # a file, or the meta.pt of a sharded (FSDP) checkpoint folder
     theirs = ckpt.get(LINEAGE) or {}
-    from pipeline.lakehouse.delta_common import table_location
+    from pipeline.lakehouse.delta_common import same_table
 
     def same(key: str, ours: Any) -> bool:  # the table by its location, not its spelling (old ones: as typed)
         recorded = theirs.get(key)
         if key == "delta_table" and isinstance(recorded, str) and isinstance(ours, str):
-            return table_location(recorded) == table_location(ours)
+            return same_table(recorded, ours)
         return recorded == ours
 
     if not all(same(k, v) for k, v in lineage.items()):

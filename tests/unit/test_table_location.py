@@ -118,3 +118,8 @@ def test_checkpoint_lineage_compares_locations(tmp_path, monkeypatch):
         check_checkpoint_lineage(ckpt("t"), {"delta_table": here, "delta_version": 3}, False)
     with pytest.raises(CheckpointLineageError, match="version 2"):
         check_checkpoint_lineage(ckpt(here), {"delta_table": here, "delta_version": 2}, False)
+    # a catalog table, as the catalog compares names: without case or backticks
+    assert check_checkpoint_lineage(ckpt("main.ml.images"), {"delta_table": "Main.ML.`images`", "delta_version": 3},
+                                    False) == 7
+    with pytest.raises(CheckpointLineageError, match="trained on"):
+        check_checkpoint_lineage(ckpt("main.ml.images"), {"delta_table": "main.ml.images2", "delta_version": 3}, False)
