@@ -3,9 +3,11 @@ annotated type, every error naming the file or the dotted key."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import typing
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -51,14 +53,31 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         raise ConfigError(f"config key '{key}': value {value!r} is not an int")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"config key '{key}': value {value!r} is not a float")
+        number = _float_or_none(value)
+        if number is None:
+            raise ConfigError(f"config key '{key}': value {value!r} is not a finite float (e.g. 0.01 or 1e-4)")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"config key '{key}': value {value!r} is not a str")
     return value
+
+
+# A decimal number with an optional exponent, as written in a file or on a command line. YAML 1.1 (PyYAML) reads
+# `1e-4` (no dot) as a string, so a float key parses such text itself; hex, underscores and words stay refused.
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _float_or_none(value: Any) -> Optional[float]:
+    """`value` as a finite float (a number, or decimal text such as '1e-4'), or None where it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        value = float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def build(cls: type, data: Dict[str, Any], prefix: str) -> Any:

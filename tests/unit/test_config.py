@@ -102,3 +102,25 @@ def test_a_validated_config_is_frozen_and_overrides_make_a_new_one():
         cfg.train = cfg.train
     other = apply_overrides(cfg, {"train.np": 4})
     assert (cfg.train.np, other.train.np) == (-2, 4) and other is not cfg
+
+
+@pytest.mark.parametrize("text,value", [("1e-4", 1e-4), ("5E-3", 5e-3), ("1.0e-2", 1e-2), ("2.5E+1", 25.0),
+                                        ("1e3", 1000.0)])
+def test_a_float_with_an_exponent_is_read_on_the_command_line_and_in_yaml(tmp_path, text, value):
+    # YAML 1.1 reads 1e-4 (no dot) as a string: the float key must still take it
+    cfg = load_config(None, [f"model.lr={text}"])
+    assert cfg.model.lr == value and isinstance(cfg.model.lr, float)
+    profile = tmp_path / "p.yaml"
+    profile.write_text(f"model:\n  lr: {text}\n")
+    assert load_config(str(profile)).model.lr == value
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", ".inf", "1e999", "1e-4x", "e-4", "1e"])
+def test_a_float_key_refuses_what_is_not_a_finite_number_naming_the_key(text):
+    with pytest.raises(ConfigError, match=r"model.lr.*not a (finite )?float"):
+        load_config(None, [f"model.lr={text}"])
+
+
+def test_an_int_key_refuses_an_exponent_naming_the_key():
+    with pytest.raises(ConfigError, match="train.max_epochs.*not an int"):
+        load_config(None, ["train.max_epochs=1e3"])
