@@ -235,7 +235,7 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
     tags = {"run_id": run_id, "delta_table": table_location(pinned.table), "delta_version": str(pinned.version),
             metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
-    return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags)
+    return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags, metrics=metrics)
 
 
 def gate_version(client, cfg: Config, version: str):

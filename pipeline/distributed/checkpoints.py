@@ -237,6 +237,15 @@ def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
     return sharded_state(path, keys=["model"])["model"]
 
 
+def weights_and_epoch(path: str) -> Tuple[Dict[str, torch.Tensor], int]:
+    """The LightningModule state dict of a checkpoint (`consolidated_state`) and the epoch it was saved in: the
+    weights a run registers and the epoch whose metrics go with them."""
+    if is_sharded_checkpoint(path):
+        return consolidated_state(path), int(checkpoint_meta(path)["epoch"])
+    whole = read_checkpoint(path)  # one read of the file for both
+    return whole["state_dict"], int(whole["epoch"])
+
+
 # -------------------------------------------------------------------------------------- what a checkpoint records
 class CheckpointRecord(pl.Callback):
     """Stores in every checkpoint the Delta table and version (`lakehouse`, checked on resume) and how the weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.data.shards import ConvertedData
@@ -118,8 +118,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
                                                 MinEpochsEarlyStopping, RngCheckpoint, StopSignals, host_and_pid,
                                                 min_epochs_of)
-    from pipeline.distributed.checkpoints import (CheckpointRecord, check_checkpoint_lineage, consolidated_state,
-                                                  resolve_checkpoint)
+    from pipeline.distributed.checkpoints import CheckpointRecord, check_checkpoint_lineage, resolve_checkpoint
     from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
     from pipeline.distributed.faults import InjectedFaults, wanted
     from pipeline.distributed.telemetry import RankResources
@@ -234,26 +233,44 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     result.best_checkpoint = best
     result.final_weights_digest = _digest(model)
 
-    best_epoch = None
-    if accounting.history:
-        key = es.monitor
-        pick = min if es.mode == "min" else max
-        finite = [h for h in accounting.history if h.get(key) == h.get(key)]
-        best_epoch = pick(finite, key=lambda h: h[key]) if finite else accounting.history[-1]
-        result.metrics = {k: v for k, v in best_epoch.items() if isinstance(v, float)}
+    from pipeline.distributed.fsdp import LakehouseFSDPStrategy
+
+    sharded = isinstance(strategy, LakehouseFSDPStrategy)
+    if sharded and not (best and os.path.exists(best)):  # FSDP has no whole model in memory: its last checkpoint
+        best = os.path.join(ckpt_dir, "last.ckpt")
+    state = None
+    if is_zero and accounting.history:  # rank 0 reports and registers: the same epoch's weights and metrics
+        state, result.metrics = weights_to_register(accounting.history, best)
     if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
-        from pipeline.distributed.fsdp import LakehouseFSDPStrategy
-
-        sharded = isinstance(strategy, LakehouseFSDPStrategy)
         if sharded:  # FSDP left the module wrapped and sharded: rank 0 rebuilds it whole from the checkpoint
-            best = best if best and os.path.exists(best) else os.path.join(ckpt_dir, "last.ckpt")
             model = ImageClassifier(_plain_network(cfg, job), len(job.data.class_names), cfg.model, lr)
-        if best and os.path.exists(best):
-            model.load_state_dict(consolidated_state(best))  # FSDP: its shards gathered here, on rank 0
+        if state is not None:
+            model.load_state_dict(state)  # FSDP: its shards gathered on rank 0
         result.model_uri = tracker.finish(model, job, accounting.history, result)
     return result
+
+
+def weights_to_register(history: List[Dict[str, Any]], best: Optional[str]) -> Tuple[Optional[Dict[str, Any]],
+                                                                                       Dict[str, float]]:
+    """The weights rank 0 registers and the metrics reported with them (run, version tag, summary, tune value),
+    always one epoch's: checkpoint `best`'s state dict with the metrics of the epoch it records; where no checkpoint
+    was written, None (the final weights in memory) with the last epoch's metrics.
+
+    The epoch is read from the checkpoint, not chosen again from the history: a run resumed from another run's
+    checkpoint carries that run's epochs in its history, whose best score Lightning does not carry into the new
+    folder, so the best of the history can be an epoch whose weights are not in `best`."""
+    from pipeline.distributed.checkpoints import weights_and_epoch
+
+    state, epoch = None, history[-1].get("epoch")
+    if best and os.path.exists(best):
+        state, epoch = weights_and_epoch(best)
+    entry = next((h for h in history if h.get("epoch") == epoch), None)
+    if entry is None:
+        raise RuntimeError(f"checkpoint {best} holds the weights of epoch {epoch}, which this run's epoch history "
+                           f"(epochs {[h.get('epoch') for h in history]}) does not have: its metrics are unknown")
+    return state, {k: v for k, v in entry.items() if isinstance(v, float)}
 
 
 def model_for(job: TrainJob, lr: float):

@@ -61,11 +61,12 @@ def _logged_model_for_runs_uri(client: MlflowClient, model_uri: str) -> Optional
 
 
 def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str, tags: Dict[str, str],
-                   wait_s: float = 120.0) -> str:
+                   wait_s: float = 120.0, metrics: Optional[Dict[str, float]] = None) -> str:
     """Create a version of registered model `name` from `model_uri`, tagged; wait until it is READY.
 
     Tags should carry run_id, delta_table, delta_version and the validation metric (e.g. val_acc),
-    which the promotion gate reads. Returns the version (a string, e.g. "3").
+    which the promotion gate reads. `metrics`: those of the epoch whose weights `model_uri` holds, which the
+    version's description lists (None: the run's latest values). Returns the version (a string, e.g. "3").
     """
     try:
         client.create_registered_model(name)
@@ -83,12 +84,12 @@ def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str,
     mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags,
                                      await_creation_for=0, model_id=model_id)
     mv = _wait_ready(client, name, mv, wait_s)
-    _describe(client, name, str(mv.version), all_tags, source)
+    _describe(client, name, str(mv.version), all_tags, source, metrics)
     log.info("registered %s as model %r version %s", model_uri, name, mv.version)
     return str(mv.version)
 
 
-# Metrics a version's description lists (its run's latest values), when the run logged them.
+# Metrics a version's description lists (those of its weights' epoch; else its run's latest values), when logged.
 DESCRIBED_METRICS = ("val_acc", "val_loss", "train_acc", "train_loss")
 
 
@@ -129,12 +130,13 @@ def version_description(name: str, version: str, tags: Dict[str, str], metrics: 
     return "\n".join(lines)
 
 
-def _describe(client: MlflowClient, name: str, version: str, tags: Dict[str, str], source: str) -> None:
+def _describe(client: MlflowClient, name: str, version: str, tags: Dict[str, str], source: str,
+              metrics: Optional[Dict[str, float]] = None) -> None:
     """Write the version's description; a failure is logged, never fatal (the version is registered)."""
-    metrics: Dict[str, float] = {}
+    metrics = dict(metrics or {})
     meta: Dict[str, Any] = {}
     try:
-        if tags.get("run_id"):
+        if not metrics and tags.get("run_id"):
             metrics = dict(client.get_run(tags["run_id"]).data.metrics)
     except MlflowException as exc:
         log.warning("model %r version %s: run %s metrics not read for the description: %s", name, version,

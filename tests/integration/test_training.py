@@ -162,6 +162,40 @@ def test_resume_continues_epochs_and_checks_lineage(spark, digits_table, tmp_pat
     check_checkpoint_lineage(ckpt_path, {"delta_table": str(digits_table), "delta_version": 5}, True)
 
 
+def test_a_run_resumed_from_another_registers_the_weights_of_the_epoch_it_reports(spark, digits_table, tmp_path):
+    """Issue 37, defect 2. The second run resumes the first run's last.ckpt and carries its epoch in the history;
+    the monitor's mode makes that old epoch the history's best (val_loss, mode max: the first epoch's loss is the
+    highest), while the new run's best.ckpt holds only its own epochs. What is reported (the JSON line, the version's
+    gate tag) must be the epoch whose weights were registered."""
+    from pipeline import workflow
+
+    first = workflow.train(spark, _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1"))
+    cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=3", f"train.ckpt_restore={first['run_id']}/last",
+               "train.early_stopping.monitor=val_loss", "train.early_stopping.mode=max",
+               "train.early_stopping.enabled=false", "mlflow.gate_metric=val_loss", "mlflow.promote=false",
+               "mlflow.experiment=resumed")
+    second = workflow.train(spark, cfg)
+    client = MlflowClient(second["tracking_uri"])
+    losses = {m.step: m.value for m in client.get_metric_history(second["run_id"], "val_loss")}
+    assert sorted(losses) == [1, 2]  # the first run's epoch 0 is not this run's
+
+    best = torch.load(os.path.join(cfg.train.checkpoint_dir, second["run_id"], "best.ckpt"), map_location="cpu",
+                      weights_only=True)
+    assert best["epoch"] in (1, 2)
+    assert second["val_loss"] == pytest.approx(losses[best["epoch"]])
+    version = client.get_model_version(cfg.mlflow.registered_model, str(second["model_version"]))
+    assert float(version.tags["val_loss"]) == pytest.approx(losses[best["epoch"]])
+    # and the registered weights are that checkpoint's
+    folder = mlflow.artifacts.download_artifacts(f"models:/{cfg.mlflow.registered_model}/{second['model_version']}",
+                                                 dst_path=str(tmp_path / "registered"),
+                                                 tracking_uri=second["tracking_uri"])
+    weights = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.startswith("weights")]
+    assert len(weights) == 1, weights
+    registered = torch.load(weights[0], map_location="cpu", weights_only=True)
+    for key, tensor in registered.items():
+        assert torch.equal(tensor, best["state_dict"][f"network.{key}"]), key
+
+
 def test_failing_rank_fails_run_in_bounded_time(spark, digits_table, tmp_path):
     from pipeline import workflow
     from pipeline.distributed.launcher import DistributedTrainingError

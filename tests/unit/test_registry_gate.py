@@ -238,3 +238,20 @@ def test_alias_moving_under_the_gate_is_rescored_and_bounded(registry):
     # gated again with nothing moving: the earlier decision's moved-from tag is not left to mislead
     assert promote(client, name, challenger, held_out=ROWS, scorer=Scores({challenger: 0.9}), lease=FAST_LEASE).promoted
     assert "gate_champion_moved_from" not in client.get_model_version(name, challenger).tags
+
+
+def test_the_version_description_lists_the_metrics_of_the_registered_weights(registry):
+    """Issue 37, defect 11: with early stopping the run's last epoch is not the epoch whose weights are registered;
+    the description lists the registered epoch's metrics, which register_model is given."""
+    client, exp_id = registry
+    run_id = client.create_run(exp_id).info.run_id
+    for step, (loss, acc) in enumerate([(0.9, 0.50), (0.3, 0.91), (0.6, 0.80)]):  # best epoch 1, last epoch 2
+        client.log_metric(run_id, "val_loss", loss, step=step)
+        client.log_metric(run_id, "val_acc", acc, step=step)
+    client.set_terminated(run_id)
+    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    version = register_model(client, f"models:/{model.model_id}", "described", run_id, {"val_acc": "0.91"},
+                             metrics={"val_loss": 0.3, "val_acc": 0.91, "epoch_time_s": 1.0})
+    description = client.get_model_version("described", version).description
+    assert "val_acc=0.91" in description and "val_loss=0.3" in description
+    assert "0.8" not in description.split("**Metrics**")[1].split("\n")[0]  # not the last epoch's

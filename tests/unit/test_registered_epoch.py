@@ -1,0 +1,39 @@
+"""The registered weights and the reported metrics are one epoch's (issue 37, defect 2): a run resumed from another
+run's checkpoint keeps that run's epochs in its history, but its best.ckpt holds only its own epochs' weights."""
+import pytest
+import torch
+
+from pipeline.distributed.checkpoints import write_atomically
+from pipeline.distributed.loop import weights_to_register
+
+# the issue's reproduction: the old run's epoch 1 has the best val_loss of the whole history, while the new run's
+# folder holds a best.ckpt of epoch 4 (Lightning does not carry the old best score into a new folder)
+HISTORY = [{"epoch": 0, "val_loss": 2.0, "val_acc": 0.05}, {"epoch": 1, "val_loss": 0.5, "val_acc": 0.10},
+           {"epoch": 2, "val_loss": 1.4, "val_acc": 0.40}, {"epoch": 3, "val_loss": 1.1, "val_acc": 0.60},
+           {"epoch": 4, "val_loss": 0.9, "val_acc": 0.70}]
+
+
+def _checkpoint(path, epoch, value):
+    write_atomically({"epoch": epoch, "global_step": 10 * epoch, "state_dict": {"network.w": torch.full((2,), value)}},
+                     str(path))
+    return str(path)
+
+
+def test_the_metrics_reported_are_those_of_the_epoch_whose_weights_are_registered(tmp_path):
+    best = _checkpoint(tmp_path / "best.ckpt", 4, 4.0)
+    state, metrics = weights_to_register(HISTORY, best)
+    assert torch.equal(state["network.w"], torch.full((2,), 4.0))
+    assert metrics["val_acc"] == 0.70 and metrics["val_loss"] == 0.9
+
+
+def test_without_a_checkpoint_the_final_weights_go_with_the_last_epoch(tmp_path):
+    state, metrics = weights_to_register(HISTORY, None)
+    assert state is None and metrics["val_acc"] == 0.70 and metrics["val_loss"] == 0.9
+    state, metrics = weights_to_register(HISTORY, str(tmp_path / "never-written.ckpt"))
+    assert state is None
+
+
+def test_a_checkpoint_of_an_epoch_the_history_lacks_is_refused(tmp_path):
+    best = _checkpoint(tmp_path / "best.ckpt", 7, 7.0)
+    with pytest.raises(RuntimeError, match="best.ckpt holds the weights of epoch 7"):
+        weights_to_register(HISTORY, best)
