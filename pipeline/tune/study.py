@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +39,7 @@ ATTR_DELTA_VERSION = "delta_version"
 ATTR_REGISTERED = "registered"
 INTERRUPTED = ("the sweep stopped while this trial ran (killed or lost: its heartbeat stopped); failed by a later "
                "sweep on the study")
+ATTR_BEATING = "lakehouse_heartbeat"  # a trial's system attribute, set once its first heartbeat is recorded
 HEARTBEAT_GRACE = 3  # a running trial is stale once its heartbeat is older than this many heartbeat intervals
 
 
@@ -216,6 +218,33 @@ def fail_stale(study, stale: StaleTrials) -> List[Any]:
     for t in failed:
         log.warning("trial %d of study %r was running in a sweep that stopped (no heartbeat for %d s); marked failed",
                     t.number, study.study_name, stale.grace_s)
+    return failed + _fail_never_beaten(study, stale.grace_s)
+
+
+def _fail_never_beaten(study, grace_s: float) -> List[Any]:
+    """Fail the RUNNING trials that never recorded a heartbeat and started more than `grace_s` ago: their sweep was
+    killed between `study.ask()` and the first beat (or could never beat). Optuna's stale rule skips a trial without
+    a heartbeat, so such a trial would stay RUNNING for good. Each is failed by one sweep: the storage refuses the
+    update of a trial that is finished already."""
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    storage = study._storage  # as optuna.storages.fail_stale_trials reads it
+    now, failed = datetime.now(), []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.system_attrs.get(ATTR_BEATING) or t.datetime_start is None:
+            continue
+        if (now - t.datetime_start).total_seconds() <= grace_s:
+            continue  # its sweep may be about to record the first beat
+        try:
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except UpdateFinishedTrialError:
+            continue
+        log.warning("trial %d of study %r started %.0f s ago and never recorded a heartbeat (its sweep stopped "
+                    "before the first); marked failed", t.number, study.study_name,
+                    (now - t.datetime_start).total_seconds())
+        failed.append(t)
     return failed
 
 
@@ -245,10 +274,14 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._failing = False
+        self._marked = False
 
     def beat(self) -> None:
         try:
             self.storage.record_heartbeat(self.trial_id)
+            if not self._marked:  # from now on Optuna's heartbeat rule watches this trial (`_fail_never_beaten`)
+                self.storage.set_trial_system_attr(self.trial_id, ATTR_BEATING, True)
+                self._marked = True
             if self._failing:
                 log.info("trial %d: heartbeat recorded again", self.number)
             self._failing = False

@@ -125,3 +125,30 @@ def test_a_trial_lost_to_another_sweep_becomes_a_failed_outcome(tmp_path):
     assert ("end", "run-1", "FAILED") in client.calls
     assert any(c[0] == "tag" and c[2] == "error" and "its result is lost" in c[3] for c in client.calls)
     assert study.trials[mine.number].state == TrialState.FAIL
+
+
+def test_a_trial_lost_before_its_first_heartbeat_is_failed_by_its_age(tmp_path):
+    """Issue 37, defect 12: a sweep killed between `study.ask()` and its trial's first heartbeat leaves a RUNNING
+    trial that Optuna's heartbeat rule never sees (it has no heartbeat at all), which would count toward n_trials for
+    good. A later sweep fails it once it is older than the grace period; a trial just asked is left alone."""
+    from optuna.trial import TrialState
+
+    from pipeline.tune.study import counted
+
+    study, storage, stale = _study(tmp_path)
+    lost = study.ask()  # the sweep is killed here: no heartbeat was ever recorded
+    assert fail_stale(study, stale) == []  # younger than the grace period: its sweep may be about to beat
+    time.sleep(stale.grace_s + 1.5)
+    beating = study.ask()
+    with Heartbeat(storage, study, beating.number, 1):
+        time.sleep(stale.grace_s + 1.5)  # a live trial older than the grace period, beating
+        just_asked = study.ask()  # a live sweep's trial between ask and its first beat
+        other, _, other_stale = _study(tmp_path)
+        failed = fail_stale(other, other_stale)
+        assert [t.number for t in failed] == [lost.number]
+        assert fail_stale(study, stale) == []  # failed once, by one sweep
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {lost.number: TrialState.FAIL, beating.number: TrialState.RUNNING,
+                      just_asked.number: TrialState.RUNNING}
+    assert failure_reason(study.trials[lost.number]) == INTERRUPTED
+    assert counted(study) == 3  # a failed trial took its slot, as one that failed by heartbeat does
