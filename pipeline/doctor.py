@@ -166,19 +166,18 @@ def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str
     return problems
 
 
-def gpu_problems(gpu: GpuFacts, backend: str, np_: int, ddp_backend: str = "auto") -> List[str]:
-    """Ranks vs GPUs, and DDP's process-group backend vs CUDA. `ddp_backend`: auto | nccl | gloo."""
+def gpu_problems(gpu: GpuFacts, backend: str, np_: int) -> List[str]:
+    """Ranks vs GPUs, and DDP's process-group backend (the ranks' rule, `devices.ddp_backend`: NCCL where they see
+    CUDA, else gloo) vs this torch's torch.distributed."""
+    from pipeline.distributed.devices import ddp_backend
+
     problems = []
     local_ranks = -np_ if np_ < 0 else (1 if np_ == 1 or backend == "single" else 0)  # N > 1: Spark tasks, elsewhere
     if gpu.device_count and local_ranks > gpu.device_count:
         problems.append(f"config train.np={np_}: {local_ranks} local ranks but {gpu.device_count} visible GPU(s); "
                         f"each rank pins its own GPU: use train.np=-{gpu.device_count} or fewer")
     if backend == "ddp":
-        wants_nccl = ddp_backend == "nccl" or (ddp_backend == "auto" and gpu.device_count > 0)
-        if wants_nccl and not gpu.device_count:
-            problems.append(f"train.backend=ddp asked for NCCL but {_no_cuda(gpu)}: NCCL needs CUDA tensors; "
-                            "use gloo (the default without GPUs)")
-        elif wants_nccl and not gpu.dist_nccl:
+        if ddp_backend(gpu.device_count > 0) == "nccl" and not gpu.dist_nccl:
             problems.append(f"train.backend=ddp on {gpu.device_count} GPU(s) uses NCCL, but torch {gpu.torch}'s "
                             "torch.distributed has no NCCL")
     if backend == "fsdp":  # where Lightning's FSDP strategy cannot run (pipeline/distributed/fsdp.py)
@@ -195,12 +194,6 @@ def _gloo_available() -> bool:
         return bool(dist.is_available() and dist.is_gloo_available())
     except Exception:
         return False
-
-
-def _no_cuda(gpu: GpuFacts) -> str:
-    if not gpu.torch_cuda:
-        return f"torch {gpu.torch} is a CPU build"
-    return f"torch {gpu.torch} (CUDA {gpu.torch_cuda}) sees no CUDA device"
 
 
 def gpu_facts() -> GpuFacts:
@@ -251,8 +244,7 @@ def run_doctor(cfg: Config) -> int:
     engines = usable_engines()
     profile, why = detect_profile(versions)
     marker = _profile_marker()
-    reader = getattr(cfg.data, "reader", "petastorm")
-    ddp_backend = getattr(cfg.train, "ddp_backend", "auto")
+    reader = cfg.data.reader
     dbr = os.environ.get("DATABRICKS_RUNTIME_VERSION")
     notes: List[str] = []
 
@@ -263,7 +255,7 @@ def run_doctor(cfg: Config) -> int:
         target, problems, notes = databricks_problems(cfg, dbr, py, runtime_versions)
         if hvd.installed:
             problems += horovod_problems(hvd, gpu, cfg.train.backend)
-        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
+        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np)
         where = (f"target {target} (Spark {TARGETS[target].spark}, Python {TARGETS[target].python}, defaults "
                  f"data.reader={TARGETS[target].reader} train.backend={TARGETS[target].backend})" if target
                  else "no supported target")
@@ -271,7 +263,7 @@ def run_doctor(cfg: Config) -> int:
         problems = known_problems(versions, java)
         problems += reader_problems(reader, versions.get("petastorm"))
         problems += horovod_problems(hvd, gpu, cfg.train.backend)
-        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np, ddp_backend)
+        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np)
         if marker and profile != "unknown" and marker != profile:
             problems.append(f"set up as the {marker} profile ({sys.prefix}/{PROFILE_MARKER}) but what is installed "
                             f"is {profile} ({why}); re-run `make setup PROFILE={marker}`")

@@ -77,15 +77,27 @@ def test_more_local_ranks_than_gpus():
     assert gpu_problems(CPU, "horovod", -4) == []  # CPU ranks: no GPU to share
 
 
-def test_ddp_asked_for_nccl_without_cuda():
-    (msg,) = gpu_problems(CPU, "ddp", -2, ddp_backend="nccl")
-    assert "train.backend=ddp asked for NCCL but torch 2.13.0+cpu is a CPU build" in msg
-    cuda_no_device = GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0")
-    assert "sees no CUDA device" in gpu_problems(cuda_no_device, "ddp", -2, ddp_backend="nccl")[0]
-    assert gpu_problems(CPU, "ddp", -2) == []  # auto: gloo on CPU
-    assert gpu_problems(H100, "ddp", -1) == []  # auto: NCCL on the GPU
+def test_ddp_checks_the_process_group_the_ranks_will_pick():
+    # the ranks pick NCCL where they see CUDA, gloo elsewhere (devices.ddp_backend); there is no key to ask otherwise
+    assert gpu_problems(CPU, "ddp", -2) == []  # gloo on CPU
+    assert gpu_problems(GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0"), "ddp", -2) == []  # no device: gloo
+    assert gpu_problems(H100, "ddp", -1) == []  # NCCL on the GPU
     no_dist_nccl = GpuFacts(**{**H100.__dict__, "dist_nccl": False})
     assert "has no NCCL" in gpu_problems(no_dist_nccl, "ddp", -1)[0]
+
+
+def test_doctor_reads_no_key_the_config_does_not_have():
+    """The doctor read train.ddp_backend (gone) and kept its own default for data.reader: every key it reads is one
+    the config defines."""
+    import re
+
+    from pipeline.config import Config
+
+    source = (ROOT / "pipeline" / "doctor.py").read_text()
+    assert "getattr(cfg." not in source
+    keys = set(Config().flat())
+    for key in set(re.findall(r"\bcfg\.((?:data|train|model|delta|mlflow|tune|spark)\.[a-z_]+)", source)):
+        assert key in keys, key
 
 
 def test_doctor_imports_without_pyspark_or_petastorm():
