@@ -161,8 +161,9 @@ class EpochAccounting(pl.Callback):
 
     def state_dict(self) -> Dict[str, Any]:
         """Saved in every checkpoint: a run resumed from epoch k (a restart, an OOM back-off, train.ckpt_restore)
-        keeps epochs 0..k-1 in its history, so its best epoch, registered metrics, plots and tune value cover every
-        epoch (plain ints, floats and strings: loadable with weights_only)."""
+        keeps epochs 0..k-1 in its history, so its plots cover every epoch and the epoch a registered checkpoint
+        records has its metrics here (loop.weights_to_register: the reported metrics are that epoch's, never the
+        history's best chosen again) (plain ints, floats and strings: loadable with weights_only)."""
         return {"history": [dict(h) for h in self.history]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -132,11 +132,16 @@ def version_description(name: str, version: str, tags: Dict[str, str], metrics: 
 
 def _describe(client: MlflowClient, name: str, version: str, tags: Dict[str, str], source: str,
               metrics: Optional[Dict[str, float]] = None) -> None:
-    """Write the version's description; a failure is logged, never fatal (the version is registered)."""
-    metrics = dict(metrics or {})
+    """Write the version's description; a failure is logged, never fatal (the version is registered).
+
+    `metrics` given (even empty) are the registered epoch's and the only ones listed: the run's latest values may be
+    another epoch's (early stopping), so they are read only where no epoch is known (None: a model logged outside a
+    training run)."""
+    given = metrics
+    metrics = dict(given or {})
     meta: Dict[str, Any] = {}
     try:
-        if not metrics and tags.get("run_id"):
+        if given is None and tags.get("run_id"):
             metrics = dict(client.get_run(tags["run_id"]).data.metrics)
     except MlflowException as exc:
         log.warning("model %r version %s: run %s metrics not read for the description: %s", name, version,

@@ -255,3 +255,20 @@ def test_the_version_description_lists_the_metrics_of_the_registered_weights(reg
     description = client.get_model_version("described", version).description
     assert "val_acc=0.91" in description and "val_loss=0.3" in description
     assert "0.8" not in description.split("**Metrics**")[1].split("\n")[0]  # not the last epoch's
+
+
+def test_a_version_registered_with_no_known_metrics_lists_none_rather_than_the_runs_last(registry):
+    """Issue 37, defect 11: registered with metrics of no epoch (a trial or offline run that recorded none), the
+    description lists no metrics; the run's latest values would be another epoch's than the registered weights'."""
+    client, exp_id = registry
+    run_id = client.create_run(exp_id).info.run_id
+    for step, acc in enumerate([0.91, 0.80]):
+        client.log_metric(run_id, "val_acc", acc, step=step)
+    client.set_terminated(run_id)
+    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    version = register_model(client, f"models:/{model.model_id}", "undescribed", run_id, {}, metrics={})
+    description = client.get_model_version("undescribed", version).description
+    assert "models:/undescribed/" in description and "**Metrics**" not in description
+    # a model logged outside a training run (metrics None) still lists its run's values
+    version = register_model(client, f"models:/{model.model_id}", "undescribed", run_id, {})
+    assert "val_acc=0.8" in client.get_model_version("undescribed", version).description
