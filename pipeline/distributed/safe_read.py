@@ -4,17 +4,20 @@ files' non-tensor items with `weights_only=True`; anything more is refused with 
 
 torch.distributed.checkpoint itself unpickles `.metadata` with plain pickle and every non-tensor item of a shard (an
 optimizer's param groups, any value that is not a tensor) with `torch.load(weights_only=False)`: a pickle planted in
-either runs when torch's own reader opens the folder. So a folder is read here (`sharded_state`) with a reader and a
-planner of our own, and checked (`check_sharded`) before anything hands it to Lightning.
+either runs when torch's own reader opens the folder. So a folder is only ever read through `plain_shard_reader`, a
+storage reader that reads the index with `read_index` and unpickles every non-tensor item itself with
+`weights_only=True` whatever planner torch hands it: by `sharded_state` here (one process) and by the FSDP strategy's
+resume (pipeline/distributed/fsdp.py, every rank). `check_sharded` checks a whole folder before a job starts from it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import io
 import os
 import pickle
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -31,10 +34,11 @@ def _refused(path: str, what: str, exc: BaseException) -> CheckpointError:
                            f"stored in the file): {first}")
 
 
-def read_checkpoint(path: str) -> Dict[str, Any]:
-    """One checkpoint file with `weights_only=True`; refused (CheckpointError naming it) when it holds more."""
+def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
+    """One checkpoint file with `weights_only=True`; refused (CheckpointError naming it) when it holds more. `mmap`:
+    its tensors are mapped from the file, read as they are used (a whole model's checkpoint on every rank)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise _refused(path, "tensors and plain values", exc) from None
     except (OSError, EOFError, RuntimeError) as exc:
@@ -129,50 +133,104 @@ def check_sharded(folder: str) -> None:
         _plain_item(shard, fqn, io.BytesIO(data))
 
 
-def sharded_state(folder: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """The full state a sharded folder holds (only the top-level `keys` when given), in one process and without a
-    process group: its index read by `read_index`, its non-tensor items with `weights_only=True` (the file named when
-    one holds more), its tensors as torch reads them (`weights_only=True`).
+class _PlainBytes:
+    """The load planner torch hands a storage reader, as `plain_shard_reader` passes it on to torch's file reading:
+    a non-tensor item is unpickled here with `weights_only=True` (the shard file named when it holds more) and stored
+    where `DefaultLoadPlanner.load_bytes` stores it, never handed to that method (which unpickles with
+    `weights_only=False`); everything else goes to the planner itself. Every load planner of torch's (the default,
+    the empty-state-dict one, the sharded optimizer's) stores its items so; another one is refused."""
 
-    Raises:
-        CheckpointError: naming the index or the shard file.
+    def __init__(self, planner: Any, folder: str, metadata: Any) -> None:
+        self._planner, self._folder, self._metadata = planner, folder, metadata
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        shard = _shard_file(self._folder, self._metadata, read_item.storage_index)
+        fqn = read_item.dest_index.fqn
+        planner = self._planner
+        if type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
+            raise CheckpointError(f"checkpoint {shard}: item '{fqn}' would be stored by {type(planner).__name__}, "
+                                  f"a load planner not known to read it with weights_only=True; refused")
+        item = _plain_item(shard, fqn, value)
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], item)
+        else:
+            planner.state_dict[fqn] = item
+
+
+def plain_shard_reader(folder: str) -> Any:
+    """A torch.distributed.checkpoint storage reader of sharded folder `folder` (for `torch.distributed.checkpoint.
+    load` and `load_sharded_optimizer_state_dict`, any planner) that reads its index with `read_index`, refuses an
+    index placing an item outside the folder, and unpickles every non-tensor item with `weights_only=True`
+    (`_PlainBytes`; tensors torch reads with `weights_only=True` itself). A refusal inside torch's load steps comes
+    back wrapped in its CheckpointException: `refusals_unwrapped` says it as it was.
+
+    Raises (from the load):
+        CheckpointError: naming the index, or the shard file and the item.
     """
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
 
-    class PlainIndexReader(FileSystemReader):
+    class PlainShardReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_index(folder)
+            metadata = read_index(os.fspath(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    class PlainItemsPlanner(_EmptyStateDictLoadPlanner):
-        def _should_include_key(self, key: str, metadata: Any) -> bool:  # by the item's top-level key
-            where = (metadata.planner_data or {}).get(key) or (key,)
-            return self.keys is None or str(where[0]) in self.keys
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            for storage_index in metadata.storage_data:  # every file read is inside the folder
+                _shard_file(os.fspath(self.path), metadata, storage_index)
+            self._index = metadata
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            item = _plain_item(_shard_file(folder, self.metadata, read_item.storage_index), fqn, value)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], item)
-            else:
-                self.state_dict[fqn] = item
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return super().read_data(plan, _PlainBytes(planner, os.fspath(self.path), self._index))
 
-    state: Dict[str, Any] = {}
+    return PlainShardReader(folder)
+
+
+@contextlib.contextmanager
+def refusals_unwrapped(folder: str) -> Iterator[None]:
+    """A torch.distributed.checkpoint load of `folder` inside: torch wraps a failure inside its load steps (on any
+    rank) in a CheckpointException; a CheckpointError of ours is raised as it was, anything else as a CheckpointError
+    naming the folder."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        _load_state_dict(state, storage_reader=PlainIndexReader(folder),
-                         planner=PlainItemsPlanner(keys=list(keys) if keys is not None else None), no_dist=True)
-    except CheckpointException as exc:  # torch hands a failure inside its steps on wrapped: ours is said as it was
+        yield
+    except CheckpointException as exc:
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, CheckpointError):
                 raise inner from None
         raise CheckpointError(f"checkpoint {folder} cannot be read: {exc}") from None
+
+
+def sharded_state(folder: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """The full state a sharded folder holds (only the top-level `keys` when given), in one process and without a
+    process group, read through `plain_shard_reader`: its index by `read_index`, its non-tensor items with
+    `weights_only=True` (the file named when one holds more), its tensors as torch reads them (`weights_only=True`).
+
+    Raises:
+        CheckpointError: naming the index or the shard file.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class KeysPlanner(_EmptyStateDictLoadPlanner):
+        def _should_include_key(self, key: str, metadata: Any) -> bool:  # by the item's top-level key
+            where = (metadata.planner_data or {}).get(key) or (key,)
+            return self.keys is None or str(where[0]) in self.keys
+
+    state: Dict[str, Any] = {}
+    with refusals_unwrapped(folder):
+        _load_state_dict(state, storage_reader=plain_shard_reader(folder),
+                         planner=KeysPlanner(keys=list(keys) if keys is not None else None), no_dist=True)
     return state

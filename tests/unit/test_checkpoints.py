@@ -225,6 +225,131 @@ def test_a_sharded_checkpoint_whose_shard_would_run_code_is_refused_naming_the_s
         consolidated_state(str(plain))
 
 
+# ------------------------------------------------------------------- the FSDP strategy's own read of a checkpoint
+class _TinyClassifier(__import__("pytorch_lightning").LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 3)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):  # momentum: the optimizer has state (tensors) and param groups (non-tensor items)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _same(a, b):
+    """Equal nested state: tensors bit for bit, other values by ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def one_fsdp_rank(monkeypatch):
+    """Lightning's FSDP strategy in this process: one CPU rank over gloo (the process group and the environment
+    Lightning sets up are undone afterwards)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _fsdp_fit(steps, ckpt_path=None, save=None, weights_only=None):
+    """A fresh model fitted `steps` steps with LakehouseFSDPStrategy on one CPU rank (resumed from `ckpt_path` when
+    given: Lightning's resume, which reads the checkpoint through the strategy's load_checkpoint only), then saved
+    to `save` (a sharded folder) when given."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from pipeline.distributed.fsdp import LakehouseFSDPStrategy
+
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)),
+                      batch_size=4)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, strategy=LakehouseFSDPStrategy("gloo"),
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(_TinyClassifier(), data, ckpt_path=ckpt_path, weights_only=weights_only)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return trainer
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_the_fsdp_strategy_resumes_only_what_it_reads_as_plain_and_refuses_a_hostile_shard_naming_it(
+        tmp_path, one_fsdp_rank):
+    """The loop checks a sharded folder (checkpoint_meta) before Lightning's resume reads it; that read itself, the
+    strategy's load_checkpoint, must be as safe (torch's distributed-checkpoint loader unpickles every non-tensor item
+    with torch.load(weights_only=False), and a shard swapped between the check and the read would run): fed to the
+    strategy directly, with the check bypassed, a shard item that is more than tensors and plain values is refused
+    naming the shard and nothing in it runs; a whole .ckpt file likewise. A plain folder or file resumes exactly."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.distributed.checkpoints import sharded_state
+
+    clean = tmp_path / "clean.ckpt"
+    _fsdp_fit(2, save=str(clean))
+    saved = sharded_state(str(clean))
+    assert saved["optimizer_0"]["state"] and saved["optimizer_0"]["param_groups"][0]["momentum"] == 0.9
+
+    # a plain folder resumes its weights and optimizer state exactly (no step left to train: saved again as read)
+    again = tmp_path / "again.ckpt"
+    assert _fsdp_fit(2, ckpt_path=str(clean), save=str(again)).global_step == 2
+    assert _same(sharded_state(str(again)), saved)
+    # ... and so does a whole file (the strategy's other branch)
+    whole = tmp_path / "whole.ckpt"
+    torch.save({**torch.load(clean / "meta.pt", weights_only=True), "state_dict": saved["model"],
+                "optimizer_states": [saved["optimizer_0"]]}, whole)
+    _fsdp_fit(2, ckpt_path=str(whole), save=str(again))
+    assert _same(sharded_state(str(again)), saved)
+
+    marker = tmp_path / "ran"
+
+    def hostile(name, plant):
+        state = sharded_state(str(clean))
+        plant(state)
+        folder = tmp_path / name
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+        shutil.copy(clean / "meta.pt", folder / "meta.pt")
+        [shard] = [f for f in os.listdir(folder) if f.endswith(".distcp")]
+        return folder, folder / shard
+
+    # an optimizer's param group (read by the optimizer load) and a weight stored as a pickle (read by the model load)
+    for name, plant, item in (
+            ("group.ckpt", lambda s: s["optimizer_0"]["param_groups"][0].update(x=_Payload(marker)),
+             "optimizer_0.param_groups.0.x"),
+            ("weight.ckpt", lambda s: s["model"].update({"net.weight": _Payload(marker)}), "model.net.weight")):
+        folder, shard = hostile(name, plant)
+        with pytest.raises(CheckpointError, match=rf"checkpoint {shard} holds objects other than tensors and plain "
+                                                  rf"values \(item '{item}'\)"):
+            _fsdp_fit(3, ckpt_path=str(folder), weights_only=False)  # even where the caller would allow more
+        assert not marker.exists(), name
+
+    evil = tmp_path / "evil.ckpt"  # a whole file: Lightning reads it with an unpickler that admits anything
+    torch.save({**torch.load(whole, weights_only=True), "x": _Payload(marker)}, evil)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {evil} holds objects other than tensors"):
+        _fsdp_fit(3, ckpt_path=str(evil), weights_only=False)
+    assert not marker.exists()
+
+
 # --------------------------------------------------------------------------- restartability from a rank's class
 def _ranks_failing(job_dir_errors):
     """A stand-in for the launchers: every rank runs under rank_record and raises its error; the launcher itself
