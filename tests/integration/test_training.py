@@ -185,6 +185,7 @@ def test_a_run_resumed_from_another_registers_the_weights_of_the_epoch_it_report
     assert second["val_loss"] == pytest.approx(losses[best["epoch"]])
     version = client.get_model_version(cfg.mlflow.registered_model, str(second["model_version"]))
     assert float(version.tags["val_loss"]) == pytest.approx(losses[best["epoch"]])
+    assert f"val_loss={losses[best['epoch']]:.4g}" in version.description  # defect 11: not the run's last epoch's
     # and the registered weights are that checkpoint's
     folder = mlflow.artifacts.download_artifacts(f"models:/{cfg.mlflow.registered_model}/{second['model_version']}",
                                                  dst_path=str(tmp_path / "registered"),
