@@ -24,10 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lakehouse", description="Delta Lake -> Petastorm -> Lightning/Horovod -> MLflow")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("sample-data", help="render scikit-learn's digits as a class-per-folder PNG tree")
-    p.add_argument("--out", required=True)
-    p.add_argument("--size", type=int, default=32)
-    p.add_argument("--limit", type=int, default=None)
+    p = sub.add_parser("sample-data", help="write a class-per-folder image tree to ingest: scikit-learn's digits as "
+                                           "PNGs, or synthetic ImageNet-shaped JPEG photos")
+    p.add_argument("--kind", choices=["digits", "photos"], default="digits",
+                   help="digits: the 1,797 8x8 scans enlarged to --size; photos: RGB JPEGs of about 400x350, quality 90")
+    p.add_argument("--out", default=None, help="the folder (default: work/sample/<kind>)")
+    p.add_argument("--size", type=int, default=32, help="digits: the side in pixels")
+    p.add_argument("--limit", "--count", dest="count", type=int, default=None,
+                   help="how many images (digits: at most 1,797, default all; photos: default 1000)")
+    p.add_argument("--classes", type=int, default=None, help="photos: how many classes (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="photos: the same seed writes the same files")
 
     p = sub.add_parser("ingest", help="image folder -> one Delta commit")
     p.add_argument("--source", required=True, help="folder with one sub-folder per class")
@@ -129,10 +135,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     try:
         if args.command == "sample-data":
-            from pipeline.lakehouse.sample_data import render_digits
+            from pipeline.lakehouse.sample_data import render_sample
 
-            counts = render_digits(args.out, size=args.size, limit=args.limit)
-            print(json.dumps({"out": args.out, "images": sum(counts.values()), "classes": counts}))
+            out, counts = render_sample(args.kind, args.out, args.count, size=args.size, classes=args.classes,
+                                        seed=args.seed)
+            print(json.dumps({"out": out, "kind": args.kind, "images": sum(counts.values()), "classes": counts}))
             return 0
         if args.command == "sync-run":
             from pipeline.workflow import sync_run

@@ -1,8 +1,9 @@
-"""Render scikit-learn's digits (real 8x8 scans that ship with the package) as a class-per-folder PNG tree."""
+"""Sample class-per-folder image trees to ingest: scikit-learn's digits as PNGs, or synthetic ImageNet-shaped JPEGs."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -11,6 +12,15 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+# The photos' classes: each a kind of texture over the whole frame (so a random crop of any part still shows it),
+# drawn with a random palette, frequency, orientation and natural-looking noise, so colour alone does not tell them
+# apart and a network has structure to learn.
+PHOTO_CLASSES = ["stripes", "rings", "checks", "dots", "waves"]
+# ImageNet's training JPEGs are about 400x350 on average (issue 36) at quality about 90; sizes vary around that.
+PHOTO_MEAN_SIZE = (400, 350)  # width, height
+PHOTO_QUALITY = 90
+KINDS = ("digits", "photos")
 
 
 def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dict[str, int]:
@@ -36,3 +46,112 @@ def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dic
         counts[name] = counts.get(name, 0) + 1
     log.info("rendered %d digit images in %d classes to %s", n, len(counts), out)
     return counts
+
+
+def photo_size(rng: np.random.Generator) -> Tuple[int, int]:
+    """(width, height) of one photo: about 400x350 on average, landscape, portrait and square, 160-800 px a side."""
+    area = float(np.prod(PHOTO_MEAN_SIZE)) * float(np.exp(rng.normal(-0.02, 0.2)))
+    aspect = float(np.exp(rng.normal(np.log(PHOTO_MEAN_SIZE[0] / PHOTO_MEAN_SIZE[1]), 0.25)))
+    w, h = np.sqrt(area * aspect), np.sqrt(area / aspect)
+    return int(np.clip(round(w), 160, 800)), int(np.clip(round(h), 160, 800))
+
+
+def _pink_noise(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """(h, w) noise with a 1/f spectrum (the fall-off of natural images), scaled to unit standard deviation: made at
+    a quarter of the size (its power is in the low frequencies) and enlarged."""
+    from PIL import Image
+
+    small = _pink_spectrum_noise(rng, max(8, h // 4), max(8, w // 4)).astype(np.float32)
+    return np.asarray(Image.fromarray(small, mode="F").resize((w, h), Image.BILINEAR))
+
+
+def _pink_spectrum_noise(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    fy = np.fft.fftfreq(h)[:, None]
+    fx = np.fft.rfftfreq(w)[None, :]
+    f = np.sqrt(fx * fx + fy * fy)
+    f[0, 0] = 1.0
+    spectrum = (rng.normal(size=f.shape) + 1j * rng.normal(size=f.shape)) / f
+    spectrum[0, 0] = 0
+    noise = np.fft.irfft2(spectrum, s=(h, w))
+    return noise / (noise.std() + 1e-12)
+
+
+def _pattern(kind: str, rng: np.random.Generator, h: int, w: int) -> np.ndarray:
+    """(h, w) values in [0, 1]: the class's texture at a random scale, orientation and phase."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    theta = rng.uniform(0, np.pi)
+    u = x * np.cos(theta) + y * np.sin(theta)
+    v = -x * np.sin(theta) + y * np.cos(theta)
+    period = rng.uniform(14, 40)  # pixels: still visible after a 0.08-area crop is enlarged to 224
+    phase = rng.uniform(0, 2 * np.pi)
+    k = 2 * np.pi / period
+    if kind == "stripes":
+        out = np.sin(k * u + phase)
+    elif kind == "rings":
+        cy, cx = rng.uniform(0, h), rng.uniform(0, w)
+        out = np.sin(k * np.hypot(x - cx, y - cy) + phase)
+    elif kind == "checks":
+        out = np.sign(np.sin(k * u + phase) * np.sin(k * v + phase)) * 0.8
+    elif kind == "dots":
+        out = np.exp(-((np.sin(k * u / 2 + phase) ** 2 + np.sin(k * v / 2 + phase) ** 2) * 6.0)) * 2 - 1
+    elif kind == "waves":
+        out = np.sin(k * u + rng.uniform(2, 5) * np.sin(k * v / rng.uniform(2, 4)) + phase)
+    else:
+        raise ValueError(f"unknown photo class {kind!r}; one of {', '.join(PHOTO_CLASSES)}")
+    return (out + 1) / 2
+
+
+def render_photo(kind: str, seed: int, index: int) -> Tuple[bytes, Tuple[int, int]]:
+    """One synthetic RGB photo of class `kind` as JPEG bytes (quality PHOTO_QUALITY) and its (width, height); the same
+    bytes for the same (seed, index) on every machine with the same libjpeg."""
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, index])
+    w, h = photo_size(rng)
+    pattern = _pattern(kind, rng, h, w)[..., None]
+    paper = rng.uniform(0, 255, 3)
+    ink = np.clip(paper + rng.choice([-1.0, 1.0], 3) * rng.uniform(60, 160, 3), 0, 255)  # never a faint texture
+    img = paper + (ink - paper) * pattern  # the texture in two random colours
+    light = _pink_noise(rng, h, w)[..., None] * rng.uniform(10, 30)  # shading and clutter, as in a photo
+    # sensor noise (uniform, cheap to draw): what makes a photo's JPEG about 100 KB at quality 90
+    grain = rng.integers(-32, 33, (h, w, 3), dtype=np.int16)
+    pixels = np.clip(img + light + grain, 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode="RGB").save(buf, format="JPEG", quality=PHOTO_QUALITY)
+    return buf.getvalue(), (w, h)
+
+
+def render_photos(out_dir: str, count: int, classes: int = len(PHOTO_CLASSES), seed: int = 0) -> Dict[str, int]:
+    """Write `count` synthetic JPEG photos as `out_dir/<class>/<n>.jpg` (classes in turn, the first `classes` of
+    PHOTO_CLASSES), deterministically from `seed`; return images per class."""
+    if count < 1:
+        raise ValueError(f"--count {count}: at least one photo")
+    if not 1 <= classes <= len(PHOTO_CLASSES):
+        raise ValueError(f"--classes {classes}: between 1 and {len(PHOTO_CLASSES)}")
+    names: List[str] = PHOTO_CLASSES[:classes]
+    out = Path(out_dir)
+    counts: Dict[str, int] = {}
+    total = 0
+    for i in range(count):
+        name = names[i % classes]
+        content, _ = render_photo(name, seed, i)
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:05d}.jpg").write_bytes(content)
+        counts[name] = counts.get(name, 0) + 1
+        total += len(content)
+    log.info("rendered %d synthetic JPEG photos (%.0f KB each on average) in %d classes to %s", count,
+             total / count / 1024, len(counts), out)
+    return counts
+
+
+def render_sample(kind: str, out_dir: str | None, count: int | None, size: int = 32, classes: int | None = None,
+                  seed: int = 0) -> Tuple[str, Dict[str, int]]:
+    """`lakehouse sample-data`: (the folder written, images per class) for `kind` digits or photos."""
+    out = out_dir or f"work/sample/{kind}"
+    if kind == "digits":
+        return out, render_digits(out, size=size, limit=count)
+    if kind == "photos":
+        return out, render_photos(out, 1000 if count is None else count,
+                                  len(PHOTO_CLASSES) if classes is None else classes, seed)
+    raise ValueError(f"--kind {kind!r}: one of {', '.join(KINDS)}")
