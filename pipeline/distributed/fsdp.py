@@ -83,8 +83,8 @@ class LakehouseFSDPStrategy(FSDPStrategy):
             return read_checkpoint(os.path.join(path, META_FILE))  # anything not a module or optimizer state
         if os.path.isfile(path):
             return self._load_whole(read_checkpoint(path, mmap=True))
-        raise ValueError(f"The path {path!r} does not point to a valid checkpoint. Make sure the path points to either a "
-                         f"directory with FSDP checkpoint shards, or a single file with a full checkpoint.")
+        raise ValueError(f"The path {path!r} does not point to a valid checkpoint. Make sure the path points to either "
+                         f"a directory with FSDP checkpoint shards, or a single file with a full checkpoint.")
 
     def _fitting(self) -> bool:
         from pytorch_lightning.trainer.states import TrainerFn
