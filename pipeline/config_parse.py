@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -51,7 +50,9 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}': value {value!r} is not an int")
+        number = _float_or_none(value)  # 1e3 or 1000.0: a whole number in float form is still refused, said how
+        hint = f": write the whole number {int(number)}" if number is not None and number.is_integer() else ""
+        raise ConfigError(f"config key '{key}': value {value!r} is not an int{hint}")
     if tp is float:
         number = _float_or_none(value)
         if number is None:
@@ -64,20 +65,17 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
-# A decimal number with an optional exponent, as written in a file or on a command line. YAML 1.1 (PyYAML) reads
-# `1e-4` (no dot) as a string, so a float key parses such text itself; hex, underscores and words stay refused.
-_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-
-
 def _float_or_none(value: Any) -> Optional[float]:
-    """`value` as a finite float (a number, or decimal text such as '1e-4'), or None where it is not one."""
+    """`value` as a finite float (a number, or text Python's float() reads, such as '1e-4'), or None where it is not
+    one. YAML 1.1 (PyYAML) reads `1e-4` (no dot) as a string, so a float key parses such text itself; nan, inf, an int
+    too large for a float and words are not finite floats."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
-        value = float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
+    try:
+        number = float(value) if isinstance(value, (str, int, float)) else None
+    except (ValueError, OverflowError):
+        return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def build(cls: type, data: Dict[str, Any], prefix: str) -> Any:

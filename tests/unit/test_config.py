@@ -124,3 +124,25 @@ def test_a_float_key_refuses_what_is_not_a_finite_number_naming_the_key(text):
 def test_an_int_key_refuses_an_exponent_naming_the_key():
     with pytest.raises(ConfigError, match="train.max_epochs.*not an int"):
         load_config(None, ["train.max_epochs=1e3"])
+
+
+@pytest.mark.parametrize("text,value", [("2_5e-1", 2.5), ("+1E-4", 1e-4), (".5e1", 5.0), ("7.", 7.0)])
+def test_a_float_key_takes_what_pythons_float_reads(tmp_path, text, value):
+    # PyYAML reads these as strings (no dot, or '_' before an exponent) or as floats: either way the key takes them
+    assert load_config(None, [f"model.lr={text}"]).model.lr == value
+    profile = tmp_path / "p.yaml"
+    profile.write_text(f"model:\n  lr: '{text}'\n")  # quoted in a file: still a number for a float key
+    assert load_config(str(profile)).model.lr == value
+
+
+def test_a_float_key_refuses_an_int_too_large_for_a_float_naming_the_key():
+    with pytest.raises(ConfigError, match="model.lr.*not a finite float"):
+        load_config(None, ["model.lr=1" + "0" * 400])  # YAML reads an int; float() of it overflows
+
+
+def test_an_int_key_given_a_whole_number_in_float_form_says_how_to_write_it():
+    for text in ("1e3", "1000.0"):
+        with pytest.raises(ConfigError, match=r"train.max_epochs.*is not an int: write the whole number 1000"):
+            load_config(None, [f"train.max_epochs={text}"])
+    with pytest.raises(ConfigError, match=r"train.max_epochs.*'1e-3' is not an int$"):
+        load_config(None, ["train.max_epochs=1e-3"])
