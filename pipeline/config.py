@@ -60,8 +60,16 @@ class DataConfig:
     # ... and none smaller, down to one row group per partition (a reader pays a fixed cost per row group)
     min_row_group_mb: float = 1.0
     partitions_per_worker: int = 2  # the table is repartitioned to this many x the number of ranks
-    image_size: int = 32  # images are decoded and resized to this square once, at conversion
+    image_size: int = 32  # the square side the model sees (data.decode says where images are brought to it)
     channels: int = 1  # 1 = greyscale, 3 = RGB
+    # where images are decoded. convert: once, by Spark at conversion, resized to data.image_size (fixed pixels, no
+    # augmentation; the cheapest epoch, right for small images such as the digits). cpu | gpu | auto: the conversion
+    # keeps the encoded bytes and each rank decodes them every epoch with the ImageNet recipe at data.image_size
+    # (train: random resized crop and flip; val: resize and center crop): cpu in data.decode_workers threads, gpu with
+    # nvJPEG on the rank's GPU (torchvision; rows that are not JPEG on the CPU), auto: gpu on a CUDA rank, else cpu
+    decode: str = "convert"
+    decode_workers: int = 0  # decode=cpu|gpu|auto: threads per rank decoding on the CPU; 0: the host's cores / ranks
+    channels_last: bool = False  # batches in channels_last (NHWC) memory order, as GPU convolutions prefer
     reader_workers: int = 2  # per rank: threads reading and decoding row groups ahead of the step
     shuffle_buffer: int = 1024  # rows shuffled across row groups per rank (0: row groups in a shuffled order only)
     memory_cache_mb: int = 1024  # per rank: train then val shard, if it fits, read once then served from memory; 0 = never
@@ -248,6 +256,7 @@ CHOICES = {
     "tune.sampler": ("tpe", "random"),
     "tune.pruner": ("median", "none"),
     "data.reader": ("petastorm", "arrow"),
+    "data.decode": ("convert", "cpu", "gpu", "auto"),
     "debug.fail_with": ("error", "oom", "hang"),
 }
 
@@ -289,6 +298,7 @@ def validate(cfg: Config) -> None:
         ("data.partitions_per_worker", cfg.data.partitions_per_worker >= 1, "must be >= 1"),
         ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
         ("data.reader_workers", cfg.data.reader_workers >= 1, "must be >= 1"),
+        ("data.decode_workers", cfg.data.decode_workers >= 0, "must be >= 0 (0: the host's cores / ranks)"),
         ("data.memory_cache_mb", cfg.data.memory_cache_mb >= 0, "must be >= 0 (0: read every epoch from Parquet)"),
         ("data.cache_max_gb", cfg.data.cache_max_gb >= 0, "must be >= 0 (0: no bound)"),
         ("data.row_groups_per_rank", cfg.data.row_groups_per_rank >= 1, "must be >= 1"),

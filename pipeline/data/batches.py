@@ -1,10 +1,12 @@
 """Row groups to batches: uint8 pixel bytes viewed without a Python object per row, shuffled in a reused buffer, and
-normalised (or handed over as uint8) one batch at a time."""
+normalised (or handed over as uint8) one batch at a time; encoded rows are shuffled the same way and handed over
+undecoded, for the decode stage (pipeline.data.decode)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from pipeline.data.decode import EncodedBatch
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 
 
@@ -20,8 +22,17 @@ class PixelsToTensor:
         self.shape = (channels, size, size)
         self.row_bytes = int(np.prod(self.shape))
 
+    encoded = False
+
     def __call__(self, column) -> torch.Tensor:
         return self.normalize(self.rows(column))
+
+    def of_group(self, group) -> np.ndarray:
+        """A row group's pixel rows (`rows` of its pixel column)."""
+        return self.rows(group.pixels)
+
+    def empty(self, n: int) -> np.ndarray:
+        return np.empty((n, self.row_bytes), np.uint8)
 
     def rows(self, column) -> np.ndarray:
         """Arrow binary column (or a sequence of bytes) -> read-only uint8 (N, C*H*W) view of its values."""
@@ -56,7 +67,6 @@ class PixelsToTensor:
         out = torch.from_numpy(rows.astype(np.float32))
         return out.mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD).view(len(rows), *self.shape)
 
-
     def as_uint8(self, rows: np.ndarray, pin: bool) -> torch.Tensor:
         """uint8 rows (N, C*H*W) -> a new uint8 (N, C, H, W) tensor, in pinned memory when `pin`: the model
         normalises it on its device (a quarter of the bytes of float32 cross to the GPU, and the copy can overlap)."""
@@ -84,6 +94,12 @@ def int_values(column, name: str) -> np.ndarray:
     return np.frombuffer(column.buffers()[1], dtype=dtype)[column.offset:column.offset + len(column)]
 
 
+def normalize_uint8(x: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> normalised float32 on its own device and in its memory order (PixelsToTensor's
+    formula): a decoded batch for a rank that does not normalise on its device."""
+    return x.to(torch.float32).mul_(1.0 / (255.0 * PIXEL_STD)).sub_(PIXEL_MEAN / PIXEL_STD)
+
+
 class BatchAssembler:
     """Turns row groups (Arrow columns `pixels`, `label_index`, optionally `row_id`) into batches of `batch_size`.
 
@@ -92,9 +108,13 @@ class BatchAssembler:
     from one buffer to the next: a fresh multi-MB array page-faults on every write (measured 4-10x slower).
     Batches are normalised one at a time into new tensors (or handed over as uint8 with `uint8_out`). The last batch
     of a finite source may be short. With `with_ids` it yields (features, labels, row ids).
+
+    With an encoded `transform` (pipeline.data.decode.EncodedRows) the rows are (encoded bytes, path) objects,
+    shuffled alike, and each batch's features are an `EncodedBatch` carrying its index in the stream (batches skipped
+    on a resume counted), which the decode stage turns into tensors.
     """
 
-    def __init__(self, row_groups, batch_size: int, transform: PixelsToTensor, shuffle_buffer: int, seed: int,
+    def __init__(self, row_groups, batch_size: int, transform, shuffle_buffer: int, seed: int,
                  with_ids: bool = False, uint8_out: bool = False, pin: bool = False) -> None:
         self.row_groups = row_groups
         self.batch_size = batch_size
@@ -105,14 +125,17 @@ class BatchAssembler:
         self.uint8_out = uint8_out
         self.pin = pin
         self.skip = 0  # batches to drop without making tensors (a resumed stream fast-forwards through these)
-        self._scratch = [np.empty((0, transform.row_bytes), np.uint8), np.empty((0, transform.row_bytes), np.uint8)]
+        self.batches_made = 0  # full or final batches cut so far, skipped ones included (an encoded batch's index)
+        self._scratch = [transform.empty(0), transform.empty(0)]
 
     def _buffer(self, k: int, n: int) -> np.ndarray:
         if len(self._scratch[k]) < n:
-            self._scratch[k] = np.empty((n, self.transform.row_bytes), np.uint8)
+            self._scratch[k] = self.transform.empty(n)
         return self._scratch[k][:n]
 
-    def _features(self, rows: np.ndarray) -> torch.Tensor:
+    def _features(self, rows: np.ndarray, index: int):
+        if getattr(self.transform, "encoded", False):
+            return EncodedBatch(rows.copy(), index)  # out of the scratch memory, which the next buffer reuses
         return self.transform.as_uint8(rows, self.pin) if self.uint8_out else self.transform.normalize(rows)
 
     def _emit(self, xs, ms, final: bool):
@@ -127,13 +150,15 @@ class BatchAssembler:
         bs = self.batch_size
         batches = []
         for i in range(0, full, bs):
+            index = self.batches_made
+            self.batches_made += 1
             if self.skip:
                 self.skip -= 1
                 continue
             y = torch.from_numpy(np.ascontiguousarray(meta[i:i + bs, 0]))
             if self.pin:
                 y = y.pin_memory()
-            item = (self._features(x[i:i + bs]), y)
+            item = (self._features(x[i:i + bs], index), y)
             batches.append(item + (meta[i:i + bs, 1].copy(),) if self.with_ids else item)
         return batches, [x[full:].copy()], [meta[full:]]  # the rest leaves the scratch memory before it is reused
 
@@ -141,7 +166,7 @@ class BatchAssembler:
         xs, ms, n = [], [], 0
         threshold = max(self.batch_size, self.shuffle_buffer)
         for chunk in self.row_groups:
-            xs.append(self.transform.rows(chunk.pixels))
+            xs.append(self.transform.of_group(chunk))
             labels = int_values(chunk.label_index, "label_index")
             meta = np.empty((len(labels), 2), np.int64)
             meta[:, 0] = labels

@@ -3,6 +3,8 @@
 The converter is Spark: executors decode each image once and write the split's Parquet files with pyarrow, in row
 groups sized by the plan (so whole row groups spread evenly over the ranks), into the content-keyed cache of
 `pipeline.data.cache`. Both readers (Petastorm's and the Arrow reader) read these files; nothing here needs Petastorm.
+With data.decode=cpu|gpu|auto nothing is decoded here: the files keep each row's encoded bytes and path (the
+"encoded" layout, shards.LAYOUTS), and the ranks decode every epoch (pipeline.data.decode).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.data import cache
-from pipeline.data.shards import (COLUMNS, FORMAT_VERSION, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedData,
-                                  ConvertedSplit)
+from pipeline.data.shards import (CONTENT, FORMAT_VERSION, LABEL, LAYOUTS, PATH, PIXELS, ROW_ID, ConversionError,
+                                  ConvertedData, ConvertedSplit)
 from pipeline.lakehouse.delta_common import files_digest
 from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, PlanError, ShardPlan,
                                          num_partitions, plan_shards, split_rule)
@@ -54,14 +56,24 @@ def held_out_frame(df, conditions: Tuple[HoldOut, ...], split: str = "val"):
     return df
 
 
+ENCODED_ROW_BYTES = 110_000  # an encoded row's size for sizing row groups before any is written: an ImageNet JPEG's
+
+
+def layout_of(cfg: Config) -> str:
+    """The converted files' layout: decoded pixels (data.decode=convert) or the encoded rows the ranks decode."""
+    return "pixels" if cfg.data.decode == "convert" else "encoded"
+
+
 def prepare_split(df, cfg: Config, world_size: int):
-    """The columns to convert (encoded image, label, a stable row id from the path), repartitioned for the ranks."""
+    """The columns to convert (encoded image, label, a stable row id from the path; the path itself for the encoded
+    layout), repartitioned for the ranks."""
     from pyspark.sql import functions as F
 
     parts = num_partitions(cfg.data.partitions_per_worker, world_size)
-    return (df.select(F.col("content"), F.col("label_index").cast("int").alias(LABEL),
-                      F.xxhash64(F.col("path")).alias(ROW_ID))
-            .repartition(parts))
+    columns = [F.col("content"), F.col("label_index").cast("int").alias(LABEL), F.xxhash64(F.col("path")).alias(ROW_ID)]
+    if layout_of(cfg) == "encoded":
+        columns.append(F.col("path").cast("string").alias(PATH))
+    return df.select(*columns).repartition(parts)
 
 
 def group_rows_for(rows: int, world_size: int, row_bytes: int, groups_per_rank: int, max_group_mb: float,
@@ -114,9 +126,9 @@ def groups_to_write(pending: int, group_rows: int, final: bool, tail_groups: int
     return sizes
 
 
-def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int):
-    """The executor side of `write_split`: decode, then write this partition's file in row groups of `group_rows`
-    (its last `tail_groups` evenly sized, see `groups_to_write`)."""
+def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int, encoded: bool = False):
+    """The executor side of `write_split`: decode (or, `encoded`, keep the bytes and the path), then write this
+    partition's file in row groups of `group_rows` (its last `tail_groups` evenly sized, see `groups_to_write`)."""
 
     def write(batches):
         import pyarrow as pa
@@ -130,7 +142,8 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tai
         fs, folder = filesystem(split_url)
         name = f"part-{ctx.partitionId():05d}.parquet"
         tmp = f"{folder}/.{name}.{ctx.attemptNumber()}-{uuid.uuid4().hex[:6]}.tmp"
-        schema = pa.schema([(PIXELS, pa.binary()), (LABEL, pa.int32()), (ROW_ID, pa.int64())])
+        types = {PIXELS: pa.binary(), CONTENT: pa.binary(), LABEL: pa.int32(), ROW_ID: pa.int64(), PATH: pa.string()}
+        schema = pa.schema([(c, types[c]) for c in LAYOUTS["encoded" if encoded else "pixels"]])
         writer, pending, groups = None, [], []
 
         def write(part):
@@ -151,11 +164,14 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tai
 
         try:
             for batch in batches:
-                contents = batch.column(0).to_pylist()
-                pixels = [decode_image(c, image_size, channels).tobytes() for c in contents]
-                pending.append(pa.table({PIXELS: pa.array(pixels, pa.binary()),
-                                         LABEL: batch.column(1).cast(pa.int32()),
-                                         ROW_ID: batch.column(2).cast(pa.int64())}, schema=schema))
+                if encoded:  # the bytes as the table holds them, and the path: the ranks decode
+                    pending.append(pa.Table.from_batches([batch]).rename_columns(schema.names).cast(schema))
+                else:
+                    contents = batch.column(0).to_pylist()
+                    pixels = [decode_image(c, image_size, channels).tobytes() for c in contents]
+                    pending.append(pa.table({PIXELS: pa.array(pixels, pa.binary()),
+                                             LABEL: batch.column(1).cast(pa.int32()),
+                                             ROW_ID: batch.column(2).cast(pa.int64())}, schema=schema))
                 if sum(len(t) for t in pending) >= 2 * group_rows:
                     pending = flush(pending, final=False)
             flush(pending, final=True)
@@ -197,13 +213,13 @@ def decoded_frame(df, cfg: Config, world_size: int):
     return prepared.select(decode(F.col("content")).alias(PIXELS), F.col(LABEL), F.col(ROW_ID))
 
 
-def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int,
-                tail_groups: int = 2) -> List[Dict[str, Any]]:
-    """Convert `df` (columns content, label_index, row_id) into Parquet files under `split_url`, one per non-empty
-    partition; returns each file's name, size and row groups, sorted by name (the order every reader uses)."""
+def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int = 2,
+                encoded: bool = False) -> List[Dict[str, Any]]:
+    """Convert `df` (columns content, label_index, row_id; and path, `encoded`) into Parquet files under `split_url`,
+    one per non-empty partition; returns each file's name, size and row groups, sorted by name (the readers' order)."""
     fs, folder = cache.filesystem(split_url)
     fs.create_dir(folder, recursive=True)
-    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows, tail_groups),
+    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows, tail_groups, encoded),
                         "file string, bytes long, groups array<long>").collect()
     return sorted(({"name": r["file"], "bytes": int(r["bytes"]), "row_groups": [int(g) for g in r["groups"]]}
                    for r in out), key=lambda f: f["name"])
@@ -258,7 +274,7 @@ def _key_inputs(frame: Callable[[], Any], cfg: Config, world_size: int, pinned) 
         "image_size": cfg.data.image_size, "channels": cfg.data.channels, "world_size": world_size,
         "partitions_per_worker": cfg.data.partitions_per_worker, "row_groups_per_rank": cfg.data.row_groups_per_rank,
         "max_row_group_mb": cfg.data.max_row_group_mb, "min_row_group_mb": cfg.data.min_row_group_mb,
-    }
+    } | ({"layout": "encoded", "image_size": None, "channels": None} if layout_of(cfg) == "encoded" else {})
 
 
 def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
@@ -271,7 +287,8 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
     import pyarrow as pa
 
     train_df, val_df = split_frame(df, cfg.data.val_fraction, cfg.data.split_key)
-    row_bytes = cfg.data.channels * cfg.data.image_size ** 2
+    encoded = layout_of(cfg) == "encoded"
+    row_bytes = ENCODED_ROW_BYTES if encoded else cfg.data.channels * cfg.data.image_size ** 2
     run = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # concurrent writers never mix files
     total = total_rows if total_rows is not None else df.count()
     share = {"train": 1.0 - cfg.data.val_fraction, "val": cfg.data.val_fraction}
@@ -283,18 +300,19 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
                                                                               world_size),
                                     cfg.data.min_row_group_mb)
         files = write_split(prepare_split(frame, cfg, world_size), f"{url}/{run}/{name}", cfg.data.image_size,
-                            cfg.data.channels, group_rows, tail_groups_for(world_size, group_rows, row_bytes))
+                            cfg.data.channels, group_rows, tail_groups_for(world_size, group_rows, row_bytes),
+                            encoded)
         splits[name] = {"folder": f"{run}/{name}", "rows": sum(sum(f["row_groups"]) for f in files),
                         "group_rows": group_rows, "files": files}
     now = time.time()
-    return {"format": FORMAT_VERSION, "columns": list(COLUMNS), "inputs": inputs, "created": now, "last_used": now,
-            "writer": {"pyarrow": pa.__version__}, "splits": splits}
+    return {"format": FORMAT_VERSION, "columns": list(LAYOUTS[layout_of(cfg)]), "inputs": inputs, "created": now,
+            "last_used": now, "writer": {"pyarrow": pa.__version__}, "splits": splits}
 
 
-def _usable(manifest: Optional[Dict[str, Any]], url: str) -> bool:
+def _usable(manifest: Optional[Dict[str, Any]], url: str, columns=LAYOUTS["pixels"]) -> bool:
     if manifest is None:
         return False
-    if manifest.get("format") != FORMAT_VERSION or manifest.get("columns") != list(COLUMNS):
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("columns") != list(columns):
         log.warning("cache entry %s was written in another format (format %s, columns %s); converting again",
                     url, manifest.get("format"), manifest.get("columns"))
         return False
@@ -333,7 +351,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
     if leases is not None:  # first: a deleter under the cache's lock either sees it or has finished deleting
         cache.take_lease(leases, cfg.data.cache_dir, key)
     manifest = cache.read_manifest(url)
-    if _usable(manifest, url):
+    if _usable(manifest, url, LAYOUTS[layout_of(cfg)]):
         log.info("converted data cache hit: %s", url)
         if class_names is None:  # the same table, version and files as when it was converted: the same classes
             class_names = manifest.get("class_names") or _class_names_to_train(frame(), pinned)
@@ -359,7 +377,8 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
                      batch_size if batch_size is not None else cfg.data.batch_size, cfg.data.min_steps_per_epoch)
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
-                         image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url)
+                         image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url,
+                         layout=layout_of(cfg))
 
 
 def petastorm_row_group_rows(split: ConvertedSplit) -> List[int]:

@@ -6,9 +6,13 @@ from typing import List, Optional
 import pytorch_lightning as pl
 
 from pipeline.config import DataConfig
+from pipeline.data.decode import make_decoder
 from pipeline.data.loader import ShardLoader
 from pipeline.data.readers import load_reader
 from pipeline.data.shards import ConvertedData
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
 
 
 class LakehouseDataModule(pl.LightningDataModule):
@@ -26,14 +30,22 @@ class LakehouseDataModule(pl.LightningDataModule):
         self.data = data
         self.rank = rank
         self.world_size = world_size
+        self.decode_used = decode_in_rank(data, c, rank)
         kw = dict(rank=rank, world_size=world_size, channels=data.channels, image_size=data.image_size,
                   workers=c.reader_workers, seed=c.seed + rank, reader=c.reader, track_ids=track_ids,
                   normalize_on_device=normalize_on_device)
+
+        def decoder(train: bool):
+            if self.decode_used == "convert":
+                return None
+            return make_decoder(self.decode_used, data.image_size, data.channels, train, c.seed + rank, world_size,
+                                c.decode_workers, pin=normalize_on_device, channels_last=c.channels_last)
+
         self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=c.shuffle_buffer,
-                                        memory_cache_mb=c.memory_cache_mb, **kw)
+                                        memory_cache_mb=c.memory_cache_mb, decoder=decoder(True), **kw)
         left_mb = c.memory_cache_mb - (self.train_loader.shard_mb() if self.train_loader.keeps_in_memory else 0)
         self.val_loader = ShardLoader(data.val, data.plan.val, endless=False, shuffle_buffer=0,
-                                      memory_cache_mb=left_mb, **kw)  # one budget per rank: train first, then val
+                                      memory_cache_mb=left_mb, decoder=decoder(False), **kw)  # one budget per rank
 
     @property
     def class_names(self) -> List[str]:
@@ -48,6 +60,29 @@ class LakehouseDataModule(pl.LightningDataModule):
     def teardown(self, stage: str) -> None:
         self.train_loader.close()
         self.val_loader.close()
+
+
+def decode_in_rank(data: ConvertedData, c: DataConfig, rank: int) -> str:
+    """Where this rank decodes: convert (the split holds pixels), else data.decode resolved here (auto: gpu on a CUDA
+    rank with torchvision, else cpu). The converted layout and the key must agree.
+
+    Raises:
+        ValueError: the converted data was made for the other setting of data.decode (naming the key).
+    """
+    from pipeline.data.decode import resolve_decode
+
+    encoded = data.layout == "encoded"
+    if encoded != (c.decode != "convert"):
+        raise ValueError(f"config key 'data.decode' is {c.decode!r} but the converted data holds "
+                         f"{'encoded images' if encoded else 'decoded pixels'}; convert with the same data.decode")
+    if not encoded:
+        return "convert"
+    used = resolve_decode(c.decode)
+    if rank == 0:
+        log.info("data.decode=%s: rank 0 decodes %s, the ImageNet recipe at %d px (train: random resized crop and "
+                 "flip; val: center crop)", c.decode, "on its GPU with nvJPEG (other formats on the CPU)"
+                 if used == "gpu" else "on the CPU in worker threads", data.image_size)
+    return used
 
 
 def make_datamodule(data: ConvertedData, rank: int, world_size: int, data_cfg: Optional[DataConfig] = None,

@@ -7,7 +7,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from pipeline.data.batches import BatchAssembler, PixelsToTensor
+from pipeline.data.batches import BatchAssembler, PixelsToTensor, normalize_uint8
+from pipeline.data.decode import Decoder, EncodedRows
 from pipeline.data.readers import ArrowShardReader, open_petastorm, pass_order, require_reader
 from pipeline.data.shards import ConvertedSplit
 from pipeline.lakehouse.partition import SplitPlan
@@ -34,12 +35,15 @@ class ShardLoader:
     With the `arrow` reader the train stream is a pure function of the seed, so its position (batches taken) is
     its state: `state_dict()` / `load_state_dict()` let a run resumed from a mid-epoch checkpoint continue exactly
     where it stopped (Lightning saves and restores them with the checkpoint).
+
+    With a `decoder` (pipeline.data.decode: data.decode=cpu|gpu|auto) the split holds encoded rows: they are shuffled
+    and batched as pixel rows are, then decoded and cropped batch by batch, ahead of the step, by the decoder.
     """
 
     def __init__(self, split: ConvertedSplit, plan: SplitPlan, rank: int, world_size: int, channels: int,
                  image_size: int, endless: bool, workers: int, shuffle_buffer: int, seed: int,
                  memory_cache_mb: int = 0, reader: str = "petastorm", track_ids: bool = False,
-                 normalize_on_device: bool = False) -> None:
+                 normalize_on_device: bool = False, decoder: Optional[Decoder] = None) -> None:
         require_reader(reader)
         self.split = split
         self.plan = plan
@@ -47,7 +51,9 @@ class ShardLoader:
         self.world_size = world_size
         self.endless = endless
         self.reader = reader
-        self.transform = PixelsToTensor(channels, image_size)
+        self.decoder = decoder
+        self.transform = (EncodedRows(encoded_row_bytes(split)) if decoder is not None
+                          else PixelsToTensor(channels, image_size))
         self.workers = workers
         self.shuffle_buffer = shuffle_buffer if endless else 0
         self.seed = seed
@@ -147,6 +153,16 @@ class ShardLoader:
                               with_ids=True, uint8_out=self.normalize_on_device,
                               pin=self.normalize_on_device and torch.cuda.is_available())
 
+    def _batches(self, assembler: BatchAssembler) -> Iterator:
+        """The assembler's batches; encoded ones decoded by the decoder, a few batches ahead (and normalised here
+        unless the model normalises on its device)."""
+        if self.decoder is None:
+            return iter(assembler)
+        decoded = self.decoder.batches(iter(assembler), depth=2)
+        if self.normalize_on_device:
+            return decoded
+        return ((normalize_uint8(x), *rest) for x, *rest in decoded)
+
     def __len__(self) -> int:
         if self.endless:
             return self.plan.steps_per_epoch
@@ -173,7 +189,7 @@ class ShardLoader:
                 assembler = self._assembler(self._source, self.shuffle_buffer)
                 assembler.skip = self.batches_taken = self._resume_at
                 self._resume_at = 0
-                self._it = iter(assembler)
+                self._it = self._batches(assembler)
             # a resumed epoch has only the steps the interrupted one had not taken
             self._epoch_steps = self.plan.steps_per_epoch - self.batches_taken % self.plan.steps_per_epoch
             for _ in range(self._epoch_steps):
@@ -182,7 +198,7 @@ class ShardLoader:
                 yield batch
             return
         source = self._row_groups(1)
-        it = iter(self._assembler(source, 0))
+        it = self._batches(self._assembler(source, 0))
         steps, batch = 0, None
         try:
             while True:
@@ -239,3 +255,16 @@ class ShardLoader:
         if self._source is not None:
             self._source.close()
         self._source = self._it = None
+        if self.decoder is not None:
+            self.decoder.close()  # its threads; made again by the next pass
+
+
+def encoded_row_bytes(split: ConvertedSplit) -> int:
+    """The bytes of an encoded row on average: the split's files' sizes over its rows (data.memory_cache_mb)."""
+    from pipeline.data.cache import filesystem
+
+    total = 0
+    for url in split.file_urls:
+        fs, path = filesystem(url)
+        total += fs.get_file_info(path).size or 0
+    return max(1, total // max(1, split.rows))

@@ -1,7 +1,8 @@
 """Per-rank row-group readers over converted Parquet: Petastorm's reader or pyarrow directly, with one shard rule.
 
-Both hand over each row group as Arrow columns (`pixels`, `label_index`, `row_id`) and read the row groups of shard
-`rank` (global row group i goes to rank ``i % world_size``). Petastorm is imported only when its reader is used.
+Both hand over each row group as Arrow columns (`pixels`, `label_index`, `row_id`; or, in a split of encoded rows,
+`content` in the pixels' place and `path`) and read the row groups of shard `rank` (global row group i goes to rank
+``i % world_size``). Petastorm is imported only when its reader is used.
 """
 from __future__ import annotations
 
@@ -13,18 +14,28 @@ from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from pipeline.data.shards import COLUMNS, LABEL, PIXELS, ROW_ID, ConversionError, ConvertedSplit
+from pipeline.data.shards import (COLUMNS, CONTENT, ENCODED_COLUMNS, LABEL, PATH, PIXELS, ROW_ID, ConversionError,
+                                  ConvertedSplit)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
 
 class RowGroup(NamedTuple):
-    """One row group's columns as Arrow arrays."""
+    """One row group's columns as Arrow arrays: `pixels` holds the decoded pixels, or the encoded bytes of a split
+    of encoded rows (which also has each row's `path`)."""
 
     pixels: object
     label_index: object
     row_id: object
+    path: object = None
+
+
+def row_group_of(table) -> RowGroup:
+    """The RowGroup of an Arrow table of either layout (shards.LAYOUTS)."""
+    names = table.column_names
+    image = PIXELS if PIXELS in names else CONTENT
+    return RowGroup(*(table.column(name) if name in names else None for name in (image, LABEL, ROW_ID, PATH)))
 
 
 def pass_order(n: int, seed: int, pass_index: int, shuffle: bool) -> np.ndarray:
@@ -93,7 +104,9 @@ class ArrowShardReader:
         """
         file_index, group, rows = self.groups[local_index]
         try:
-            table = self._file(file_index).read_row_group(group, columns=list(COLUMNS), use_threads=False)
+            pf = self._file(file_index)
+            columns = ENCODED_COLUMNS if CONTENT in pf.schema_arrow.names else COLUMNS
+            table = pf.read_row_group(group, columns=list(columns), use_threads=False)
             if table.num_rows != rows:
                 raise OSError(f"{table.num_rows} rows, the converter wrote {rows}")
         except Exception as exc:
@@ -101,7 +114,7 @@ class ArrowShardReader:
             raise ConversionError(f"converted Parquet file {url} row group {group} ({self.split.name} split) is "
                                   f"unreadable ({type(exc).__name__}: {exc}); run `lakehouse cache clear` to "
                                   f"convert again") from None
-        return RowGroup(table.column(PIXELS), table.column(LABEL), table.column(ROW_ID))
+        return row_group_of(table)
 
     def iter_groups(self, order: Sequence[int]) -> Iterator[Tuple[int, RowGroup]]:
         """(local index, row group) in `order`, read ahead on a small thread pool; stops cleanly when closed."""
@@ -167,7 +180,7 @@ class ArrowColumns:
             table = workers_pool.get_results()
         except EmptyResultError:
             raise StopIteration
-        return RowGroup(*(table.column(name) if name in table.column_names else None for name in COLUMNS))
+        return row_group_of(table)
 
 
 def read_arrow_columns(reader) -> None:

@@ -6,9 +6,13 @@ from typing import List, Tuple
 
 from pipeline.lakehouse.partition import ShardPlan
 
-# The columns of a converted split, in the order the converter writes them.
+# The columns of a converted split, in the order the converter writes them: decoded pixels (data.decode=convert) ...
 PIXELS, LABEL, ROW_ID = "pixels", "label_index", "row_id"
 COLUMNS = (PIXELS, LABEL, ROW_ID)
+# ... or the table's encoded image bytes and the row's path (data.decode=cpu|gpu|auto: the ranks decode every epoch)
+CONTENT, PATH = "content", "path"
+ENCODED_COLUMNS = (CONTENT, LABEL, ROW_ID, PATH)
+LAYOUTS = {"pixels": COLUMNS, "encoded": ENCODED_COLUMNS}
 # Bumped whenever the converted files' layout changes: entries of another format are rebuilt, never misread.
 FORMAT_VERSION = 3
 
@@ -57,6 +61,7 @@ class ConvertedData:
     channels: int
     key: str = ""  # the cache entry (content key) both splits live in
     entry_url: str = ""  # the cache entry's folder
+    layout: str = "pixels"  # pixels: decoded at conversion; encoded: the ranks decode (LAYOUTS)
 
     @property
     def rows(self) -> Tuple[int, int]:

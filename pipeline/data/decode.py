@@ -1,0 +1,419 @@
+"""The rank's decode stage: encoded image rows -> the ImageNet recipe's crops as uint8 batches, decoded on the CPU in
+worker threads (Pillow) or on the rank's GPU (nvJPEG through torchvision), with the same crops either way.
+
+With `data.decode=cpu|gpu|auto` the converter keeps each row's encoded bytes and path; the batch assembler shuffles
+them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder` turns into tensors:
+
+- Crops. Training takes a random resized crop (area 8-100 % of the image, aspect 3/4-4/3, torchvision's rule) and a
+  horizontal flip; validation the central 87.5 % (the 224-of-256 "resize and center crop"). Either is a box in the
+  source image resized to `data.image_size` square. The random draws of a batch depend only on (seed, batch index),
+  never on the image sizes or the thread that decodes, so a batch is the same on every run, on the CPU or the GPU, and
+  after a resume that skipped batches.
+- CPU: Pillow decodes and resizes the box (`Image.resize(box=)`, antialiased bilinear) in `workers` threads; both
+  release the GIL. Each batch is cut into one chunk per worker, and the next batches are decoded while this one trains.
+- GPU: the JPEG rows of a batch are decoded in one batched nvJPEG call on the rank's device, then cropped, resized
+  (bilinear, antialiased: torch's equivalent of Pillow's) and flipped there; rows that are not JPEG, and the JPEG
+  rows of a batch nvJPEG refused, are decoded on the CPU path within the same batch.
+- Every row's header is read first, through `pipeline.images` (the pixel bound and the format allow-list): an
+  undecodable or over-large image stops the job with a `RowDecodeError` naming the row's path, on both paths.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from pipeline.images import MAX_PIXELS, ImageDecodeError, opened
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+DECODE_MODES = ("convert", "cpu", "gpu", "auto")
+CROP_SCALE = (0.08, 1.0)  # RandomResizedCrop's share of the image's area ...
+CROP_RATIO = (3 / 4, 4 / 3)  # ... and its aspect ratio range (torchvision's defaults, the ImageNet recipe)
+CROP_ATTEMPTS = 10  # boxes tried before the central fallback, as torchvision does
+VAL_CROP = 0.875  # validation: the central 224/256 of the shorter side
+DRAWS = 2 * CROP_ATTEMPTS + 3  # uniform draws per row: (area, log aspect) per attempt, top, left, flip
+
+
+class RowDecodeError(ImageDecodeError):
+    """A row's image cannot be decoded; the message names its path and why. The job stops: the table holds a row
+    that ingest would not have written (another writer's, or bytes changed after ingest)."""
+
+
+class EncodedBatch(NamedTuple):
+    """A batch before decoding: (n, 2) object rows of (encoded bytes, path), and its index in the stream."""
+
+    rows: np.ndarray
+    index: int
+
+
+class EncodedRows:
+    """Encoded rows for the batch assembler: each row group's `content` and `path` columns as an (n, 2) object array
+    (one Python bytes object per row: a decode costs milliseconds, the object microseconds)."""
+
+    encoded = True
+
+    def __init__(self, row_bytes: int = 110_000) -> None:
+        self.row_bytes = int(row_bytes)  # the encoded size of a row on average (for data.memory_cache_mb)
+
+    def of_group(self, group) -> np.ndarray:
+        contents = group.pixels.to_pylist() if hasattr(group.pixels, "to_pylist") else list(group.pixels)
+        paths = getattr(group, "path", None)
+        paths = paths.to_pylist() if hasattr(paths, "to_pylist") else (list(paths) if paths is not None else
+                                                                        [None] * len(contents))
+        rows = np.empty((len(contents), 2), dtype=object)
+        rows[:, 0] = contents
+        rows[:, 1] = paths
+        return rows
+
+    def empty(self, n: int) -> np.ndarray:
+        return np.empty((n, 2), dtype=object)
+
+
+# ----------------------------------------------------------------------------------------------------------- crops
+def crop_draws(seed: int, batch_index: int, n: int) -> np.ndarray:
+    """(n, DRAWS) uniform draws in [0, 1) for batch `batch_index` of the stream seeded `seed`."""
+    return np.random.default_rng([int(seed), int(batch_index)]).random((n, DRAWS))
+
+
+def train_box(width: int, height: int, u: Sequence[float]) -> Tuple[int, int, int, int, bool]:
+    """(left, top, box width, box height, flip) of a random resized crop from one row's draws `u` (torchvision's
+    RandomResizedCrop: up to CROP_ATTEMPTS boxes of a random area and aspect; else the whole image's central box of
+    an aspect within CROP_RATIO)."""
+    area = width * height
+    log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    for a in range(CROP_ATTEMPTS):
+        target = area * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[2 * a])
+        aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * a + 1])
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = min(height - h, int(u[-3] * (height - h + 1)))
+            left = min(width - w, int(u[-2] * (width - w + 1)))
+            return left, top, w, h, bool(u[-1] < 0.5)
+    ratio = width / height
+    if ratio < CROP_RATIO[0]:
+        w, h = width, int(round(width / CROP_RATIO[0]))
+    elif ratio > CROP_RATIO[1]:
+        h, w = height, int(round(height * CROP_RATIO[1]))
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h, bool(u[-1] < 0.5)
+
+
+def val_box(width: int, height: int) -> Tuple[int, int, int, int, bool]:
+    """(left, top, side, side, no flip): the central square of VAL_CROP of the shorter side, what "resize the shorter
+    side to size / VAL_CROP, then center crop size" takes from the image."""
+    side = max(1, int(round(min(width, height) * VAL_CROP)))
+    return (width - side) // 2, (height - side) // 2, side, side, False
+
+
+# ------------------------------------------------------------------------------------------------------ CPU decode
+def _header(content: Any, path: Any, max_pixels: int) -> Tuple[int, int, str]:
+    """(width, height, format) from the row's header alone, within the pixel bound; RowDecodeError names the row."""
+    if not isinstance(content, (bytes, bytearray, memoryview)):
+        raise RowDecodeError(f"row {path}: no image bytes ({type(content).__name__})")
+    try:
+        with opened(bytes(content), max_pixels) as img:
+            return int(img.width), int(img.height), str(img.format)
+    except ImageDecodeError as exc:
+        raise RowDecodeError(f"row {path}: {exc}") from None
+
+
+def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool], size: int, channels: int,
+                max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One row with Pillow: decode, resize `box` (left, top, width, height, flip) to `size` square (antialiased
+    bilinear), flip; uint8 (channels, size, size). Raises RowDecodeError naming `path`."""
+    from PIL import Image
+
+    left, top, w, h, flip = box
+    try:
+        with opened(bytes(content), max_pixels) as img:
+            img = img.convert("L" if channels == 1 else "RGB")
+            out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+            if flip:
+                out = out.transpose(Image.FLIP_LEFT_RIGHT)
+            arr = np.asarray(out, dtype=np.uint8)
+    except ImageDecodeError as exc:
+        raise RowDecodeError(f"row {path}: {exc}") from None
+    except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)
+        raise RowDecodeError(f"row {path}: not a decodable image ({type(exc).__name__}: {exc})") from None
+    return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+
+
+def center_crop_decode(content: bytes, size: int, channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """The validation transform of one image (the central VAL_CROP, resized to `size`): what a model trained with
+    data.decode=cpu|gpu|auto sees of an image at evaluation, for a served model to do the same."""
+    with opened(content, max_pixels) as img:
+        width, height = img.width, img.height
+    return decode_crop(content, "<request>", val_box(width, height), size, channels, max_pixels)
+
+
+def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int) -> List[Tuple]:
+    """The crop box of every row of a batch, from the rows' (width, height) and the batch's draws."""
+    if not train:
+        return [val_box(w, h) for w, h in sizes]
+    draws = crop_draws(seed, batch_index, len(sizes))
+    return [train_box(w, h, draws[i]) for i, (w, h) in enumerate(sizes)]
+
+
+def ranks_on_host(world_size: int) -> int:
+    """How many ranks share this host: the launcher's word (Horovod's HOROVOD_LOCAL_SIZE, torchrun's and
+    TorchDistributor's LOCAL_WORLD_SIZE), else all `world_size` ranks."""
+    for key in ("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit() and int(os.environ[key]) >= 1:
+            return int(os.environ[key])
+    return max(1, world_size)
+
+
+def default_workers(world_size: int) -> int:
+    """data.decode_workers=0: this process's cores shared evenly by the ranks on its host, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // ranks_on_host(world_size))
+
+
+class Decoder:
+    """Decodes `EncodedBatch`es on the CPU into uint8 (N, C, size, size) tensors, `workers` threads, batches decoded
+    ahead of the consumer. `train`: random resized crops and flips (seeded by `seed` and the batch index); else the
+    central crop. `pin`: the batches in pinned memory (a CUDA rank copies them asynchronously)."""
+
+    name = "cpu"
+
+    def __init__(self, size: int, channels: int, train: bool, seed: int, workers: int = 1, pin: bool = False,
+                 channels_last: bool = False, max_pixels: int = MAX_PIXELS) -> None:
+        self.size, self.channels, self.train, self.seed = int(size), int(channels), bool(train), int(seed)
+        self.workers = max(1, int(workers))
+        self.pin, self.channels_last, self.max_pixels = pin, channels_last, max_pixels
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=f"decode-{self.name}")
+            return self._pool
+
+    def _empty(self, n: int) -> torch.Tensor:
+        out = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8,
+                          pin_memory=self.pin and torch.cuda.is_available())
+        return out
+
+    def boxes(self, batch: EncodedBatch) -> List[Tuple]:
+        sizes = [_header(c, p, self.max_pixels)[:2] for c, p in batch.rows]
+        return boxes_for(sizes, self.train, self.seed, batch.index)
+
+    def _decode_rows(self, out: torch.Tensor, rows: np.ndarray, boxes: Sequence[Tuple], idx: Iterable[int]) -> None:
+        view = out.numpy()
+        for i in idx:
+            view[i] = decode_crop(rows[i, 0], rows[i, 1], boxes[i], self.size, self.channels, self.max_pixels)
+
+    def submit(self, batch: EncodedBatch) -> Any:
+        """Start decoding `batch`; `result(handle)` waits for its tensor."""
+        n = len(batch.rows)
+        out = self._empty(n)
+        if n == 0:
+            return out, []
+        pool = self.pool()
+        boxes_f = pool.submit(self.boxes, batch)  # headers first (cheap), then the decodes split over the workers
+        chunk = max(1, math.ceil(n / self.workers))
+
+        def part(lo: int) -> None:
+            self._decode_rows(out, batch.rows, boxes_f.result(), range(lo, min(n, lo + chunk)))
+
+        return out, [boxes_f] + [pool.submit(part, lo) for lo in range(0, n, chunk)]
+
+    def result(self, handle: Any) -> torch.Tensor:
+        out, futures = handle
+        for f in futures:
+            f.result()  # the first error (a RowDecodeError naming its row) is raised here, in batch order
+        return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
+
+    def decode(self, batch: EncodedBatch) -> torch.Tensor:
+        """One batch, now (tests; the loader uses `batches`)."""
+        return self.result(self.submit(batch))
+
+    def batches(self, items: Iterator[Tuple], depth: int = 2) -> Iterator[Tuple]:
+        """(EncodedBatch, labels, ...) items -> (tensor, labels, ...), `depth` batches decoded ahead, in order."""
+        pending: deque = deque()
+        it = iter(items)
+        try:
+            while True:
+                while len(pending) < max(1, depth):
+                    item = next(it, None)
+                    if item is None:
+                        break
+                    pending.append((self.submit(item[0]), item[1:]))
+                if not pending:
+                    return
+                handle, rest = pending.popleft()
+                yield (self.result(handle), *rest)
+        finally:
+            for handle, _ in pending:  # a stream closed mid-way: let the started decodes finish quietly
+                for f in handle[1]:
+                    f.cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+
+def is_jpeg(content: Any) -> bool:
+    return isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
+
+
+class GpuDecoder(Decoder):
+    """JPEG rows decoded by nvJPEG on `device` (one batched torchvision.io.decode_jpeg call per batch), cropped,
+    resized and flipped there; the other rows on the CPU path (Decoder) within the same batch. The tensor comes back
+    on `device`. `device` may be the CPU (torchvision's libjpeg-turbo decoder): the same code, for tests."""
+
+    name = "gpu"
+
+    def __init__(self, size: int, channels: int, train: bool, seed: int, device: Any, workers: int = 1,
+                 channels_last: bool = False, max_pixels: int = MAX_PIXELS) -> None:
+        super().__init__(size, channels, train, seed, workers, pin=False, channels_last=channels_last,
+                         max_pixels=max_pixels)
+        self.device = torch.device(device)
+        self.tv_io = import_decode_jpeg()
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._gpu_pool: Optional[ThreadPoolExecutor] = None
+
+    def _decode_on_device(self, batch: EncodedBatch) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        rows = batch.rows
+        n = len(rows)
+        headers = [_header(c, p, self.max_pixels) for c, p in rows]
+        boxes = boxes_for([h[:2] for h in headers], self.train, self.seed, batch.index)
+        jpeg = [i for i in range(n) if headers[i][2] == "JPEG" and is_jpeg(rows[i, 0])]
+        other = [i for i in range(n) if i not in set(jpeg)]
+        out = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8, device=self.device)
+        decoded: List[Optional[torch.Tensor]] = [None] * n
+        if jpeg:
+            mode = self.tv_io.ImageReadMode.GRAY if self.channels == 1 else self.tv_io.ImageReadMode.RGB
+            data = [torch.frombuffer(bytearray(rows[i, 0]), dtype=torch.uint8) for i in jpeg]
+            try:
+                images = self.tv_io.decode_jpeg(data, mode=mode, device=self.device)
+            except RuntimeError as exc:  # one bad row fails the batched call: these rows go to the CPU path, which
+                log.debug("nvJPEG refused a batch (%s); its JPEG rows are decoded on the CPU", exc)  # names it
+                other, images = sorted(other + jpeg), []
+            for i, img in zip(jpeg, images):
+                decoded[i] = img
+        for i in range(n):
+            img = decoded[i]
+            if img is None:
+                continue
+            left, top, w, h, flip = boxes[i]
+            if img.shape[-2:] != (headers[i][1], headers[i][0]):  # the header and the decoder disagree
+                raise RowDecodeError(f"row {rows[i, 1]}: decoded {tuple(img.shape[-2:])}, its header says "
+                                     f"{headers[i][1]}x{headers[i][0]}")
+            crop = img[None, :, top:top + h, left:left + w].to(torch.float32)
+            res = F.interpolate(crop, size=(self.size, self.size), mode="bilinear", align_corners=False,
+                                antialias=True)
+            if flip:
+                res = res.flip(-1)
+            out[i] = res[0].round_().clamp_(0, 255).to(torch.uint8)
+        if other:
+            host = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8)
+            self._decode_rows(host, rows, boxes, other)
+            idx = torch.tensor(other, device=self.device)
+            out[idx] = host[other].to(self.device, non_blocking=False)
+        return out
+
+    def _run(self, batch: EncodedBatch) -> Tuple[torch.Tensor, Any]:
+        if self._stream is None:
+            return self._decode_on_device(batch), None
+        with torch.cuda.stream(self._stream):
+            out = self._decode_on_device(batch)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return out, event
+
+    def submit(self, batch: EncodedBatch) -> Any:
+        with self._lock:
+            if self._gpu_pool is None:  # one thread drives the device: batches stay in order on one stream
+                self._gpu_pool = ThreadPoolExecutor(1, thread_name_prefix="decode-gpu")
+            pool = self._gpu_pool
+        return pool.submit(self._run, batch)
+
+    def result(self, handle: Any) -> torch.Tensor:
+        out, event = handle.result()
+        if event is not None:  # the consumer's stream waits for the decode, and owns the memory from here
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            out.record_stream(current)
+        return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            if self._gpu_pool is not None:
+                self._gpu_pool.shutdown(wait=False, cancel_futures=True)
+                self._gpu_pool = None
+
+
+def import_decode_jpeg():
+    """torchvision.io (decode_jpeg and ImageReadMode), or an ImportError saying what data.decode=gpu needs."""
+    try:
+        import torchvision.io as tv_io
+
+        tv_io.decode_jpeg, tv_io.ImageReadMode  # noqa: B018  (present in torchvision >= 0.19's batched form)
+    except Exception as exc:  # ImportError, or torchvision's RuntimeError when its build does not match torch
+        raise ImportError(f"config key 'data.decode': gpu needs torchvision (torchvision.io.decode_jpeg) built for "
+                          f"torch {torch.__version__}; importing it failed with {type(exc).__name__}: {exc}") from None
+    return tv_io
+
+
+def gpu_decode_problem() -> Optional[str]:
+    """Why this process cannot decode on its GPU (no CUDA device, no usable torchvision), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to this rank"
+    try:
+        import_decode_jpeg()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def resolve_decode(mode: str) -> str:
+    """The decode this rank uses: data.decode, with auto made gpu on a CUDA rank that has torchvision, else cpu.
+
+    Raises:
+        ValueError: data.decode=gpu where the rank cannot (naming the key and why).
+    """
+    if mode not in ("cpu", "gpu", "auto"):
+        raise ValueError(f"config key 'data.decode': {mode!r} is not cpu, gpu or auto for rows the ranks decode")
+    if mode == "cpu":
+        return "cpu"
+    problem = gpu_decode_problem()
+    if problem is None:
+        return "gpu"
+    if mode == "gpu":
+        raise ValueError(f"config key 'data.decode' is gpu but {problem}; use data.decode=auto (gpu where it can) "
+                         f"or cpu")
+    return "cpu"
+
+
+def make_decoder(mode: str, size: int, channels: int, train: bool, seed: int, world_size: int, workers: int = 0,
+                 pin: bool = False, channels_last: bool = False) -> Decoder:
+    """The rank's decoder for data.decode=`mode` (cpu | gpu | auto, resolved here: `resolve_decode`); gpu on the
+    current CUDA device. `workers` 0: `default_workers`."""
+    used = resolve_decode(mode)
+    threads = workers or default_workers(world_size)
+    if used == "gpu":
+        return GpuDecoder(size, channels, train, seed, torch.device("cuda", torch.cuda.current_device()),
+                          workers=threads, channels_last=channels_last)
+    return Decoder(size, channels, train, seed, workers=threads, pin=pin, channels_last=channels_last)

@@ -1,0 +1,306 @@
+"""The rank's decode stage (pipeline.data.decode) on the CPU: the ImageNet recipe's crops from (seed, batch index),
+the same batches whatever the worker count, labels kept with their images through the shuffle, a corrupt row named by
+its path, the loader over real Parquet files of encoded rows; and the GPU path's code run on torchvision's CPU decoder
+where torchvision is importable (.venv-vision), skipped with the reason elsewhere."""
+from __future__ import annotations
+
+import io
+import os
+from collections import namedtuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.data.batches import BatchAssembler
+from pipeline.data.decode import (CROP_RATIO, DRAWS, Decoder, EncodedBatch, EncodedRows, RowDecodeError, boxes_for,
+                                  crop_draws, decode_crop, default_workers, resolve_decode, train_box, val_box)
+
+SIZE = 32
+Group = namedtuple("Group", ["pixels", "label_index", "row_id", "path"])
+
+
+def _jpeg(rgb, size=(90, 70), quality=90) -> bytes:
+    """A JPEG of one solid colour (its label can be read back from any crop)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, tuple(int(v) for v in rgb)).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _photo(i: int) -> bytes:
+    from pipeline.lakehouse.sample_data import PHOTO_CLASSES, render_photo
+
+    return render_photo(PHOTO_CLASSES[i % len(PHOTO_CLASSES)], 5, i)[0]
+
+
+COLOURS = [(250, 10, 10), (10, 250, 10), (10, 10, 250), (240, 240, 20)]  # label k is colour k
+
+
+def _colour_label(x: torch.Tensor) -> int:
+    mean = x.float().mean(dim=(1, 2)).numpy()
+    return int(np.argmin([np.abs(mean - np.array(c)).sum() for c in COLOURS]))
+
+
+def _batch(contents, index=0, prefix="/t/img"):
+    rows = np.empty((len(contents), 2), dtype=object)
+    rows[:, 0] = contents
+    rows[:, 1] = [f"{prefix}{i}.jpg" for i in range(len(contents))]
+    return EncodedBatch(rows, index)
+
+
+def test_crop_draws_depend_on_seed_and_batch_index_only():
+    a, b = crop_draws(3, 7, 5), crop_draws(3, 7, 5)
+    assert a.shape == (5, DRAWS) and np.array_equal(a, b)
+    assert not np.array_equal(a, crop_draws(3, 8, 5)) and not np.array_equal(a, crop_draws(4, 7, 5))
+    # the same draws whatever the images' sizes: a batch's crops never depend on which image is decoded first
+    assert boxes_for([(400, 300)] * 5, True, 3, 7) == [train_box(400, 300, u) for u in a]
+
+
+@pytest.mark.parametrize("size", [(400, 350), (160, 800), (800, 160), (37, 41)])
+def test_random_resized_crop_boxes_stay_inside_the_image_within_the_recipe(size):
+    w, h = size
+    rng = np.random.default_rng(0)
+    flips = []
+    for _ in range(500):
+        left, top, bw, bh, flip = train_box(w, h, rng.random(DRAWS))
+        assert 0 <= left and 0 <= top and left + bw <= w and top + bh <= h and bw >= 1 and bh >= 1
+        flips.append(flip)
+    assert 0.35 < np.mean(flips) < 0.65
+    left, top, bw, bh, _ = train_box(w, h, np.ones(DRAWS) * 0.999)  # every attempt too large: the central fallback
+    assert CROP_RATIO[0] - 0.05 <= bw / bh <= CROP_RATIO[1] + 0.05 or (bw, bh) == (w, h)
+
+
+def test_the_validation_box_is_the_central_seven_eighths_of_the_shorter_side():
+    assert val_box(400, 300) == (69, 19, 262, 262, False)
+    assert val_box(256, 256) == (16, 16, 224, 224, False)
+
+
+def test_cpu_batches_are_the_same_whatever_the_worker_count_and_match_pillow_row_by_row():
+    batch = _batch([_photo(i) for i in range(7)], index=4)
+    one = Decoder(SIZE, 3, train=True, seed=11, workers=1).decode(batch)
+    three = Decoder(SIZE, 3, train=True, seed=11, workers=3).decode(batch)
+    assert one.shape == (7, 3, SIZE, SIZE) and one.dtype == torch.uint8
+    assert torch.equal(one, three)
+    boxes = Decoder(SIZE, 3, train=True, seed=11).boxes(batch)
+    for i in range(7):
+        ref = decode_crop(batch.rows[i, 0], batch.rows[i, 1], boxes[i], SIZE, 3)
+        assert np.array_equal(one[i].numpy(), ref)
+    again = Decoder(SIZE, 3, train=True, seed=11, workers=2).decode(batch)
+    other_epoch = Decoder(SIZE, 3, train=True, seed=11, workers=2).decode(batch._replace(index=5))
+    assert torch.equal(one, again) and not torch.equal(one, other_epoch)  # crops change from batch to batch
+    val = Decoder(SIZE, 3, train=False, seed=11).decode(batch)
+    assert torch.equal(val, Decoder(SIZE, 3, train=False, seed=99).decode(batch))  # no randomness in validation
+
+
+def test_a_flip_mirrors_the_crop():
+    from PIL import Image
+
+    buf = io.BytesIO()
+    img = np.zeros((40, 60, 3), np.uint8)
+    img[:, :30] = 255  # white left half
+    Image.fromarray(img).save(buf, format="PNG")
+    plain = decode_crop(buf.getvalue(), "p", (0, 0, 60, 40, False), 16, 3)
+    flipped = decode_crop(buf.getvalue(), "p", (0, 0, 60, 40, True), 16, 3)
+    assert np.array_equal(plain[:, :, ::-1], flipped) and plain[0, 8, 0] == 255 and flipped[0, 8, 0] == 0
+
+
+def test_labels_stay_with_their_images_through_the_shuffle_and_the_decode():
+    groups = []
+    for g in range(4):
+        labels = [(g * 5 + i) % 4 for i in range(9)]
+        groups.append(Group(pa.chunked_array([pa.array([_jpeg(COLOURS[k]) for k in labels], pa.binary())]),
+                            pa.chunked_array([pa.array(labels, pa.int32())]),
+                            pa.chunked_array([pa.array(range(g * 9, g * 9 + 9), pa.int64())]),
+                            pa.chunked_array([pa.array([f"/t/{g}/{i}.jpg" for i in range(9)])])))
+    assembler = BatchAssembler(iter(groups), 8, EncodedRows(), shuffle_buffer=20, seed=2, with_ids=True)
+    decoder = Decoder(SIZE, 3, train=True, seed=2, workers=2)
+    seen = []
+    for x, y, ids in decoder.batches(iter(assembler)):
+        assert x.dtype == torch.uint8 and len(x) == len(y) == len(ids)
+        assert [_colour_label(img) for img in x] == y.tolist()
+        seen.extend(ids.tolist())
+    assert sorted(seen) == list(range(36))
+
+
+def test_a_resumed_stream_skips_batches_but_keeps_their_crops_aligned():
+    def stream(skip):
+        groups = [Group(pa.array([_photo(i) for i in range(g * 6, g * 6 + 6)], pa.binary()),
+                        pa.array([0] * 6, pa.int32()), pa.array(range(g * 6, g * 6 + 6), pa.int64()),
+                        pa.array([f"/p/{i}" for i in range(g * 6, g * 6 + 6)])) for g in range(3)]
+        a = BatchAssembler(iter(groups), 4, EncodedRows(), shuffle_buffer=0, seed=1, with_ids=True)
+        a.skip = skip
+        return list(Decoder(SIZE, 3, train=True, seed=1, workers=2).batches(iter(a)))
+
+    full, resumed = stream(0), stream(2)
+    assert len(resumed) == len(full) - 2
+    for (x1, _, ids1), (x2, _, ids2) in zip(full[2:], resumed):
+        assert np.array_equal(ids1, ids2) and torch.equal(x1, x2)
+
+
+def test_a_corrupt_jpeg_is_named_by_its_path_and_stops_the_stream():
+    good = _photo(1)
+    broken = good[:600] + bytes(len(good) - 600)  # a valid header, then zeros where the scan was
+    truncated = good[: len(good) // 3]
+    for bad in (broken, truncated, b"not an image at all"):
+        batch = _batch([good, bad, good], prefix="/data/cats/")
+        with pytest.raises(RowDecodeError, match=r"row /data/cats/1\.jpg: "):
+            Decoder(SIZE, 3, train=True, seed=0, workers=2).decode(batch)
+    items = iter([(_batch([good, good]), torch.tensor([0, 0])), (_batch([good, truncated], 1, "/x/"),
+                                                                  torch.tensor([0, 1]))])
+    it = Decoder(SIZE, 3, train=False, seed=0).batches(items)
+    assert len(next(it)[0]) == 2
+    with pytest.raises(RowDecodeError, match=r"row /x/1\.jpg"):
+        next(it)
+
+
+def test_an_image_over_the_pixel_bound_is_refused_before_decoding():
+    batch = _batch([_jpeg((1, 2, 3), size=(300, 300))])
+    with pytest.raises(RowDecodeError, match=r"row /t/img0\.jpg: too many pixels"):
+        Decoder(SIZE, 3, train=False, seed=0, max_pixels=10_000).decode(batch)
+
+
+def test_png_and_grey_rows_decode_alongside_jpegs():
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (50, 40), 77).save(buf, format="PNG")
+    x = Decoder(SIZE, 1, train=False, seed=0).decode(_batch([buf.getvalue(), _jpeg((77, 77, 77))]))
+    assert x.shape == (2, 1, SIZE, SIZE) and abs(int(x[0].float().mean()) - 77) <= 1
+    assert abs(int(x[1].float().mean()) - 77) <= 2
+
+
+def test_decode_modes_resolve_by_what_the_rank_has(monkeypatch):
+    assert resolve_decode("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_decode("auto") == "cpu"
+    with pytest.raises(ValueError, match="config key 'data.decode' is gpu but no CUDA device"):
+        resolve_decode("gpu")
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "2")
+    assert default_workers(8) == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+# ------------------------------------------------------------------------------- the loader over real Parquet files
+def write_encoded_data(folder, rows: int, val_rows: int, batch_size: int, group_rows: int = 8, corrupt_at=None):
+    """ConvertedData of encoded rows written with pyarrow alone, in the converter's encoded layout (as on a GPU
+    machine without Spark): solid-colour JPEGs whose colour is the label, two files per split."""
+    from pipeline.data.convert import plan_data, split_from_manifest
+    from pipeline.data.shards import ENCODED_COLUMNS, ConvertedData
+
+    splits = {}
+    for name, n in (("train", rows), ("val", val_rows)):
+        os.makedirs(folder / name)
+        manifest = []
+        for f, (lo, hi) in enumerate(((0, n // 2), (n // 2, n))):
+            labels = [(i * 7 + f) % len(COLOURS) for i in range(lo, hi)]
+            contents = [_jpeg(COLOURS[k], size=(60 + i % 9, 50 + i % 5)) for i, k in zip(range(lo, hi), labels)]
+            paths = [f"/photos/{name}/{i}.jpg" for i in range(lo, hi)]
+            if corrupt_at is not None and name == "train" and lo <= corrupt_at < hi:
+                contents[corrupt_at - lo] = contents[corrupt_at - lo][:200]
+            table = pa.table([pa.array(contents, pa.binary()), pa.array(labels, pa.int32()),
+                              pa.array(range(lo, hi), pa.int64()), pa.array(paths)], names=list(ENCODED_COLUMNS))
+            path = folder / name / f"part-{f:05d}.parquet"
+            pq.write_table(table, path, row_group_size=group_rows, compression="none")
+            meta = pq.ParquetFile(path).metadata
+            manifest.append({"name": path.name, "bytes": path.stat().st_size,
+                             "row_groups": [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]})
+        splits[name] = split_from_manifest(name, f"file://{folder / name}", manifest)
+    plan = plan_data(splits["train"], splits["val"], 1, batch_size)
+    return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=["r", "g", "b", "y"],
+                         image_size=SIZE, channels=3, layout="encoded")
+
+
+@pytest.mark.parametrize("memory_cache_mb", [0, 64])
+def test_the_datamodule_decodes_encoded_rows_with_labels_and_counts_as_planned(tmp_path, memory_cache_mb):
+    from pipeline.config import DataConfig
+    from pipeline.data.datamodule import make_datamodule
+
+    data = write_encoded_data(tmp_path, rows=48, val_rows=20, batch_size=8)
+    cfg = DataConfig(reader="arrow", decode="cpu", decode_workers=2, shuffle_buffer=16, memory_cache_mb=memory_cache_mb,
+                     channels=3, image_size=SIZE)
+    dm = make_datamodule(data, 0, 1, cfg, normalize_on_device=True, track_ids=True)
+    assert dm.decode_used == "cpu"
+    for epoch in range(2):
+        n = 0
+        for x, y in dm.train_dataloader():
+            assert x.shape == (8, 3, SIZE, SIZE) and x.dtype == torch.uint8
+            assert [_colour_label(img) for img in x] == y.tolist()
+            n += len(y)
+        dm.train_loader.check_rows()
+        assert n == 48
+    vals = list(dm.val_dataloader())
+    assert sum(len(y) for _, y in vals) == 20
+    assert all([_colour_label(img) for img in x] == y.tolist() for x, y in vals)
+    dm.val_loader.check_rows()
+    # a rank that does not normalise on its device gets the loader's float formula
+    dm = make_datamodule(data, 0, 1, cfg, normalize_on_device=False)
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.dtype == torch.float32 and -1.0 <= float(x.min()) and float(x.max()) <= 1.0
+    dm.teardown("fit")
+
+
+def test_the_datamodule_refuses_a_layout_of_the_other_decode_setting(tmp_path):
+    from pipeline.config import DataConfig
+    from pipeline.data.datamodule import make_datamodule
+
+    data = write_encoded_data(tmp_path, rows=16, val_rows=8, batch_size=8)
+    with pytest.raises(ValueError, match="data.decode' is 'convert' but the converted data holds encoded images"):
+        make_datamodule(data, 0, 1, DataConfig(reader="arrow"))
+
+
+def test_a_corrupt_row_in_the_table_stops_training_naming_its_path(tmp_path):
+    from pipeline.config import DataConfig
+    from pipeline.data.datamodule import make_datamodule
+
+    data = write_encoded_data(tmp_path, rows=32, val_rows=8, batch_size=8, corrupt_at=13)
+    dm = make_datamodule(data, 0, 1, DataConfig(reader="arrow", decode="cpu", channels=3, image_size=SIZE))
+    with pytest.raises(RowDecodeError, match=r"row /photos/train/13\.jpg: not a decodable image"):
+        list(dm.train_dataloader())
+    dm.teardown("fit")
+
+
+# ------------------------------------------------------------------------ the GPU path's code on torchvision's CPU
+def _torchvision():
+    from pipeline.data.decode import import_decode_jpeg
+
+    try:
+        return import_decode_jpeg()
+    except ImportError as exc:
+        pytest.skip(f"the GPU path's code needs torchvision (run in .venv-vision): {exc}")
+
+
+def test_the_gpu_path_on_torchvision_cpu_decoder_matches_the_cpu_path_within_tolerance():
+    _torchvision()
+    from PIL import Image
+
+    from pipeline.data.decode import GpuDecoder
+
+    png = io.BytesIO()
+    Image.new("RGB", (70, 50), (5, 200, 90)).save(png, format="PNG")
+    contents = [_photo(i) for i in range(6)] + [png.getvalue()]  # a PNG row goes to the CPU within the batch
+    for train in (True, False):
+        batch = _batch(contents, index=3)
+        cpu = Decoder(224, 3, train=train, seed=9, workers=2).decode(batch)
+        gpu = GpuDecoder(224, 3, train=train, seed=9, device="cpu").decode(batch)
+        assert gpu.shape == cpu.shape and gpu.dtype == torch.uint8
+        diff = (gpu.float() - cpu.float()).abs()
+        # libjpeg-turbo in both here; on a GPU nvJPEG's IDCT and upsampling differ by a few levels more
+        assert float(diff.mean()) < 2.0 and float(diff.max()) <= 40, (train, float(diff.mean()), float(diff.max()))
+        assert torch.equal(gpu[-1], cpu[-1])  # the PNG row: the CPU path's own pixels
+
+
+def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
+    _torchvision()
+    from pipeline.data.decode import GpuDecoder
+
+    good = _photo(2)
+    for bad in (good[: len(good) // 3], good[:600] + bytes(len(good) - 600)):
+        batch = _batch([good, bad], prefix="/data/dogs/")
+        with pytest.raises(RowDecodeError, match=r"row /data/dogs/1\.jpg") as cpu_err:
+            Decoder(SIZE, 3, train=True, seed=0).decode(batch)
+        with pytest.raises(RowDecodeError, match=r"row /data/dogs/1\.jpg") as gpu_err:
+            GpuDecoder(SIZE, 3, train=True, seed=0, device="cpu").decode(batch)
+        assert str(cpu_err.value) == str(gpu_err.value)
