@@ -2,14 +2,16 @@
 running trial (a trial whose sweep is gone is failed, a live one never), and how many trials are still missing.
 
 Several sweeps may drive one study (a `--resume` beside a running sweep, two resumes at once). Which trial is
-abandoned is decided by Optuna's own heartbeat (`RDBStorage(heartbeat_interval=tune.heartbeat_s,
-grace_period=3 x that)`): the sweep running a trial records its heartbeat every `tune.heartbeat_s` seconds, and
-before each new trial (and when it resumes) a sweep calls `optuna.storages.fail_stale_trials`, which fails only the
-RUNNING trials whose heartbeat stopped for the grace period: their process is gone. A trial failed that way cannot
-get user attributes any more (the storage refuses to update a finished trial), so its reason is implied: a FAIL trial
-without an `error` attribute is one whose sweep stopped (`failure_reason`); its MLflow child run is ended FAILED
-with that reason by the sweep that failed it. Each sweep tells only the trials it asked. Like Optuna's own
-distributed `optimize`, two sweeps counting toward one `n_trials` at once may start one trial more than asked.
+abandoned is decided by Optuna's own heartbeat (`RDBStorage(heartbeat_interval=tune.heartbeat_s, grace_period=3 x
+that)`): the sweep running a trial records its heartbeat every `tune.heartbeat_s` seconds, and before each new trial
+(and when it resumes) a sweep calls `optuna.storages.fail_stale_trials`, which fails only the RUNNING trials whose
+heartbeat stopped for the grace period: their process is gone. Optuna's rule skips a trial that never beat (its
+sweep killed right after `study.ask()`), so `fail_stale` also fails a RUNNING trial with no heartbeat that started
+more than the grace period ago. A trial failed either way cannot get user attributes any more (the storage refuses
+to update a finished trial), so its reason is implied: a FAIL trial without an `error` attribute is one whose sweep
+stopped (`failure_reason`); its MLflow child run is ended FAILED with that reason by the sweep that failed it. Each
+sweep tells only the trials it asked. Like Optuna's own distributed `optimize`, two sweeps counting toward one
+`n_trials` at once may start one trial more than asked.
 """
 from __future__ import annotations
 
@@ -262,14 +264,15 @@ def failure_reason(trial) -> Optional[str]:
 
 class Heartbeat:
     """A running trial's heartbeat, recorded in the study's storage every `interval_s` by a daemon thread while the
-    sweep trains it (the first beat before `__enter__` returns). A failed beat (the database briefly locked or away)
-    is logged and retried at the next one: only a process that is gone stops beating."""
+    sweep trains it. Entered right after `study.ask()`: the first beat is the first write before `__enter__` returns,
+    with no lookup before it (the trial's own id, as Optuna's `optimize` takes it), so the trial has a heartbeat from
+    the moment it exists but for that one write. A failed beat (the database briefly locked or away) is logged and
+    retried at the next one: only a process that is gone stops beating."""
 
-    def __init__(self, storage, study, number: int, interval_s: int) -> None:
+    def __init__(self, storage, trial, interval_s: int) -> None:
         self.storage = storage
-        self.trial_id = storage.get_trial_id_from_study_id_trial_number(
-            storage.get_study_id_from_name(study.study_name), number)
-        self.number = number
+        self.trial_id = trial._trial_id
+        self.number = trial.number
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None

@@ -163,9 +163,11 @@ def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
         log.warning("tune timeout of %.0f s reached after %d of %d trial(s); no new trial starts "
                     "(continue with --resume %s)", timeout, done, total, name)
         return None
+    # the trial is RUNNING from the ask; its heartbeat is the next write, before any other work (a sweep killed in
+    # between leaves a trial that never beat: fail_stale fails it by its age)
     trial = study.ask()
-    started = time.monotonic()
-    with Heartbeat(op.storage, study, trial.number, op.stale.heartbeat_s):
+    with Heartbeat(op.storage, trial, op.stale.heartbeat_s):
+        started = time.monotonic()
         try:
             overrides = space.suggest(trial)
             log.info("trial %d/%d (#%d) starts: %s", done + 1, total, trial.number,

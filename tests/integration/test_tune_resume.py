@@ -1,7 +1,9 @@
 """`lakehouse tune --resume` beside other sweeps of the same study (Optuna's heartbeat, a real SQLite storage, a real
 MLflow SQLite store, Spark local and a real 1-epoch trial on the sample table): a trial whose sweep process was
-SIGKILLed is failed by the resume and its child run ended FAILED; a trial still held, with its heartbeat, by a live
-process is left RUNNING (and the resume says so), and that process then tells its own trial without a crash."""
+SIGKILLed is failed by the resume and its child run ended FAILED; a trial whose sweep was killed right after
+`study.ask()`, before its first heartbeat, is failed by its age (issue 37, defect 12: it stayed RUNNING for good); a
+trial still held, with its heartbeat, by a live process is left RUNNING (and the resume says so), and that process then
+tells its own trial without a crash."""
 from __future__ import annotations
 
 import logging
@@ -37,7 +39,7 @@ client = MlflowClient(tracking)
 run = client.create_run(experiment, tags={"mlflow.parentRunId": parent, "optuna.study": name,
                                           "optuna.trial": str(trial.number)})
 trial.set_user_attr(ATTR_RUN_ID, run.info.run_id)
-with Heartbeat(storage, study, trial.number, int(beat)):
+with Heartbeat(storage, trial, int(beat)):
     print(trial.number, run.info.run_id, flush=True)
     while not os.path.exists(release):
         time.sleep(0.2)
@@ -63,6 +65,7 @@ def _hold(tmp_path, tag, summary, cfg):
 
 
 def test_resume_fails_the_killed_trial_and_leaves_the_live_one(spark, digits_table, tmp_path, caplog):
+    import optuna
     from optuna.trial import TrialState
 
     from pipeline.tune.study import INTERRUPTED
@@ -78,29 +81,31 @@ def test_resume_fails_the_killed_trial_and_leaves_the_live_one(spark, digits_tab
 
     dead, dead_trial, dead_run = _hold(tmp_path, "dead", first, cfg)
     live, live_trial, live_run = _hold(tmp_path, "live", first, cfg)
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    lost = optuna.load_study(study_name="shared", storage=storage).ask()  # its sweep is killed here: it never beats
     try:
         os.killpg(dead.pid, signal.SIGKILL)  # the machine of that sweep dies: no Ctrl-C, no cleanup
         dead.wait(timeout=30)
-        time.sleep(3 * HEARTBEAT_S + 2)  # its last heartbeat is now older than the grace period
+        time.sleep(3 * HEARTBEAT_S + 2)  # its last heartbeat, and the lost trial's start, older than the grace period
 
         caplog.set_level(logging.INFO, logger="pipeline.tune")
-        summary = run_tune(spark, cfg, resume="shared", n_trials=4)  # 3 started: one more trial runs here
+        summary = run_tune(spark, cfg, resume="shared", n_trials=5)  # 4 started: one more trial runs here
     finally:
         (tmp_path / "release-live").touch()
         out, err = live.communicate(timeout=60)
     assert live.returncode == 0 and out.strip().endswith("told"), err[-3000:]  # it told its own trial, no crash
 
-    assert (dead_trial, live_trial) == (1, 2)
-    assert (summary["trials"], summary["complete"], summary["failed"], summary["running"]) == (4, 2, 1, 1), summary
-    assert summary["failures"] == {"1": INTERRUPTED}
+    assert (dead_trial, live_trial, lost.number) == (1, 2, 3)
+    # the lost trial took its slot, as a killed one does (every trial started counts toward n_trials)
+    assert (summary["trials"], summary["complete"], summary["failed"], summary["running"]) == (5, 2, 2, 1), summary
+    assert summary["failures"] == {"1": INTERRUPTED, "3": INTERRUPTED}
+    assert "trial 3 of study 'shared' started" in caplog.text and "never recorded a heartbeat" in caplog.text
     assert f"trial {live_trial} of study 'shared' is running in another sweep (its heartbeat is live); left alone" \
         in caplog.text
 
-    import optuna
-
-    study = optuna.load_study(study_name="shared", storage=f"sqlite:///{tmp_path}/optuna.db")
+    study = optuna.load_study(study_name="shared", storage=storage)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE,
-                                              TrialState.COMPLETE]
+                                              TrialState.FAIL, TrialState.COMPLETE]
     assert study.trials[live_trial].value == 0.123  # the live sweep's own value, told after the resume ended
     client = MlflowClient(summary["tracking_uri"])
     killed = client.get_run(dead_run)

@@ -74,9 +74,9 @@ def test_heartbeat_fails_only_the_trial_whose_beat_stopped(tmp_path):
 
     study, storage, stale = _study(tmp_path)
     dead, live = study.ask(), study.ask()
-    with Heartbeat(storage, study, dead.number, 1):
+    with Heartbeat(storage, dead, 1):
         pass  # one beat, then its process "dies"
-    with Heartbeat(storage, study, live.number, 1):
+    with Heartbeat(storage, live, 1):
         assert fail_stale(study, stale) == []  # both beat just now: nothing is stale
         time.sleep(stale.grace_s + 1.5)  # the dead one's last beat is now older than the grace period
         # another sweep on the same study (its own storage object and collector) fails the dead trial only
@@ -140,7 +140,7 @@ def test_a_trial_lost_before_its_first_heartbeat_is_failed_by_its_age(tmp_path):
     assert fail_stale(study, stale) == []  # younger than the grace period: its sweep may be about to beat
     time.sleep(stale.grace_s + 1.5)
     beating = study.ask()
-    with Heartbeat(storage, study, beating.number, 1):
+    with Heartbeat(storage, beating, 1):
         time.sleep(stale.grace_s + 1.5)  # a live trial older than the grace period, beating
         just_asked = study.ask()  # a live sweep's trial between ask and its first beat
         other, _, other_stale = _study(tmp_path)
@@ -152,3 +152,37 @@ def test_a_trial_lost_before_its_first_heartbeat_is_failed_by_its_age(tmp_path):
                       just_asked.number: TrialState.RUNNING}
     assert failure_reason(study.trials[lost.number]) == INTERRUPTED
     assert counted(study) == 3  # a failed trial took its slot, as one that failed by heartbeat does
+
+
+class _LookupsDown:
+    """The study's storage with its lookups failing (the database briefly locked): every call is recorded, and each
+    `get_*` raises as SQLAlchemy would."""
+
+    def __init__(self, storage):
+        self.storage, self.calls = storage, []
+
+    def __getattr__(self, name):
+        import sqlalchemy
+
+        method = getattr(self.storage, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            if name.startswith("get_"):
+                raise sqlalchemy.exc.OperationalError("SELECT", {}, Exception("database is locked"))
+            return method(*args, **kwargs)
+        return call
+
+
+def test_a_trials_heartbeat_is_the_first_thing_written_after_ask_and_needs_no_lookup(tmp_path):
+    """Issue 37, defect 12: the heartbeat must exist from the moment the trial does. Setting it up looked up the study
+    id by name and the trial id by number first; a lookup that failed raised out of the sweep and left the trial
+    RUNNING with no heartbeat at all."""
+    from pipeline.tune.study import ATTR_BEATING
+
+    study, storage, stale = _study(tmp_path)
+    trial = study.ask()
+    down = _LookupsDown(storage)
+    with Heartbeat(down, trial, 1):
+        assert down.calls[0] == "record_heartbeat"
+    assert study.trials[trial.number].system_attrs.get(ATTR_BEATING) is True  # Optuna's stale rule watches it now
