@@ -162,7 +162,8 @@ def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str
                         "by gloo through host memory; rebuild with `bash scripts/build_horovod.sh` (it builds NCCL "
                         "when torch has CUDA), or set LAKEHOUSE_HOROVOD_GLOO_ONLY=1 for it if that is meant")
     if hvd.nccl and not gpu.torch_cuda:
-        problems.append(f"horovod was built with NCCL but torch {gpu.torch} has no CUDA: rebuild Horovod for this torch")
+        problems.append(f"horovod was built with NCCL but torch {gpu.torch} has no CUDA: rebuild Horovod for this "
+                        "torch")
     return problems
 
 
