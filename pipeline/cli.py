@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="work/bench/bench.json")
     p.add_argument("--only", default=None, metavar="M[,M...]",
                    help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
-                        "overheads, tune_overhead, restart_cost, scaling, gpu, job_phases, cross_host); the conversion always "
-                        "runs, unless only cross_host is asked for")
+                        "overheads, tune_overhead, restart_cost, scaling, gpu, job_phases, epoch_parity, cross_host, "
+                        "step_overhead); the conversion always runs, unless only cross_host or step_overhead are asked "
+                        "for")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU figures alone (images/s per GPU per architecture and precision, Lightning / plain "
                         "loop, input-bound fraction) on a data set written with pyarrow: no Spark or Java needed")

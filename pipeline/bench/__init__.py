@@ -1,11 +1,13 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost, job_phases, epoch_parity, cross_host), the references they are compared with (reference), the product's
-train() timed step by step (lightning_path) and in Horovod ranks (jobs); this runner assembles them into one report.
+restart_cost, job_phases, epoch_parity, cross_host, step_overhead), the references they are compared with
+(reference), the product's train() timed step by step (lightning_path) and in Horovod ranks (jobs); this runner
+assembles them into one report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,9 +35,10 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host")
-# what `--only` picks from; the conversion always runs (it prepares), unless only cross_host is asked for: it trains on
-# the multi-host cluster's own table
+                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead")
+# what `--only` picks from; the conversion always runs (it prepares), unless only cross_host or step_overhead are asked
+# for: the first trains on the multi-host cluster's own table, the second on batches it makes (no Spark)
+STANDALONE = ("cross_host", "step_overhead")
 
 
 def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
@@ -54,10 +57,11 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     def want(name: str) -> bool:
         return not only or name in only
 
-    local = [m for m in MEASUREMENTS if want(m) and m != "cross_host"]  # the ones on this machine's sample
+    local = [m for m in MEASUREMENTS if want(m) and m not in STANDALONE]  # the ones on this machine's sample
 
     from pipeline.bench import (conversion, cross_host, epoch_parity, gpu, input_bound, job_phases, loader,
-                                overheads, predict_throughput, restart_cost, scaling, shard_balance, tune_overhead)
+                                overheads, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
+                                tune_overhead)
     from pipeline.bench.datasets import ensure_sample, ensure_synthetic
     from pipeline.bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
@@ -98,7 +102,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
             skipped["cross_host"] = str(exc)
             log.warning("bench: cross_host skipped: %s", exc)
     report["skipped"] = skipped
-    with spark_session(cfg) as spark:
+    with spark_session(cfg) if local else contextlib.nullcontext() as spark:  # no Spark where nothing needs it
         synth = {}
         if local:
             ensure_sample(spark, cfg, work_dir)
@@ -150,6 +154,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
                 if cluster is not None:
                     results.extend(cross_host.measure_cross_host(sizes, quick=quick))
+                if want("step_overhead"):
+                    results.extend(step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick))
                 if want("gpu"):
                     gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
                     results.extend(gpu_results)

@@ -55,6 +55,13 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                            "of the synthetic table (batch 32 per rank, 3 epochs) with "
                                            "train.backend=horovod / with ddp, same plan, batch and rows; jobs "
                                            "alternated"),
+    "step_overhead_ms": ("<=", 0.5, "milliseconds per step of the product's train() (Lightning, the backend's "
+                                    "strategy, every callback) minus a plain PyTorch loop (same network, optimizer, "
+                                    "precision and gradient averaging) on the same batches held on the device, tiny "
+                                    "cnn, batch 16 per rank, on a CPU; per backend and world size "
+                                    "(pipeline/bench/step_overhead.py)"),
+    "gpu_step_overhead_ms": ("<=", 0.25, "the same on a GPU: milliseconds per step of train() minus the plain loop on "
+                                         "the same GPU-resident batches"),
     "gpu_lightning_over_plain": (">=", 0.8, "images/s of the product's train() (Lightning, HorovodStrategy) on "
                                             "GPU-resident batches / a plain PyTorch loop on the same batches, same "
                                             "model, batch and precision, one GPU"),

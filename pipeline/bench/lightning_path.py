@@ -69,15 +69,17 @@ def memory_datamodule(batches: List[Any], steps_per_epoch: int, val_steps: int =
     return MemoryDataModule()
 
 
-def step_windows(stamps: List[tuple], warmup: int, steps: int, windows: int) -> Dict[str, List[float]]:
+def step_windows(stamps: List[tuple], warmup: int, steps: int, windows: int) -> Dict[str, Any]:
     """From (epoch, wall, process CPU, thread CPU) stamps taken at every training_step start: the intervals within an
     epoch (epoch ends run validation and checkpoints, which are not steps), the first `warmup` dropped, then
-    `windows` windows of `steps` intervals: wall, process CPU and training-thread CPU seconds of each."""
+    `windows` windows of `steps` intervals: wall, process CPU and training-thread CPU seconds of each, and the wall
+    seconds of the dropped warm-up intervals (`warmup_s`: a compiled network's compilation happens there)."""
     intervals = [(b[1] - a[1], b[2] - a[2], b[3] - a[3]) for a, b in zip(stamps, stamps[1:]) if a[0] == b[0]]
     timed = intervals[warmup:warmup + steps * windows]
     if len(timed) < steps * windows:
         raise RuntimeError(f"the train run gave {len(intervals)} step intervals, {warmup + steps * windows} needed")
-    out: Dict[str, List[float]] = {"window_s": [], "cpu_s": [], "main_thread_cpu_s": []}
+    out: Dict[str, Any] = {"window_s": [], "cpu_s": [], "main_thread_cpu_s": [],
+                           "warmup_s": sum(c[0] for c in intervals[:warmup])}
     for w in range(windows):
         chunk = timed[w * steps:(w + 1) * steps]
         out["window_s"].append(sum(c[0] for c in chunk))
@@ -87,11 +89,13 @@ def step_windows(stamps: List[tuple], warmup: int, steps: int, windows: int) -> 
 
 
 def timed_train(cfg: Config, data, rank: int, world: int, make_strategy, warmup: int, steps: int, windows: int,
-                batches: Optional[List[Any]] = None, precision: Optional[str] = None) -> Dict[str, Any]:
+                batches: Optional[List[Any]] = None, precision: Optional[str] = None,
+                train_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One call of the product's train() on shard `rank` of `world`, stopped once the windows are complete.
 
     `batches`: serve these (held in memory) instead of the real ShardLoader, through a data module that replaces
-    make_datamodule for this call. `precision`: train.precision (None: the config's). Step times are taken
+    make_datamodule for this call. `precision`: train.precision (None: the config's). `train_kwargs`: train()'s
+    other arguments (DDP's `devices`, `local_rank`, `local_world_size`). Step times are taken
     at each ImageClassifier.training_step start; once enough steps ran, the wrapper sets trainer.should_stop (at the
     same step on every rank, since their epochs have the same steps). Checkpoints go to a temporary folder; no MLflow.
     """
@@ -139,7 +143,7 @@ def timed_train(cfg: Config, data, rank: int, world: int, make_strategy, warmup:
             dm = memory_datamodule(batches, spe)
             stack.enter_context(patched(datamodule, "make_datamodule", lambda original: lambda *a, **kw: dm))
         try:
-            result = train(job, rank, world, make_strategy())
+            result = train(job, rank, world, make_strategy(), **(train_kwargs or {}))
         finally:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
     out = step_windows(stamps, warmup, steps, windows)

@@ -108,11 +108,15 @@ def step(model, opt, x, y) -> None:
 
 def timed_windows(step_fn, batch, warmup: int, steps: int, windows: int, sync: Callable[[], None],
                   device_sync: Callable[[], None] = lambda: None) -> Dict[str, Any]:
-    """`warmup` untimed steps, `sync()`, then `windows` timed stretches of `steps` steps: wall, wait and CPU time.
+    """`warmup` untimed steps (their wall time apart, `warmup_s`), `sync()`, then `windows` timed stretches of `steps`
+    steps: wall, wait and CPU time.
     `device_sync` (a GPU's queue drained) runs at every window's start and end, never inside a window."""
     times, waits, cpu_main, cpu_all = [], [], [], []
+    t_warm = time.perf_counter()
     for _ in range(warmup):
         step_fn(*batch())
+    device_sync()
+    warmup_s = time.perf_counter() - t_warm
     sync()
     for _ in range(windows):
         device_sync()
@@ -128,7 +132,8 @@ def timed_windows(step_fn, batch, warmup: int, steps: int, windows: int, sync: C
         cpu_all.append(time.process_time() - c0)
         cpu_main.append(time.thread_time() - m0)
         waits.append(wait)
-    return {"steps": steps, "window_s": times, "wait_s": waits, "cpu_s": cpu_all, "main_thread_cpu_s": cpu_main}
+    return {"steps": steps, "window_s": times, "wait_s": waits, "cpu_s": cpu_all, "main_thread_cpu_s": cpu_main,
+            "warmup_s": warmup_s}
 
 
 def horovod_alone(cfg: Config, data, warmup: int, steps: int, windows: int) -> Dict[str, Any]:
