@@ -258,9 +258,12 @@ class Decoder:
                 handle, rest = pending.popleft()
                 yield (self.result(handle), *rest)
         finally:
-            for handle, _ in pending:  # a stream closed mid-way: let the started decodes finish quietly
-                for f in handle[1]:
-                    f.cancel()
+            for handle, _ in pending:  # a stream closed mid-way: the decodes not started are dropped
+                self.cancel(handle)
+
+    def cancel(self, handle: Any) -> None:
+        for f in handle[1]:
+            f.cancel()
 
     def close(self) -> None:
         with self._lock:
@@ -348,6 +351,9 @@ class GpuDecoder(Decoder):
                 self._gpu_pool = ThreadPoolExecutor(1, thread_name_prefix="decode-gpu")
             pool = self._gpu_pool
         return pool.submit(self._run, batch)
+
+    def cancel(self, handle: Any) -> None:
+        handle.cancel()
 
     def result(self, handle: Any) -> torch.Tensor:
         out, event = handle.result()
