@@ -62,8 +62,10 @@ test: .venv/.installed
 	echo "== make test: $$summary"; \
 	exit $$status
 
-# The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning.
-VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py tests/integration/test_timm_train.py
+# The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning,
+# and data.decode=gpu's code run on torchvision's CPU decoder.
+VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py tests/integration/test_timm_train.py \
+	tests/unit/test_decode_stage.py
 test-vision: .venv-vision/.installed
 	.venv-vision/bin/python -m pytest $(VISION_TESTS) -ra
 

@@ -339,7 +339,8 @@ class GpuDecoder(Decoder):
     def _run(self, batch: EncodedBatch) -> Tuple[torch.Tensor, Any]:
         if self._stream is None:
             return self._decode_on_device(batch), None
-        with torch.cuda.stream(self._stream):
+        # a new thread's current device is cuda:0: the rank's device and its side stream are made current here
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             out = self._decode_on_device(batch)
             event = torch.cuda.Event()
             event.record(self._stream)
