@@ -38,9 +38,11 @@ def rank_record(job: TrainJob, rank: int) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, redact_url(str(exc)))
+        # the records first, the log after: once a rank exits, the launcher may kill the others within moments
+        # (horovod.run does), and the classes are what it decides a restart from
+        job.folder.write(rank, "class", error_classes(exc))
         job.folder.write(rank, "error", redact_url(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
-        job.folder.write(rank, "class", error_classes(exc))  # what the launcher decides restartability from
+        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, redact_url(str(exc)))
         raise
     job.folder.write(rank, "done")
 
