@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device-tool call (<= 10 minutes) on a bare GPU machine: the GPU tier (scripts/gpu_check.sh), then the GPU
-# figures (`lakehouse bench --gpu`) in the time left; logs and reports into $OUT. A Horovod wheel built by an earlier
-# call comes back split into $OUT/hvd_whl_part_*: put the parts in hvdparts/ (git-ignored, carried) and the build
-# is skipped.
+# One device-tool call (<= 10 minutes) on a bare GPU machine: the GPU tier (scripts/gpu_check.sh, with the decode=gpu
+# tests), the step overhead (`lakehouse bench --only step_overhead`), then the GPU figures (`lakehouse bench --gpu`,
+# which reads with the arrow reader where Petastorm is absent) in the time left; logs and reports into $OUT. A Horovod
+# wheel built by an earlier call comes back split into $OUT/hvd_whl_part_*: put the parts in hvdparts/ (git-ignored,
+# carried) and the build is skipped.
 #   DEVICE_LIMIT_S=570   the call's budget; the bench gets what the tier leaves
 #   DEVICE_SKIP_TIER=1   the bench alone
 set -uo pipefail
@@ -28,6 +29,14 @@ fi
 if [ ! -d hvdparts ] && ls hvdcache/*/horovod-*.whl >/dev/null 2>&1; then
   d=$(ls -d hvdcache/*/ | head -1); basename "$d" > "$OUT/hvd_key.txt"
   split -b 15M "$d"/horovod-*.whl "$OUT/hvd_whl_part_"
+fi
+# the framework's cost per step on the GPU (issue 36: at most 0.25 ms at world size 1), before the longer figures
+LEFT=$((LIMIT - SECONDS))
+if [ "$LEFT" -gt 150 ]; then
+  timeout $((LEFT - 90)) python3 -m pipeline.cli bench --only step_overhead --quick --conf conf/local.yaml \
+    --out "$OUT/step_overhead.json" data.reader=arrow > "$OUT/step_overhead.log" 2>&1
+  echo "bench --only step_overhead: exit $? after $SECONDS s"
+  grep -E "step_overhead" "$OUT/step_overhead.log" | grep -v "^\[" | tail -8
 fi
 LEFT=$((LIMIT - SECONDS))
 if [ "$LEFT" -gt 60 ]; then
