@@ -54,22 +54,23 @@ DATASET = f"tiny_cnn_{IMAGE_SIZE}px"
 
 
 # ------------------------------------------------------------------ the arithmetic (pure)
-def step_ms(ranks: List[Dict[str, Any]]) -> List[float]:
-    """Milliseconds per step of each window of one run: the slowest rank's window wall time / its steps."""
-    windows = len(ranks[0]["window_s"])
-    return [1000.0 * max(r["window_s"][w] for r in ranks) / ranks[0]["steps"] for w in range(windows)]
+def step_ms(ranks: List[Dict[str, Any]], key: str = "window_s") -> List[float]:
+    """Milliseconds per step of each window of one run: the slowest rank's window wall time / its steps (`key`
+    "cpu_s": the rank processes' CPU time, every thread, instead of the wall time)."""
+    windows = len(ranks[0][key])
+    return [1000.0 * max(r[key][w] for r in ranks) / ranks[0]["steps"] for w in range(windows)]
 
 
-def mean_step_ms(runs: List[List[Dict[str, Any]]]) -> List[float]:
+def mean_step_ms(runs: List[List[Dict[str, Any]]], key: str = "window_s") -> List[float]:
     """Per window, the mean over `runs` (each a list of per-rank results) of `step_ms`."""
-    per_run = [step_ms(r) for r in runs]
+    per_run = [step_ms(r, key) for r in runs]
     return [sum(v) / len(v) for v in zip(*per_run)]
 
 
-def overhead_per_window(train_runs: List[List[Dict[str, Any]]],
-                        plain_runs: List[List[Dict[str, Any]]]) -> List[float]:
+def overhead_per_window(train_runs: List[List[Dict[str, Any]]], plain_runs: List[List[Dict[str, Any]]],
+                        key: str = "window_s") -> List[float]:
     """Window k: mean ms/step of train()'s runs - mean ms/step of the plain loop's runs (>0: train() is slower)."""
-    return [t - p for t, p in zip(mean_step_ms(train_runs), mean_step_ms(plain_runs))]
+    return [t - p for t, p in zip(mean_step_ms(train_runs, key), mean_step_ms(plain_runs, key))]
 
 
 def run_total(ranks: List[Dict[str, Any]], warmup: int) -> Tuple[float, int]:
@@ -102,15 +103,21 @@ def overhead_result(backend: str, world: int, job: List[Dict[str, Any]], device_
     counted = counted_overhead_ms(train_runs, plain_runs, warmup)
     parts = {"backend": backend, "world_size": world, "train_ms_per_step": median(mean_step_ms(train_runs)),
              "plain_ms_per_step": median(mean_step_ms(plain_runs)), "steady_overhead_ms": median(per),
-             "overhead_ms_with_warmup_counted": counted, "steps_per_window": runs[0][0]["steps"],
+             "overhead_ms_with_warmup_counted": counted,
+             # the same from the rank processes' CPU time (all their threads): on a machine shared with other work the
+             # wall clock also measures who got the cores (a loop that sleeps in a collective is woken promptly, a
+             # busy one is not), CPU time only the work each side does
+             "cpu_overhead_ms": median(overhead_per_window(train_runs, plain_runs, "cpu_s")),
+             "train_cpu_ms_per_step": median(mean_step_ms(train_runs, "cpu_s")),
+             "plain_cpu_ms_per_step": median(mean_step_ms(plain_runs, "cpu_s")), "steps_per_window": runs[0][0]["steps"],
              "warmup_steps": warmup, "batch_per_rank": runs[0][0]["batch_size"], "compile": compiled,
              "precision": runs[0][0].get("precision"),
              "warmup_s": {"train": [max(r["warmup_s"] for r in run) for run in train_runs],
                           "plain": [max(r["warmup_s"] for r in run) for run in plain_runs]},
-             "train_thread_cpu_ms_per_step_rank0": median([1000.0 * c / run[0]["steps"] for run in train_runs
-                                                           for c in run[0]["main_thread_cpu_s"]]),
-             "plain_thread_cpu_ms_per_step_rank0": median([1000.0 * c / run[0]["steps"] for run in plain_runs
-                                                           for c in run[0]["main_thread_cpu_s"]]),
+             "train_thread_cpu_ms_per_step_rank0": median(mean_step_ms([run[:1] for run in train_runs],
+                                                                       "main_thread_cpu_s")),
+             "plain_thread_cpu_ms_per_step_rank0": median(mean_step_ms([run[:1] for run in plain_runs],
+                                                                       "main_thread_cpu_s")),
              "network": f"cnn width {WIDTH}, {IMAGE_SIZE}x{IMAGE_SIZE}x{CHANNELS}"}
     figure = counted if compiled else median(per)
     variant = f"{backend}/np{world}" + ("/compile" if compiled else "")
@@ -337,9 +344,11 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
                 data = data1 if world == 1 else replan(data1, world, BATCH)
                 job = launch(bcfg, data, backend, world, warmups, steps, windows)
                 res = overhead_result(backend, world, job, device().type, warmup, compiled=compiled)
-                log.info("step overhead %s: train() %.3f ms/step, plain loop %.3f, overhead %.3f ms (per window %s)",
-                         res.variant, res.parts["train_ms_per_step"], res.parts["plain_ms_per_step"], res.ratio,
-                         [round(v, 3) for v in res.per_repeat])
+                log.info("step overhead %s: train() %.3f ms/step, plain loop %.3f, overhead %.3f ms (per window %s); "
+                         "CPU time %.3f - %.3f = %.3f ms", res.variant, res.parts["train_ms_per_step"],
+                         res.parts["plain_ms_per_step"], res.ratio, [round(v, 3) for v in res.per_repeat],
+                         res.parts["train_cpu_ms_per_step"], res.parts["plain_cpu_ms_per_step"],
+                         res.parts["cpu_overhead_ms"])
                 results.append(res)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

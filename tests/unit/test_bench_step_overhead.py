@@ -10,7 +10,7 @@ from pipeline.bench.step_overhead import (RUNS, counted_overhead_ms, mean_step_m
 
 def _rank(windows, steps=100, warmup_s=0.5, cpu=None):
     return {"window_s": windows, "steps": steps, "warmup_s": warmup_s, "batch_size": 16, "precision": "32-true",
-            "main_thread_cpu_s": cpu or windows}
+            "main_thread_cpu_s": cpu or windows, "cpu_s": [2 * c for c in cpu or windows]}
 
 
 def test_step_ms_takes_the_slowest_rank_per_window():
@@ -48,6 +48,8 @@ def test_a_job_gives_one_result_named_by_device_with_the_backend_and_world_in_it
     assert cpu.per_repeat == pytest.approx([0.1, 0.1]) and cpu.ratio == pytest.approx(0.1)
     assert cpu.passed and cpu.target == 0.5 and cpu.op == "<="
     assert cpu.parts["train_ms_per_step"] == pytest.approx(2.2) and cpu.parts["plain_ms_per_step"] == pytest.approx(2.1)
+    assert cpu.parts["cpu_overhead_ms"] == pytest.approx(0.2)  # from the processes' CPU time (here 2x the wall)
+    assert step_ms([_rank([0.2], cpu=[0.1]), _rank([0.1], cpu=[0.3])], "cpu_s") == pytest.approx([6.0])
     gpu = overhead_result("ddp", 1, job, "cuda", warmup=10, compiled=True)
     assert gpu.name == result_name("cuda") == "gpu_step_overhead_ms" and gpu.target == 0.25
     assert gpu.key.endswith("ddp/np1/compile") and gpu.ratio == gpu.parts["overhead_ms_with_warmup_counted"]
