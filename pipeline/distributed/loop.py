@@ -158,6 +158,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     if is_zero and job.run_id and job.tracker is not None:
         tracker = job.tracker(job.tracking_uri, job.run_id, local_dir=job.job_dir)
         tracker.record_precision(precision)
+        tracker.record_tag("decode", dm.decode_used)  # where this run decodes: data.decode, auto resolved
         # this machine sampled into the run in the background; a relaunch continues the same run's series
         tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
 

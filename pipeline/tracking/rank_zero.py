@@ -53,20 +53,24 @@ class RankZeroTracker:
         self._tag_sends: List[Tuple[str, str, Any]] = []  # (key, value, runs.Sending)
 
     def record_precision(self, precision: str) -> None:
-        """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag, sent in
-        the background (checked in `finish`, sent again there if it did not arrive)."""
+        """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
+        self.record_tag("precision", precision)
+
+    def record_tag(self, key: str, value: str) -> None:
+        """A fact the ranks resolved (the precision; `data.decode=auto`'s choice as tag `decode`): the run's tag, sent
+        in the background (checked in `finish`, sent again there if it did not arrive)."""
         if not is_rank_zero():
             return
         from pipeline.tracking.sending import Sending
 
-        self.tags["precision"] = precision
+        self.tags[key] = value
         try:
-            sending = Sending(self.client.set_tag(self.run_id, "precision", precision, synchronous=False))
+            sending = Sending(self.client.set_tag(self.run_id, key, value, synchronous=False))
         except Exception as exc:  # kept, and sent with the model (or left offline with it)
-            log.warning("MLflow did not take the precision tag (%s: %s)", type(exc).__name__, redact_url(str(exc)))
-            self.unsent_tags["precision"] = precision
+            log.warning("MLflow did not take the %s tag (%s: %s)", key, type(exc).__name__, redact_url(str(exc)))
+            self.unsent_tags[key] = value
             return
-        self._tag_sends.append(("precision", precision, sending))
+        self._tag_sends.append((key, value, sending))
 
     def log_epoch(self, metrics: Dict[str, float], step: int) -> None:
         """Queue an epoch's metrics and return at once (the training thread never waits on MLflow). While the

@@ -63,6 +63,7 @@ def test_photos_train_at_224_with_cpu_decode_on_two_horovod_ranks_and_register(t
     run = client.get_run(summary["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["data.decode"] == "cpu" and run.data.params["data.image_size"] == "224"
+    assert run.data.tags["decode"] == "cpu"  # where the ranks decoded (data.decode=auto is resolved there)
     versions = client.search_model_versions("name='photos'")
     assert len(versions) == 1 and str(versions[0].version) == str(summary["model_version"])
     assert versions[0].run_id == run.info.run_id
