@@ -131,6 +131,10 @@ class TrainConfig:
     threads_per_rank: Optional[int] = None
     # 32-true | bf16-mixed | 16-mixed | auto (bf16-mixed on a GPU with bfloat16, else 32-true; decided in each rank)
     precision: str = "auto"
+    # torch.compile the network (nn.Module.compile, in each rank, before any strategy wraps it): the first steps
+    # compile it (seconds to minutes, counted by `lakehouse bench --only step_overhead`); checkpoints and logged
+    # models hold the plain network's weights. Needs a C compiler on a CPU rank
+    compile: bool = False
     # Every rank must have started within this many seconds; with Horovod it is also Gloo's timeout for each
     # collective (one setting in Horovod), so a rank whose peer's host is lost fails after it (docs/multi-host.md)
     start_timeout_s: int = 120

@@ -20,10 +20,12 @@ How it is measured:
   difference per step is 20 ms per window). A step's time is the slowest rank's window / its steps. Window k's
   overhead: the mean of train()'s two runs' window k minus the mean of the plain loop's; the figure is the median
   over the windows (`overhead_per_window`).
-- train.compile=true (in the config, or `compiled=True`): train() runs with the network compiled, the plain loop stays
-  eager; the compilation happens in the dropped warm-up steps, so it is reported apart (`warmup_s` of both sides) and
-  counted in the figure: (train()'s whole run - the plain loop's, warm-up included) / the run's steps
-  (`counted_overhead_ms`).
+- train.compile=true (`lakehouse bench --only step_overhead train.compile=true`): train() runs with the network
+  compiled, the plain loop stays eager; the compilation happens in the dropped warm-up steps, so it is reported apart
+  (`warmup_s` of both sides) and counted in the figure: (train()'s whole run - the plain loop's, warm-up included) /
+  the run's steps (`counted_overhead_ms`), the steady difference beside it (`steady_overhead_ms`).
+- Beside the wall-clock figure, the same difference in the rank processes' CPU time (`cpu_overhead_ms`): on a machine
+  shared with other work the wall clock also measures who got the cores.
 
 On a GPU the figures are `gpu_step_overhead_ms` (target 0.25 ms), on a CPU `step_overhead_ms` (0.5 ms).
 """
@@ -190,9 +192,7 @@ def tiny(cfg: Config, compiled: Optional[bool] = None) -> Config:
     """`cfg` with the tiny network (the configured optimizer, rates and precision kept); `compiled`: train.compile."""
     model = dataclasses.replace(cfg.model, arch="cnn", width=WIDTH, pretrained=None, freeze_backbone=False,
                                 unfreeze_at_epoch=None, backbone_lr=None, input_size=None)
-    train = cfg.train
-    if compiled is not None and getattr(train, "compile", False) != compiled:
-        train = dataclasses.replace(train, compile=compiled)
+    train = cfg.train if compiled is None else dataclasses.replace(cfg.train, compile=compiled)
     return dataclasses.replace(cfg, model=model, train=train)
 
 
@@ -331,7 +331,7 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
     steps, warmup = (QUICK_STEPS, QUICK_WARMUP) if quick else (STEPS, WARMUP)
     windows = sizes.repeats
     warmups = (sizes.warmup_steps, warmup)
-    compiled = bool(getattr(cfg.train, "compile", False)) if compiled is None else compiled
+    compiled = cfg.train.compile if compiled is None else compiled
     bcfg = tiny(cfg, compiled)
     # 2 ranks x BATCH x steps_per_epoch rows: epochs long enough that most steps are inside one (epochs end apart)
     rows = BATCH * max(WORLDS) * (64 if quick else 512)

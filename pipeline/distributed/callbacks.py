@@ -73,8 +73,9 @@ class StopSignals(pl.Callback):
     all-reduce) whether to stop: a non-finite loss on any rank in those steps, or SIGTERM received by any rank.
     On SIGTERM rank 0 writes a last checkpoint first.
 
-    Between decisions each step only records, on the device, whether its loss was finite: no host-device sync and
-    no collective per step. The stop names the first step whose loss was non-finite.
+    Between decisions a step only keeps its (detached) loss tensor: no device op, no host-device sync and no
+    collective per step; the window's losses are checked together when it is decided. The stop names the first step
+    whose loss was non-finite.
     """
 
     def __init__(self, last_ckpt_path: Optional[str], check_every: int = 16) -> None:
@@ -83,9 +84,8 @@ class StopSignals(pl.Callback):
         self.reason: Optional[str] = None
         self._term = False
         self._old_handler: Any = None
-        # slot i: 1 where this rank's loss of the window's i-th step was non-finite; the last slot: SIGTERM
-        self._flags: Optional[torch.Tensor] = None
-        self._steps: List[int] = []  # the global step of each slot's loss
+        self._losses: List[Optional[torch.Tensor]] = []  # this window's losses, as the steps left them (detached)
+        self._steps: List[int] = []  # the global step of each loss
 
     def _on_term(self, signum, frame) -> None:
         self._term = True
@@ -97,6 +97,13 @@ class StopSignals(pl.Callback):
 
         if threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, self._on_term)
+        # Lightning 2.6 broadcasts its own SIGTERM flag from rank 0 and reads it on the host at EVERY step of a
+        # torch.distributed run with several ranks (a collective and a host-device sync per step). The flag is set
+        # by the handler replaced above, so it never rises: the broadcast is switched off for this run; SIGTERM is
+        # decided here, once per window.
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor"):
+            loop._broadcast_sigterm_tensor = _nothing
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.restore()
@@ -108,12 +115,7 @@ class StopSignals(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        device = trainer.strategy.root_device  # NCCL reduces device tensors only
-        if self._flags is None or self._flags.device != device:
-            self._flags = torch.zeros(self.check_every + 1, dtype=torch.int32, device=device)
-            self._steps = []
-        if loss is not None:
-            self._flags[len(self._steps)].copy_(~torch.isfinite(loss.detach()).all())  # on the device
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else None)  # no op on the device
         # global_step already counts this step's optimizer update: the loss was computed at step - 1
         self._steps.append(trainer.global_step - 1)
         batches = trainer.num_training_batches
@@ -127,11 +129,18 @@ class StopSignals(pl.Callback):
 
     def _decide(self, trainer) -> None:
         """The one collective and host read of a window of steps; the same call on every rank (equal steps)."""
-        assert self._flags is not None
         steps, self._steps = self._steps, []
-        self._flags[-1] = 1 if self._term else 0
-        flags = trainer.strategy.reduce(self._flags.clone(), reduce_op="sum").cpu().tolist()
-        self._flags.zero_()
+        losses, self._losses = self._losses, []
+        device = trainer.strategy.root_device  # NCCL reduces device tensors only
+        # slot i: 1 where this rank's loss of the window's i-th step was non-finite; the last slot: SIGTERM. Always
+        # check_every + 1 long, so every window's collective has the same shape.
+        flags = torch.zeros(max(self.check_every, len(steps)) + 1, dtype=torch.int32, device=device)
+        kept = [(i, loss) for i, loss in enumerate(losses) if loss is not None]
+        if kept:  # a sum is non-finite exactly when an element is (a loss is a scalar; a tensor one is summed)
+            values = torch.stack([(loss if loss.dim() == 0 else loss.sum()).float().to(device) for _, loss in kept])
+            flags[[i for i, _ in kept]] = (~torch.isfinite(values)).int()
+        flags[-1] = 1 if self._term else 0
+        flags = trainer.strategy.reduce(flags, reduce_op="sum").cpu().tolist()
         bad = [step for step, flag in zip(steps, flags) if flag > 0]
         if bad:
             self.reason = f"non-finite training loss at step {bad[0]} (epoch {trainer.current_epoch})"
@@ -143,6 +152,10 @@ class StopSignals(pl.Callback):
             if self.last_ckpt_path:
                 trainer.save_checkpoint(self.last_ckpt_path)
             trainer.should_stop = True
+
+
+def _nothing() -> None:
+    pass
 
 
 class EpochAccounting(pl.Callback):
@@ -304,3 +317,70 @@ class MinEpochsEarlyStopping(EarlyStopping):
                      self.min_epochs, reason)
             return False, None
         return should_stop, reason
+
+
+# The callback hooks Lightning calls in every training step, for every callback.
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
+
+
+def skip_idle_step_hooks(callbacks: List[pl.Callback]) -> List[str]:
+    """Lightning calls each of STEP_HOOKS on every callback in every step, each call inside a profiler context and
+    with the callback's state key formatted (a dict's repr for a checkpoint or early-stopping callback): ~3 us a
+    call, ~60 calls a step with the training loop's callbacks. A hook the callback does not override does nothing,
+    so it is set to None on the instance, which Lightning skips (`callable(fn)` in trainer.call._call_callback_hooks);
+    so is a ModelCheckpoint's on_train_batch_end when it saves per epoch only (no every_n_train_steps, no
+    train_time_interval: the hook returns at once). Returns the hooks skipped, as `<class>.<hook>`."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    skipped = []
+    for callback in callbacks:
+        for name in STEP_HOOKS:
+            idle = getattr(type(callback), name, None) is getattr(pl.Callback, name)
+            if (not idle and name == "on_train_batch_end" and isinstance(callback, ModelCheckpoint)
+                    and type(callback).on_train_batch_end is ModelCheckpoint.on_train_batch_end):
+                idle = not callback._every_n_train_steps and callback._train_time_interval is None
+            if idle:
+                setattr(callback, name, None)
+                skipped.append(f"{type(callback).__name__}.{name}")
+    return skipped
+
+
+def progress_bar(interval_s: float = 0.5) -> pl.Callback:
+    """Rank 0's progress bar: Lightning's tqdm bar, redrawn at most every `interval_s` seconds and at an epoch's
+    last step, not at every step. Lightning's default (its Rich bar where rich is installed) redraws every step and
+    runs a refresh thread beside: 0.3 ms a step on a 2-core CPU (`lakehouse bench --only step_overhead`)."""
+    from pytorch_lightning.callbacks import TQDMProgressBar
+
+    class ThrottledProgressBar(TQDMProgressBar):
+        def __init__(self) -> None:
+            super().__init__(refresh_rate=1)
+            self._next_draw = 0.0
+
+        def _should_update(self, current: int, total: int) -> bool:
+            if not self.is_enabled:
+                return False
+            now = time.monotonic()
+            if current == total or now >= self._next_draw:
+                self._next_draw = now + interval_s
+                return True
+            return False
+
+    return ThrottledProgressBar()
+
+
+def quiet_profiler() -> Any:
+    """Lightning's pass-through profiler without its cost: Lightning wraps every hook it calls (~40 a step) in
+    `profiler.profile(name)`, a generator-based context manager even when nothing is recorded; this one hands back
+    one reusable null context."""
+    import contextlib
+
+    from pytorch_lightning.profilers import PassThroughProfiler
+
+    class QuietProfiler(PassThroughProfiler):
+        _null = contextlib.nullcontext()
+
+        def profile(self, action_name: str) -> Any:
+            return self._null
+
+    return QuietProfiler()

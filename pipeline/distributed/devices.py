@@ -1,7 +1,7 @@
 """What a training rank runs on, decided in the rank from its own CUDA: device, DDP backend, precision, threads."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")
 
@@ -59,6 +59,20 @@ def threads_for_rank(configured: Optional[int], ranks_on_host: int) -> Optional[
     if configured is not None:
         return max(1, int(configured))
     return 1 if ranks_on_host > 1 else None
+
+
+def trainer_strategy(strategy: Any, world_size: int) -> Any:
+    """The Lightning strategy a rank trains with: `strategy` as given (None: "auto"), except DDP on one rank, which
+    trains with Lightning's single-device strategy ("auto"): one rank has nothing to average, and DDP's wrapper would
+    still copy every gradient bucket and all-reduce it over a group of one in every step. HorovodStrategy skips its
+    own work on one rank; FSDP is left as it is."""
+    if strategy is None:
+        return "auto"
+    from pytorch_lightning.strategies import DDPStrategy
+
+    if world_size == 1 and isinstance(strategy, DDPStrategy):
+        return "auto"
+    return strategy
 
 
 def cuda_capability(index: int) -> Optional[Tuple[int, int]]:

@@ -117,9 +117,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pipeline.distributed.backoff import lr_batch_factor, start_batch_size
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
                                                 MinEpochsEarlyStopping, RngCheckpoint, StopSignals, host_and_pid,
-                                                min_epochs_of)
+                                                min_epochs_of, progress_bar, quiet_profiler, skip_idle_step_hooks)
     from pipeline.distributed.checkpoints import CheckpointRecord, check_checkpoint_lineage, resolve_checkpoint
-    from pipeline.distributed.devices import cuda_capability, rank_device_index, resolve_precision, threads_for_rank
+    from pipeline.distributed.devices import (cuda_capability, rank_device_index, resolve_precision, threads_for_rank,
+                                              trainer_strategy)
     from pipeline.distributed.faults import InjectedFaults, wanted
     from pipeline.distributed.telemetry import RankResources
     from pipeline.model.module import ImageClassifier, scaled_lr
@@ -153,6 +154,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
     model = model_for(job, lr)
+    if cfg.train.compile:  # before the strategy wraps it (train.compile)
+        model.compile_network()
 
     tracker = None
     if is_zero and job.run_id and job.tracker is not None:
@@ -191,13 +194,17 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
             monitor=es.monitor, mode=es.mode, min_delta=es.min_delta, patience=es.patience,
             stopping_threshold=es.stopping_threshold, check_finite=True, verbose=False,
             min_epochs=min_epochs_of(es.min_epochs, es.patience, cfg.train.warmup_epochs, cfg.train.max_epochs)))
+    progress = is_zero and os.environ.get("LAKEHOUSE_PROGRESS", "1") == "1"
+    if progress:  # redrawn twice a second, not at every step
+        callbacks.append(progress_bar())
     trainer = pl.Trainer(
         max_epochs=cfg.train.max_epochs, accelerator="gpu" if cuda else "cpu", precision=precision,
         devices=devices, num_nodes=num_nodes,
-        strategy=strategy if strategy is not None else "auto", plugins=[AtomicCheckpointIO()],
-        callbacks=callbacks, logger=False, enable_progress_bar=is_zero and os.environ.get("LAKEHOUSE_PROGRESS", "1") == "1",
+        strategy=trainer_strategy(strategy, world_size), plugins=[AtomicCheckpointIO()],
+        callbacks=callbacks, logger=False, enable_progress_bar=progress, profiler=quiet_profiler(),
         enable_model_summary=is_zero, num_sanity_val_steps=0, deterministic=False,
         use_distributed_sampler=False, log_every_n_steps=max(1, plan.train.steps_per_epoch))
+    skip_idle_step_hooks(trainer.callbacks)  # Lightning's per-step calls of hooks that do nothing (callbacks.py)
 
     ckpt_path = resolve_checkpoint(job.restore_point, ckpt_dir)
     if ckpt_path:

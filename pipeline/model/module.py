@@ -29,9 +29,10 @@ def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
     raise ValueError(f"config key 'train.lr_scaling': {rule!r} is not linear, sqrt or none")
 
 
-# Lightning's notes on what this module does on purpose: the batch hook is the model's (the data module has none),
+# Lightning's notes on what this module does on purpose: the batch hooks are the model's (the data module has none),
 # and the summary's size estimate under mixed precision is only an estimate.
 warnings.filterwarnings("ignore", message="You have overridden `on_after_batch_transfer`")
+warnings.filterwarnings("ignore", message="You have overridden `transfer_batch_to_device`")
 warnings.filterwarnings("ignore", message="Precision .* is not supported by the model summary")
 # a frozen backbone's normalisation layers are in eval mode on purpose (model.freeze_backbone)
 warnings.filterwarnings("ignore", message="Found .* module\\(s\\) in eval mode at the start of training")
@@ -50,6 +51,22 @@ class NonFiniteLossError(RuntimeError):
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy classification over any network mapping (N, C, H, W) to class logits."""
 
+    # Lightning calls these hooks in every training step, each through its profiler with the module's
+    # `_current_fx_name` set and restored; here they do nothing, so they are None, which Lightning skips
+    # (`callable(fn)` in pytorch_lightning/trainer/call.py). configure_gradient_clipping: train() builds its Trainer
+    # without gradient clipping. A subclass that needs one defines it as usual.
+    on_train_batch_start = on_train_batch_end = None
+    on_before_backward = on_after_backward = on_before_optimizer_step = on_before_zero_grad = None
+    configure_gradient_clipping = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets `_current_fx_name` (a plain string) twice per hook call; nn.Module.__setattr__ looks it up
+        # among parameters, buffers and submodules first (~1 us each, ~30 times a step)
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __init__(self, network: nn.Module, num_classes: int, model_cfg: ModelConfig, lr: float,
                  warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1) -> None:
         super().__init__()
@@ -61,6 +78,7 @@ class ImageClassifier(pl.LightningModule):
         self.network = network
         self._apply_freeze()  # before any strategy wraps the network: DDP/FSDP see which parameters take gradients
         self.loss_fn = nn.CrossEntropyLoss()
+        self._epoch_sums: Dict[str, list] = {}  # "train" | "val" -> [loss sum, correct (device), rows (host)]
         self.last_confusion: Optional[torch.Tensor] = None  # rows = true class, columns = predicted
 
     @classmethod
@@ -106,8 +124,30 @@ class ImageClassifier(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         self.train(True)  # the frozen backbone's norm layers back to eval, or thawed at model.unfreeze_at_epoch
 
+    def compile_network(self) -> None:
+        """train.compile: the network's forward compiled by torch.compile, in place (nn.Module.compile: the same
+        module, parameters and state-dict keys, so checkpoints and logged models are the plain network's), before any
+        strategy wraps the model, as PyTorch advises for DDP and FSDP. The first steps compile it."""
+        self.network.compile()
+
+    @property
+    def network_compiled(self) -> bool:
+        return getattr(self.network, "_compiled_call_impl", None) is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """An (x, y) pair of tensors goes to `device` directly (already there: as it is), as Lightning's
+        move_data_to_device would move it (non-blocking but to a CPU or MPS device), without its walk over the
+        collection in every step; any other batch goes Lightning's way."""
+        if type(batch) is tuple and len(batch) == 2 and all(type(t) is torch.Tensor for t in batch):
+            x, y = batch
+            if x.device == device and y.device == device:
+                return batch
+            blocking = device.type in ("cpu", "mps")
+            return x.to(device, non_blocking=not blocking), y.to(device, non_blocking=not blocking)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """A uint8 (N, C, H, W) batch becomes normalised float32 here, on the model's device (4x fewer bytes copied
@@ -120,23 +160,29 @@ class ImageClassifier(pl.LightningModule):
         return (normalize_pixels(x), *rest) if isinstance(batch, tuple) else [normalize_pixels(x), *rest]
 
     def _sums(self, prefix: str) -> torch.Tensor:
-        # [loss sum, correct, rows] of this rank, on the model's device (no host-device sync per step); reduced over
-        # all ranks through the strategy once per epoch.
-        sums = getattr(self, f"_{prefix}_sums", None)
-        if sums is None or sums.device != self.device:
-            sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-            setattr(self, f"_{prefix}_sums", sums)
-        return sums
+        """[loss sum, correct, rows] of this rank so far, float64 on the model's device: the device accumulators and
+        the host's row count put together (the epoch end's reduction takes it; no host read)."""
+        acc = self._epoch_sums.get(prefix)
+        if acc is None:
+            return torch.zeros(3, dtype=torch.float64, device=self.device)
+        loss_sum, correct, rows = acc
+        return torch.stack([loss_sum, correct, torch.tensor(float(rows), dtype=torch.float64, device=loss_sum.device)])
 
     def _reset_sums(self, prefix: str) -> None:
-        setattr(self, f"_{prefix}_sums", None)
+        self._epoch_sums.pop(prefix, None)
 
     def _accumulate(self, prefix: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        sums = self._sums(prefix)
-        n = len(y)  # the shape is host metadata: no sync
-        sums[0] += loss.detach().to(torch.float64) * n
-        sums[1] += (logits.detach().argmax(1) == y).sum()
-        sums[2] += n
+        # Two in-place adds on the model's device (float64 loss sum and correct count) and the rows counted on the
+        # host (a batch's length is host metadata): no host-device sync, and as few ops as possible, since each op
+        # costs the host microseconds in every step. Reduced over all ranks once per epoch (_log_epoch).
+        acc = self._epoch_sums.get(prefix)
+        if acc is None or acc[0].device != loss.device:
+            acc = self._epoch_sums[prefix] = [torch.zeros((), dtype=torch.float64, device=loss.device),
+                                              torch.zeros((), dtype=torch.float64, device=loss.device), 0]
+        n = len(y)
+        acc[0].add_(loss.detach(), alpha=n)
+        acc[1].add_((logits.detach().argmax(1) == y).sum())
+        acc[2] += n
 
     def _log_epoch(self, prefix: str) -> None:
         """Exact epoch metrics over every rank's rows: one sum-reduction through the strategy (Horovod or DDP)."""

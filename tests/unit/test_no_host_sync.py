@@ -73,7 +73,7 @@ def test_training_and_validation_steps_do_not_read_tensors_on_the_host(monkeypat
     expected_loss = sum(float(loss) * 6 for loss in losses)
     expected_correct = sum(int((pred == y).sum()) for pred, (_, y) in zip(correct, batches[:3]))
     y, pred = batches[3][1], correct[3]
-    train = model._train_sums.tolist()
+    train = model._sums("train").tolist()
     assert train[2] == 18.0 and train[1] == expected_correct
     assert train[0] == pytest.approx(expected_loss, rel=1e-12)
     confusion = model._confusion.reshape(3, 3)
@@ -139,3 +139,40 @@ def test_on_after_batch_transfer_converts_uint8_only():
     assert model.on_after_batch_transfer(floats, 0) is floats
     listed = model.on_after_batch_transfer([x, y], 0)
     assert isinstance(listed, list) and listed[0].dtype == torch.float32
+
+
+def test_no_step_of_train_reads_a_tensor_on_the_host(monkeypatch, tmp_path):
+    """The product's train() (Lightning's loop, the strategy, every callback, the progress bar, the LR schedule) with
+    host reads refused in every step but an epoch's last, where the stop decision of the window reads its flags: a
+    new `.item()`, `float(tensor)`, `.cpu()` or metric computed on the host in a step fails here (on a GPU each is a
+    sync that leaves the device idle)."""
+    import dataclasses
+
+    from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from pipeline.bench.lightning_path import timed_train
+    from pipeline.config import Config
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+
+    monkeypatch.setenv("LAKEHOUSE_PROGRESS", "1")  # rank 0's progress bar too
+    plan = ShardPlan(train=plan_split("train", [40, 40], 1, 8), val=plan_split("val", [16], 1, 8))  # 10 steps
+    data = SimpleNamespace(plan=plan, channels=1, image_size=16, class_names=[str(i) for i in range(3)])
+    batches = [_batch(seed, n=8) for seed in range(3)]  # uint8: normalised on the device each step
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads_per_rank=1,
+                                                              checkpoint_dir=str(tmp_path / "ckpt")),
+                              model=dataclasses.replace(cfg.model, width=8))
+    guarded = []
+    original = _TrainingEpochLoop.advance
+
+    def advance(self, data_fetcher):
+        step = self.batch_idx + 1  # the batch this call runs
+        if step + 1 >= self.trainer.num_training_batches:  # the epoch's last step decides the window: reads
+            return original(self, data_fetcher)
+        guarded.append(step)
+        with no_host_reads(monkeypatch):
+            return original(self, data_fetcher)
+
+    monkeypatch.setattr(_TrainingEpochLoop, "advance", advance)
+    out = timed_train(cfg, data, 0, 1, lambda: None, warmup=2, steps=5, windows=3, batches=batches)
+    assert len(out["window_s"]) == 3 and len(guarded) >= 17  # 9 guarded steps per epoch, two epochs at least
