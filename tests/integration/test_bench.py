@@ -21,6 +21,8 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
+STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
+STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
 
 
 @pytest.mark.timeout(2400)  # quick, yet ~15 train() runs (tune, restarts) and Spark jobs: minutes on a loaded host
@@ -43,7 +45,8 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert report["quick"] is True and report["repeats"] == 2 and "quick" in report["repeats_note"]
 
     names = {r["name"] for r in report["results"]}
-    assert names == set(RATIOS) | (set(GPU_RATIOS) if report["machine"]["device"] == "cuda" else set()), names
+    device = report["machine"]["device"]
+    assert names == set(RATIOS) | (set(GPU_RATIOS) if device == "cuda" else set()) | {STEP_OVERHEAD[device]}, names
     assert len(report["ratios"]) == len(report["results"])  # every figure has its own key
     for r in report["results"]:
         assert isinstance(r["ratio"], float) and math.isfinite(r["ratio"]), r
@@ -52,7 +55,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert r["parts"] and r["spread"], r
         key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
         assert report["ratios"][key] == r["ratio"]
-    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic"}
+    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px"}
     scaling = next(r for r in report["results"] if r["name"] == "horovod_cpu_scaling")["parts"]
     for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory",
                     "pipeline_2_ranks_in_memory"):  # measured, not assumed
@@ -114,6 +117,34 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     # the bench converted into its own cache, removed at the end; the user's (data.cache_dir) got nothing
     assert not (tmp_path / "bench" / "cache").exists() and not (tmp_path / "bench" / "tune").exists()
     assert not [p for p in (tmp_path / "petastorm_cache").glob("*") if p.is_dir()]
+
+
+@pytest.mark.timeout(1200)
+def test_bench_step_overhead_quick(tmp_path: Path):
+    """`lakehouse bench --only step_overhead --quick`: train() against a plain loop on the same in-memory batches, one
+    job per backend and world size, without Spark; every figure measured, the scratch data removed."""
+    out = tmp_path / "bench" / "bench.json"
+    env = dict(os.environ, LAKEHOUSE_PROGRESS="1")  # rank 0's progress bar on, as a user's run has it
+    proc = subprocess.run(
+        cli("bench", "--quick", "--only", "step_overhead", "--out", str(out), "--conf", str(ROOT / "conf/local.yaml"),
+            f"train.checkpoint_dir={tmp_path}/checkpoints", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"mlflow.artifact_location={tmp_path}/mlartifacts"),
+        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1190)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["only"] == ["step_overhead"] and report["datasets"] == {}  # no table, no conversion, no Spark
+    name = STEP_OVERHEAD[report["machine"]["device"]]
+    results = report["results"]
+    assert {r["variant"] for r in results} == STEP_OVERHEAD_VARIANTS and {r["name"] for r in results} == {name}
+    for r in results:
+        p = r["parts"]
+        assert math.isfinite(r["ratio"]) and r["repeats"] == 2 and len(r["per_repeat"]) == 2, r
+        assert r["ratio"] == pytest.approx(sorted(r["per_repeat"])[0] / 2 + sorted(r["per_repeat"])[1] / 2)
+        assert p["train_ms_per_step"] > 0 and p["plain_ms_per_step"] > 0 and p["train_cpu_ms_per_step"] > 0, p
+        assert p["world_size"] == int(r["variant"][-1]) and p["backend"] == r["variant"].split("/")[0]
+        assert p["steps_per_window"] == 30 and p["batch_per_rank"] == 16 and p["compile"] is False
+        assert r["target"] == (0.25 if name.startswith("gpu") else 0.5) and r["op"] == "<="
+    assert not list((tmp_path / "bench").glob("step_overhead_*"))  # its scratch data set is removed
 
 
 @pytest.mark.timeout(600)
