@@ -138,7 +138,11 @@ class StopSignals(pl.Callback):
         kept = [(i, loss) for i, loss in enumerate(losses) if loss is not None]
         if kept:  # a sum is non-finite exactly when an element is (a loss is a scalar; a tensor one is summed)
             values = torch.stack([(loss if loss.dim() == 0 else loss.sum()).float().to(device) for _, loss in kept])
-            flags[[i for i, _ in kept]] = (~torch.isfinite(values)).int()
+            bad = (~torch.isfinite(values)).int()
+            if len(kept) == len(losses):  # every step had a loss: a slice, no index tensor sent to the device
+                flags[:len(kept)] = bad
+            else:
+                flags[[i for i, _ in kept]] = bad
         flags[-1] = 1 if self._term else 0
         flags = trainer.strategy.reduce(flags, reduce_op="sum").cpu().tolist()
         bad = [step for step, flag in zip(steps, flags) if flag > 0]

@@ -176,3 +176,13 @@ def test_no_step_of_train_reads_a_tensor_on_the_host(monkeypatch, tmp_path):
     monkeypatch.setattr(_TrainingEpochLoop, "advance", advance)
     out = timed_train(cfg, data, 0, 1, lambda: None, warmup=2, steps=5, windows=3, batches=batches)
     assert len(out["window_s"]) == 3 and len(guarded) >= 17  # 9 guarded steps per epoch, two epochs at least
+
+
+def test_stop_signals_name_the_first_bad_step_when_some_steps_had_no_loss():
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda t, reduce_op: t),
+                              global_step=0, current_epoch=1, num_training_batches=100, should_stop=False)
+    stop = StopSignals(None, check_every=4)
+    for i, out in enumerate([None, {"loss": torch.tensor(0.2)}, None, {"loss": torch.tensor([1.0, float("inf")])}]):
+        trainer.global_step = i + 1
+        stop.on_train_batch_end(trainer, None, out, None, i)  # a step without a loss (manual optimisation) is fine
+    assert trainer.should_stop and stop.reason == "non-finite training loss at step 3 (epoch 1)"
