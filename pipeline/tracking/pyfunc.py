@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import binascii
 import io
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlflow
 import mlflow.pyfunc
@@ -34,9 +34,10 @@ def load_pyfunc(model_uri: str, check_requirements: bool = True):
     distribution to its modules), for a caller that scores in the environment that trains (the promotion gate).
 
     MLflow prepends the model's code
-    folder (a partial copy of `pipeline`) to sys.path for good, so processes spawned afterwards (Horovod ranks, the
-    bench's controls) would import that copy and miss the rest of the package. The modules the model needs are
-    imported while it loads, so sys.path is put back once it has.
+    folder to sys.path for good, so processes spawned afterwards (Horovod ranks, the bench's controls) would search it
+    first (a model logged before served_package_name holds a partial copy of `pipeline` there, which would hide the
+    rest of the package). The modules the model needs are imported while it loads, so sys.path is put back once it
+    has.
 
     One load at a time per process: a models-from-code model is handed over through a module global
     (`mlflow.models.set_model`), so two threads loading at once can both get the same model (seen: two promotion
@@ -283,17 +284,36 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def served_package_name(modules: Sequence[str] = SERVED_MODULES) -> str:
+    """The top-level name the served code travels under: `lakehouse_model_` and a digest of its files. Not `pipeline`:
+    a process that loads the model (a Spark Python worker scoring with spark_udf, the gate) may also run, or later
+    run, the installed package, and MLflow puts the code folder first on its sys.path; a partial `pipeline` there
+    would hide the rest of the package from it (seen: a worker that had scored then failed a training conversion with
+    "No module named 'pipeline.data.convert'"). Named by content, two models whose code differs never share modules
+    in one process, and a model always runs the code it was logged with."""
+    import hashlib
+
+    root, digest = _package_root(), hashlib.sha256()
+    for rel in modules:
+        digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
+    return f"lakehouse_model_{digest.hexdigest()[:12]}"
+
+
+_PIPELINE_IMPORT = re.compile(r"^(\s*(?:from|import)\s+)pipeline(?=[.\s])", re.MULTILINE)
+
+
 def copy_served_code(dest: Path, modules: Sequence[str] = SERVED_MODULES) -> Path:
-    """Copy the modules the served model needs into `dest/pipeline/...` (empty package __init__s)."""
-    root = _package_root()
-    pkg = dest / "pipeline"
+    """Copy the modules the served model needs into `dest/<served_package_name()>/...` (their `pipeline` imports
+    renamed to it, empty package __init__s). Returns the package folder."""
+    root, name = _package_root(), served_package_name(modules)
+    pkg = dest / name
     for rel in modules:
         src = root / rel
         if not src.is_file():
             raise FileNotFoundError(f"served module {rel} not found under {root}")
-        target = dest / rel
+        target = pkg / Path(rel).relative_to("pipeline")
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, target)
+        target.write_text(_PIPELINE_IMPORT.sub(lambda m: m.group(1) + name, src.read_text()))
     for folder in [pkg, *[p for p in pkg.rglob("*") if p.is_dir()]]:
         init = folder / "__init__.py"
         if not init.exists():
@@ -323,7 +343,7 @@ def pip_requirements() -> List[str]:
 MODEL_CODE = '''"""The served model's entry point (MLflow models-from-code): the ImageClassifierModel shipped in code/."""
 from mlflow.models import set_model
 
-from pipeline.tracking.pyfunc import ImageClassifierModel
+from {package}.tracking.pyfunc import ImageClassifierModel
 
 set_model(ImageClassifierModel())
 '''
@@ -382,27 +402,41 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
         code_pkg = copy_served_code(tmp_path / "code")
         # "Models from code": MLflow stores this file instead of a cloudpickle of the model object.
         model_code = tmp_path / "image_classifier.py"
-        model_code.write_text(MODEL_CODE)
+        model_code.write_text(MODEL_CODE.format(package=code_pkg.name))
         # Created in the run's experiment with the run as source: mlflow.pyfunc.log_model alone
         # would put it in the fluent "current" experiment and, without an active run, link no run.
         logged = mlflow.initialize_logged_model(name=artifact_path, source_run_id=run_id, experiment_id=experiment_id,
                                                 model_type="image-classifier")
-        info = Model.log(
-            artifact_path=None,
-            name=artifact_path,
-            flavor=mlflow.pyfunc,
-            run_id=run_id,
-            model_id=logged.model_id,
-            step=step,
-            python_model=str(model_code),
-            artifacts={"weights": str(weights), "meta": str(meta_file)},
-            code_paths=[str(code_pkg)],
-            signature=model_signature(),
-            model_config={MAX_ROWS_CONFIG_KEY: int(max_rows_per_call)},
-            input_example=pd.DataFrame({CONTENT_COLUMN: [example]}),
-            pip_requirements=pip_requirements(),
-            metadata={"class_names": meta["class_names"], "image_size": meta["image_size"],
-                      "channels": meta["channels"], "arch": meta["arch"]},
-        )
+        with _LOAD_LOCK, _served_code_importable(code_pkg.parent):  # MLflow imports the model file while it logs
+            info = Model.log(
+                artifact_path=None,
+                name=artifact_path,
+                flavor=mlflow.pyfunc,
+                run_id=run_id,
+                model_id=logged.model_id,
+                step=step,
+                python_model=str(model_code),
+                artifacts={"weights": str(weights), "meta": str(meta_file)},
+                code_paths=[str(code_pkg)],
+                signature=model_signature(),
+                model_config={MAX_ROWS_CONFIG_KEY: int(max_rows_per_call)},
+                input_example=pd.DataFrame({CONTENT_COLUMN: [example]}),
+                pip_requirements=pip_requirements(),
+                metadata={"class_names": meta["class_names"], "image_size": meta["image_size"],
+                          "channels": meta["channels"], "arch": meta["arch"]},
+            )
     log.info("logged model %s into run %s (%s)", info.model_uri, run_id, artifact_path)
     return info.model_uri
+
+
+@contextlib.contextmanager
+def _served_code_importable(code_dir: Path) -> Iterator[None]:
+    """`code_dir` first on sys.path for the block, as MLflow puts it where the model loads; put back after."""
+    import sys
+
+    path = list(sys.path)
+    sys.path.insert(0, str(code_dir))
+    try:
+        yield
+    finally:
+        sys.path[:] = path

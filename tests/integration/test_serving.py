@@ -186,6 +186,32 @@ def _post(url: str, body) -> tuple:
 
 
 @pytest.mark.timeout(600)
+def test_a_process_that_loaded_the_model_still_imports_the_whole_installed_package(registered, rows, pyfunc_out,
+                                                                                  tmp_path):
+    """What a reused Spark Python worker does: load the registered model as spark_udf does (mlflow.pyfunc.load_model
+    puts the model's code folder first on sys.path for good), score, then run training code. The model runs the code
+    it was logged with, and the installed `pipeline` stays whole (seen before: `predict` then `train` in one Spark
+    session failed in the worker with "No module named 'pipeline.data.convert'")."""
+    cfg, pinned = registered
+    script = textwrap.dedent(f"""
+        import json, mlflow, pandas as pd, pyarrow.parquet as pq
+        mlflow.set_tracking_uri({cfg.mlflow.tracking_uri!r})
+        model = mlflow.pyfunc.load_model({pinned.uri!r})
+        out = model.predict(pd.DataFrame({{"content": pq.read_table({str(tmp_path / "rows.parquet")!r})
+                                                         .column("content").to_pylist()}}))
+        import pipeline, pipeline.data.convert
+        served = type(model.unwrap_python_model()).__module__
+        print(json.dumps({{"pipeline": pipeline.__file__, "served": served, "labels": out["label"].tolist()}}))
+    """)
+    pq.write_table(rows.select(["content"]), tmp_path / "rows.parquet")
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(out["pipeline"]).resolve() == (ROOT / "pipeline" / "__init__.py").resolve()
+    assert out["served"].startswith("lakehouse_model_") and out["served"].endswith(".tracking.pyfunc"), out
+    assert out["labels"] == pyfunc_out["label"].tolist()
+
+
 def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(registered, rows, pyfunc_out, tmp_path):
     cfg, _ = registered
     picks = list(range(0, len(rows), 40))  # 15 real images from the table

@@ -246,7 +246,8 @@ def test_job_script_is_the_cli_subcommand(job, command):
 
 def test_served_code_alone_builds_and_runs_the_model(tmp_path):
     """The modules shipped with a logged model (code_paths) are enough: in a fresh interpreter that cannot import the
-    installed `pipeline`, the copied subset imports the pyfunc and builds every non-timm network."""
+    installed `pipeline`, the copied subset (under its own name) imports the pyfunc and builds every non-timm
+    network."""
     import json
     import subprocess
     import sys
@@ -254,24 +255,25 @@ def test_served_code_alone_builds_and_runs_the_model(tmp_path):
 
     from pipeline.tracking.pyfunc import copy_served_code
 
-    copy_served_code(tmp_path / "code")
+    name = copy_served_code(tmp_path / "code").name
     script = textwrap.dedent(f"""
         import sys
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
                             and "editable" not in str(getattr(f, "__module__", "")).lower()]
         sys.path.insert(0, {str(tmp_path / "code")!r})
         import json, torch
-        from pipeline.tracking.pyfunc import ImageClassifierModel
-        from pipeline.model.nets import ARCHS, build_network
-        import pipeline
+        from {name}.tracking.pyfunc import ImageClassifierModel
+        from {name}.model.nets import ARCHS, build_network
+        import {name} as served
         shapes = {{a: list(build_network(a, 1, 3, 4)(torch.zeros(2, 1, 32, 32)).shape) for a in ARCHS}}
-        print(json.dumps({{"pipeline": pipeline.__file__, "shapes": shapes}}))
+        print(json.dumps({{"served": served.__file__, "shapes": shapes, "pipeline": "pipeline" in sys.modules}}))
     """)
     res = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["pipeline"].startswith(str(tmp_path / "code"))
+    assert out["served"].startswith(str(tmp_path / "code" / name)) and name.startswith("lakehouse_model_")
+    assert not out["pipeline"]  # the served subset never names itself `pipeline` (see served_package_name)
     assert out["shapes"] and all(shape == [2, 3] for shape in out["shapes"].values()), out
 
 
