@@ -1,5 +1,5 @@
 """Model registry: register a logged model as a version (tagged, described, READY); the promotion gate that moves the
-champion alias is pipeline.tracking.gate (its names are still importable from here)."""
+champion alias is pipeline.tracking.gate, the rows it scores on pipeline.tracking.heldout (both import this one)."""
 from __future__ import annotations
 
 import time
@@ -12,21 +12,6 @@ from mlflow.exceptions import MlflowException
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
-
-# Names that moved to pipeline.tracking.gate / pipeline.tracking.heldout, still importable from here (PEP 562).
-_MOVED = {"gate": ("GATE_MODES", "GATE_TAG", "LEASE_TAG", "MAX_GATE_ROUNDS", "PromotionDecision", "clears_chance",
-                   "decide", "promote"),
-          "heldout": ("HeldOutRows", "Scorer", "chance_level", "chance_what", "held_out_rows", "score_on_rows",
-                      "split_of")}
-
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    for module, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(f"pipeline.tracking.{module}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RegistryError(RuntimeError):

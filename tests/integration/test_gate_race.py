@@ -11,10 +11,12 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.tracking.gate import LEASE_TAG
+from pipeline.tracking.gate import promote as _promote
+from pipeline.tracking.heldout import score_on_rows
 from pipeline.tracking.lease import Holder, LeaseTimes, parse_holder
 from pipeline.tracking.pyfunc import log_model
-from pipeline.tracking.registry import LEASE_TAG, RegistryError, register_model, score_on_rows
-from pipeline.tracking.registry import promote as _promote
+from pipeline.tracking.registry import RegistryError, register_model
 from pipeline.tracking.runs import configure, tracked_run
 from test_tracking import CLASS_NAMES, META, _always, _cfg, _png, _val_share, gate_table, sqlite_store  # noqa: F401
 

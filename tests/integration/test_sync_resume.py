@@ -155,7 +155,7 @@ def test_registry_failing_once_after_the_run_was_created_then_a_rerun(sqlite_sto
 @pytest.mark.timeout(240)
 def test_crash_after_registering_and_gating_reuses_the_verdict(sqlite_store, tmp_path, monkeypatch):
     """The process dies after the gate judged the version, before ending the run: the rerun only ends it."""
-    from pipeline.tracking import registry
+    from pipeline.tracking import gate
     from pipeline.workflow import sync_run
 
     off = _folder(sqlite_store, tmp_path, promote=True)
@@ -163,7 +163,7 @@ def test_crash_after_registering_and_gating_reuses_the_verdict(sqlite_store, tmp
     with pytest.raises(Crash):
         sync_run(off.folder)
     monkeypatch.undo()
-    gates = _crash_once(monkeypatch, registry, "promote")  # a second gate would crash: it must not run
+    gates = _crash_once(monkeypatch, gate, "promote")  # a second gate would crash: it must not run
     out = sync_run(off.folder)
     assert gates["n"] == 0
     _assert_uploaded_once(off, out)

@@ -23,8 +23,9 @@ from conftest import free_port
 from pipeline.config import Config, apply_overrides
 from pipeline.model.nets import build_network
 from pipeline.tracking import plots
+from pipeline.tracking.gate import promote
 from pipeline.tracking.pyfunc import log_model
-from pipeline.tracking.registry import promote, register_model
+from pipeline.tracking.registry import register_model
 from pipeline.errors import Terminated
 from pipeline.tracking.journal import UnendedRuns
 from pipeline.tracking.lineage import log_config, log_lineage

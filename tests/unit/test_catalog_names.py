@@ -31,7 +31,8 @@ def test_delta_rs_refuses_a_catalog_name_saying_what_to_do():
 
 def test_the_gate_on_a_catalog_name_without_spark_says_where_to_run_it(monkeypatch):
     import pipeline.lakehouse.spark as spark_module
-    from pipeline.tracking.registry import RegistryError, held_out_rows
+    from pipeline.tracking.heldout import held_out_rows
+    from pipeline.tracking.registry import RegistryError
 
     # no session in this process (other tests may hold one, active in a thread or the default)
     monkeypatch.setattr(spark_module, "active_session", lambda: None)

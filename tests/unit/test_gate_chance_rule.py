@@ -7,8 +7,9 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.tracking.registry import (HeldOutRows, chance_level, chance_what, clears_chance, decide, promote,
-                                        register_model)
+from pipeline.tracking.gate import clears_chance, decide, promote
+from pipeline.tracking.heldout import HeldOutRows, chance_level, chance_what
+from pipeline.tracking.registry import register_model
 
 
 # --- the chance level ----------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.tracking.lease import LeaseTimes
-from pipeline.tracking.registry import (LEASE_TAG, MAX_GATE_ROUNDS, HeldOutRows, PromotionDecision, RegistryError,
-                                       decide, promote, register_model, split_of)
+from pipeline.tracking.gate import LEASE_TAG, MAX_GATE_ROUNDS, PromotionDecision, decide, promote
+from pipeline.tracking.heldout import HeldOutRows, split_of
+from pipeline.tracking.registry import RegistryError, register_model
 
 
 # --- the pure rule ---------------------------------------------------------------------------
