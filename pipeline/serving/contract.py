@@ -6,6 +6,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pipeline.images import ImageDecodeError, decode_image
+
 CONTRACT_FILE = "contract.json"
 CONTRACT_VERSION = 1
 INPUT_NAME = "pixels"
@@ -72,29 +74,26 @@ def load_contract(path: str) -> Dict[str, Any]:
 def preprocess(contents: Sequence[bytes], contract: Dict[str, Any]) -> np.ndarray:
     """Reference implementation of the contract with PIL and numpy only: image bytes -> float32 (N, C, H, W).
 
-    Raises ValueError naming the row of an undecodable image, or of one over the pixel bound (pipeline.images).
+    Each image is decoded by pipeline.images.decode_image, the codec training and the served model use.
+    Raises ValueError naming the row of an undecodable image, or of one over the pixel bound (pipeline.images), and
+    the key of a contract that codec cannot follow (not square, or a color_mode other than its channels').
     """
-    from PIL import Image
-
-    from pipeline.images import ImageDecodeError, opened
-
     spec = check_contract(contract)["input"]
     c, h, w = int(spec["channels"]), int(spec["height"]), int(spec["width"])
+    if h != w:
+        raise ValueError(f"preprocessing contract input.height={h} and input.width={w} differ: the codec "
+                         f"(pipeline.images.decode_image) resizes to a square")
+    if c not in (1, 3) or spec["color_mode"] != ("L" if c == 1 else "RGB"):
+        raise ValueError(f"preprocessing contract input.color_mode={spec['color_mode']!r} with input.channels={c}: "
+                         f"the codec (pipeline.images.decode_image) decodes 'L' (1 channel) or 'RGB' (3)")
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(c, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(c, 1, 1)
     out = np.empty((len(contents), c, h, w), dtype=np.uint8)
     for i, content in enumerate(contents):
-        try:
-            with opened(content) as img:  # the header's size checked against the bound before any decode
-                img = img.convert(spec["color_mode"])
-                if img.size != (w, h):
-                    img = img.resize((w, h), Image.BILINEAR)
-                arr = np.asarray(img, dtype=np.uint8)
+        try:  # the header's size checked against the bound before any decode
+            out[i] = decode_image(content, h, c)
         except ImageDecodeError as exc:
             raise ValueError(f"row {i}: {exc}") from None
-        except Exception as exc:
-            raise ValueError(f"row {i}: not a decodable image ({type(exc).__name__}: {exc})") from None
-        out[i] = arr[None, :, :] if c == 1 else arr.transpose(2, 0, 1)
     return (out.astype(np.float32) * np.float32(spec["scale"]) - mean) / std
 
 

@@ -64,6 +64,20 @@ def test_contract_refuses_bad_rows_and_keys():
         check_contract(broken)
 
 
+def test_the_reference_preprocess_refuses_by_key_a_contract_its_codec_cannot_follow():
+    """preprocess decodes with pipeline.images.decode_image (square, 'L' or 'RGB'): an edited contract it cannot
+    reproduce is refused naming the key, never decoded some other way."""
+    contract = preprocessing_contract(META)
+    wide = {**contract, "input": {**contract["input"], "width": 20}}
+    with pytest.raises(ValueError, match=r"input.height=16 and input.width=20 differ"):
+        preprocess([_png(1)], wide)
+    for channels, mode in ((1, "RGB"), (3, "L"), (4, "RGBA")):
+        odd = {**contract, "input": {**contract["input"], "channels": channels, "color_mode": mode,
+                                     "mean": [0.5] * channels, "std": [0.5] * channels}}
+        with pytest.raises(ValueError, match=rf"input.color_mode='{mode}' with input.channels={channels}"):
+            preprocess([_png(1)], odd)
+
+
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
 def test_export_network_reproduces_torch(tmp_path, fmt):
     torch.manual_seed(0)
