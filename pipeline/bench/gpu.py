@@ -73,6 +73,22 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
 
 
 GPU_ARCHS = ("cnn", "resnet", "timm/resnet18")
+# what `bench --gpu --only` picks from: the architectures on 32 px synthetic pixels (and the loader alone on them), and
+# the ImageNet-shaped photos (pipeline/bench/photos_gpu.py)
+GPU_PARTS = ("archs", "photos")
+
+
+def gpu_parts(only: Optional[Sequence[str]]) -> List[str]:
+    """The parts of `bench --gpu` to run (`--only`); every part when None.
+
+    Raises:
+        ConfigError: a part that is not one of GPU_PARTS.
+    """
+    unknown = sorted(set(only or ()) - set(GPU_PARTS))
+    if unknown:
+        raise ConfigError(f"bench --gpu --only: unknown part(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(GPU_PARTS)}")
+    return [p for p in GPU_PARTS if not only or p in only]
 
 
 def installed_reader(configured: str, runs: Callable[[str], Optional[str]]) -> Tuple[str, Optional[str]]:
@@ -90,12 +106,13 @@ def installed_reader(configured: str, runs: Callable[[str], Optional[str]]) -> T
 
 
 def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[str] = GPU_ARCHS,
-                  rows: int = 0) -> Dict[str, Any]:
+                  rows: int = 0, only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """`lakehouse bench --gpu`: the GPU figures alone, per architecture and precision, on a converted data set written
     with pyarrow (no Spark or Java, as on a bare GPU image): images/s per GPU of a plain PyTorch loop, of train() on
     GPU-resident batches and of train() with the real ShardLoader, Lightning / plain and the input-bound fraction;
     beside them the loader alone (rows/s read and decoded on the CPU, per reader), which says whether the reader
-    can feed the GPU's rate. Writes `out` (JSON) and returns it."""
+    can feed the GPU's rate; and, first, the ImageNet-shaped photos (photos_gpu.measure_photos). `only`: these of
+    GPU_PARTS. Writes `out` (JSON) after each part, and returns it."""
     import dataclasses
     import json
     import os
@@ -108,14 +125,17 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     from pipeline.bench.conversion import Prepared
     from pipeline.bench.core import FULL, QUICK, load, machine
     from pipeline.bench.datasets import converted_without_spark
+    from pipeline.bench.photos_gpu import measure_photos, on_cpu_switch
     from pipeline.bench.report import log_table
+
+    parts = gpu_parts(only)
 
     # the reader first: a refusal names data.reader before anything is converted or launched
     reader, fallback = installed_reader(cfg.data.reader, loader.reader_problem)
     if fallback:
         log.warning("bench --gpu: %s", fallback)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, reader=reader))
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not (on_cpu_switch() and parts == ["photos"]):
         raise ConfigError(f"bench --gpu: torch {torch.__version__} sees no CUDA device "
                           f"(CUDA build: {torch.version.cuda or 'none'})")
     # 3 repeats and 50k rows per loader repeat: the figures fit one device-tool call (10 minutes) with the tier
@@ -135,14 +155,35 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
                               "load": {"before": load()}, "sizes": dataclasses.asdict(sizes), "batch_size": bs,
                               "dataset": prep.info(), "reader": reader, "reader_fallback": fallback,
-                              "per_arch": {}}
+                              "per_arch": {}, "parts": parts}
     results: List[Result] = []
+
+    def write(final: bool = False) -> None:
+        report["load"]["after"] = load()
+        report["results"] = [dataclasses.asdict(r) for r in results]
+        report["ratios"] = {r.key: r.ratio for r in results}
+        report["passed"] = {r.key: r.passed for r in results}
+        report["all_passed"] = all(r.passed for r in results)
+        report["duration_s"] = time.perf_counter() - t0
+        report["complete"], report["out"] = final, out
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(report, fh, indent=2, default=str)
+
+    def photos_so_far(per_dev: Dict[str, Any]) -> None:
+        report["photos"] = per_dev
+        write()
+
     try:
-        for reader in loader.available_readers(cfg):
+        if "photos" in parts:  # first: the figures never measured yet; `write` keeps each part's as it ends
+            photo_results, _ = measure_photos(cfg, work, quick, save=photos_so_far)
+            results.extend(photo_results)
+            write()
+        for reader in (loader.available_readers(cfg) if "archs" in parts else ()):
             res = loader.measure_loader(cfg, prep, sizes, reader, uncached=True)
             results.append(res)
             report.setdefault("loader_alone", {})[reader] = res.parts
-        for arch in archs:
+        for arch in (archs if "archs" in parts else ()):
             acfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch, pretrained=None))
             log.info("bench --gpu: %s at batch %d", arch, bs)
             arch_results, per_dev = measure_gpu(acfg, prep, sizes)
@@ -150,18 +191,10 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
                 r.variant = f"{arch}/{r.variant}"
             results.extend(arch_results)
             report["per_arch"][arch] = per_dev
+            write()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report["load"]["after"] = load()
-    report["results"] = [dataclasses.asdict(r) for r in results]
-    report["ratios"] = {r.key: r.ratio for r in results}
-    report["passed"] = {r.key: r.passed for r in results}
-    report["all_passed"] = all(r.passed for r in results)
-    report["duration_s"] = time.perf_counter() - t0
-    report["out"] = out
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
+    write(final=True)
     log_table(report)
     log.info("bench --gpu report written to %s (%.0f s)", out, report["duration_s"])
     return report

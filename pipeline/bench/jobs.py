@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from pipeline.config import Config
 from pipeline.log import get_logger
@@ -102,8 +102,10 @@ def rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows:
             "horovod_env": {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")}}
 
 
-def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, windows: int) -> List[Dict[str, Any]]:
-    """`rank_job` on `np_` local Horovod ranks (gloo) with the launcher's rank environment; results by rank."""
+def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, windows: int,
+           rank_fn: Optional[Callable[..., Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    """`rank_job` (or `rank_fn`, of the same arguments) on `np_` local Horovod ranks (gloo) with the launcher's rank
+    environment; results by rank."""
     import horovod
 
     from pipeline.distributed.rank_env import rank_env
@@ -112,7 +114,7 @@ def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, 
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
     with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(rank_env(job)):
-        results = horovod.run(rank_job, args=(cfg, data, runs, steps, windows), num_proc=np_, use_gloo=True,
+        results = horovod.run(rank_fn or rank_job, args=(cfg, data, runs, steps, windows), num_proc=np_, use_gloo=True,
                               hosts=f"localhost:{np_}", start_timeout=cfg.train.start_timeout_s, verbose=0)
     results = sorted(results, key=lambda r: r["rank"])
     log.info("bench job of %d rank(s), runs %s: %.1f s", np_,
