@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from pipeline import preload
 from pipeline.config import Config, ConfigError, world_size_of
+from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
 
@@ -93,51 +94,10 @@ def _record_world(run, world: int, cause: str) -> None:
         log.warning("could not record the elastic change to %d rank(s) in MLflow: %s", world, exc)
 
 
-CHECKPOINT_NAMES = {"last": "last.ckpt", "best": "best.ckpt"}
-
-
-def run_checkpoint_dir(cfg: Config, run_id: str) -> str:
-    """The run's own checkpoint folder, `<train.checkpoint_dir>/<run_id>`: jobs sharing a checkpoint_dir never
-    overwrite or reload each other's checkpoints."""
-    return os.path.join(os.path.abspath(cfg.train.checkpoint_dir), run_id)
-
-
 def job_dir_of(cfg: Config, run_id: str) -> str:
     """The driver's and ranks' scratch folder of the run (pipeline.distributed.job_folder: rank markers, a run left
     offline)."""
     return JobFolder.of_run(cfg.train.checkpoint_dir, run_id).path
-
-
-def resolve_restore(cfg: Config, run_id: str) -> Optional[str]:
-    """`train.ckpt_restore` as a path: `last` / `best` in this run's folder, `<run_id>/last` / `<run_id>/best` in
-    that run's folder under `train.checkpoint_dir`, anything else a path.
-
-    Raises:
-        ConfigError: the checkpoint does not exist (with the runs under the folder that have one).
-    """
-    value = cfg.train.ckpt_restore
-    if not value:
-        return None
-    base = os.path.abspath(cfg.train.checkpoint_dir)
-    owner, _, which = value.rpartition("/")
-    if value in CHECKPOINT_NAMES:
-        path = os.path.join(base, run_id, CHECKPOINT_NAMES[value])
-    elif which in CHECKPOINT_NAMES and owner and "/" not in owner and not os.path.exists(value):
-        path = os.path.join(base, owner, CHECKPOINT_NAMES[which])
-    else:
-        path = value
-    from pipeline.distributed.checkpoints import settle  # torch: kept out of the driver's import of this module
-
-    settle(path)  # an FSDP swap a crash interrupted between its two renames is finished first
-    if os.path.exists(path):
-        return path
-    name = CHECKPOINT_NAMES.get(which or value, "last.ckpt")
-    found = sorted((d for d in os.listdir(base) if os.path.exists(os.path.join(base, d, name))),
-                   key=lambda d: -os.path.getmtime(os.path.join(base, d, name))) if os.path.isdir(base) else []
-    hint = (f"; runs with a {name} under {base} (newest first): {', '.join(found[:5])} (set train.ckpt_restore="
-            f"<run_id>/{name[:-5]})") if found else ""
-    mine = " (this run's own folder: checkpoints are kept per MLflow run)" if value in CHECKPOINT_NAMES else ""
-    raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist{mine}{hint}")
 
 
 def _record_batch(run, n: int, plan, cause: str) -> None:
@@ -180,7 +140,10 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     run.client.set_tag(run.run_id, "batch_size_used", data.plan.train.batch_size)  # per rank; OOM back-off halves it
     job_dir = job_dir_of(cfg, run.run_id)
     # the run's own folder and the resolved restore point are the job's, not the config's (which stays the user's)
-    checkpoint_dir, restore_from = run_checkpoint_dir(cfg, run.run_id), resolve_restore(cfg, run.run_id)
+    checkpoint_dir = run_checkpoint_dir(cfg, run.run_id)
+    # train.ckpt_restore as a path: `last` / `best` in this run's folder, `<run_id>/last` in that run's; refused here,
+    # before any rank starts, when it does not exist
+    restore_from = resolve_restore_point(cfg.train.ckpt_restore, checkpoint_dir, cfg.train.checkpoint_dir)
     run.client.set_tag(run.run_id, "checkpoint_dir", checkpoint_dir)
     if restore_from:
         run.client.set_tag(run.run_id, "resumed_from", restore_from)

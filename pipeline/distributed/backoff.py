@@ -6,7 +6,7 @@ relaunches all ranks with half the per-rank batch, re-planned for equal steps. T
 batch by `train.lr_scaling`, as it follows the world size: the rate `model.lr` is for the starting per-rank batch,
 so halving the batch multiplies the rate by 1/2 (linear), 1/sqrt(2) (sqrt) or 1 (none). A relaunch from a checkpoint
 trained with the larger batch resumes from a copy of it restated for the smaller one, from the batch the checkpoint
-records (pipeline/distributed/restate.py, `restated`).
+records (pipeline/distributed/checkpoints/restate.py, `restated`).
 """
 from __future__ import annotations
 

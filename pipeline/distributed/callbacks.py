@@ -1,6 +1,6 @@
 """Lightning callbacks of the training loop: per-epoch accounting against the plan, stop signals, early stopping with
-a minimum of epochs, random states in checkpoints, atomic checkpoint writes (what a checkpoint records of its run:
-pipeline/distributed/checkpoints.py)."""
+a minimum of epochs, atomic checkpoint writes (what a checkpoint records of its run, random states included:
+pipeline/distributed/checkpoints/record.py)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from pipeline.distributed.checkpoints import write_atomically
+from pipeline.distributed.checkpoints.io import write_atomically
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -22,7 +22,7 @@ log = get_logger(__name__)
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes a checkpoint to a temporary file in the same folder, fsyncs it, then renames it into place
-    (`checkpoints.write_atomically`; FSDP's sharded folders: `checkpoints.write_sharded`).
+    (`checkpoints.io.write_atomically`; FSDP's sharded folders: `checkpoints.io.write_sharded`).
 
     A crash during the write leaves the previous file under the final name intact.
     """
@@ -33,39 +33,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
         write_atomically(checkpoint, os.fspath(path), self.part_written)
-
-
-class RngCheckpoint(pl.Callback):
-    """The random-number states (torch, CUDA, numpy, Python) go into each checkpoint and come back on resume, so
-    dropout after a mid-epoch resume draws what the uninterrupted run would have drawn (Lightning saves none)."""
-
-    def state_dict(self) -> Dict[str, Any]:
-        import random
-
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()  # plain values: checkpoints load weights_only
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                 "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        import random
-
-        import numpy as np
-
-        if "torch" in state_dict:
-            torch.set_rng_state(state_dict["torch"])
-        if "numpy" in state_dict:
-            name, keys, pos, has_gauss, cached = state_dict["numpy"]
-            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        if "python" in state_dict:
-            random.setstate(state_dict["python"])
-        cuda = state_dict.get("cuda")
-        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
 
 
 class StopSignals(pl.Callback):

@@ -18,12 +18,10 @@ import pytorch_lightning as pl
 import torch
 
 from pipeline.config import DebugConfig
+from pipeline.distributed.checkpoints.layout import is_last
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
-
-LAST = "last.ckpt"  # the checkpoint debug.kill_while_saving interrupts: the one a restart resumes from
-
 
 def wanted(debug: DebugConfig) -> bool:
     """Whether `debug` asks for any fault."""
@@ -89,7 +87,7 @@ class InjectedFaults(pl.Callback):
 
     def _part_written(self, path: str) -> None:
         trainer = self._trainer
-        if (trainer is None or os.path.basename(path) != LAST
+        if (trainer is None or not is_last(path)  # the checkpoint a restart resumes from
                 or trainer.global_step < self.debug.kill_while_saving):
             return
         log.warning("injected kill of rank %d while writing %s at step %d (debug.kill_while_saving): its part is on "

@@ -1,5 +1,5 @@
 """`train.backend: fsdp`: Lightning's FSDP strategy on GPUs (NCCL) and on CPU (gloo); its sharded checkpoints are
-written (whole or not at all) by pipeline/distributed/checkpoints.py and read, on resume, only through safe_read.py."""
+written (whole or not at all) and read, on resume, only through pipeline/distributed/checkpoints/io.py."""
 from __future__ import annotations
 
 import functools
@@ -9,8 +9,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from pytorch_lightning.strategies import FSDPStrategy
 
-from pipeline.distributed.checkpoints import META_FILE, is_sharded_checkpoint, write_sharded
-from pipeline.distributed.safe_read import plain_shard_reader, read_checkpoint, refusals_unwrapped
+from pipeline.distributed.checkpoints.io import (plain_shard_reader, read_checkpoint, refusals_unwrapped,
+                                                 write_sharded)
+from pipeline.distributed.checkpoints.layout import META_FILE, is_sharded_checkpoint
 
 # Modules holding at least this many parameters get their own FSDP unit: each is gathered only while it runs, so a
 # rank holds its shard plus one unit's full weights, not the whole model.
@@ -35,9 +36,10 @@ class LakehouseFSDPStrategy(FSDPStrategy):
     FSDP asks for an accelerator unless it is given `device_id=cpu`; with gloo, torch >= 2.4 runs it there (used
     for tests and CPU clusters; GPUs with NCCL are what it is for). Checkpoints are sharded (a folder per
     checkpoint, each rank writing its shard into a new folder, swapped in once every rank is done:
-    `checkpoints.write_sharded`, not Lightning's write in place); `checkpoints.consolidated_state` turns one into a
-    full state dict. A resume reads the checkpoint only through safe_read.py (`load_checkpoint`), never with torch's
-    or Lightning's own readers, which unpickle a shard's non-tensor items or a whole file without `weights_only`."""
+    `checkpoints.io.write_sharded`, not Lightning's write in place); `io.consolidated_state` turns one into a
+    full state dict. A resume reads the checkpoint only through checkpoints/io.py (`load_checkpoint`), never with
+    torch's or Lightning's own readers, which unpickle a shard's non-tensor items or a whole file without
+    `weights_only`."""
 
     # a test's fault hook (pipeline/distributed/faults.py): called on a rank with the checkpoint's path once its shard
     # is on disk, before the checkpoint is complete
@@ -67,8 +69,8 @@ class LakehouseFSDPStrategy(FSDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Lightning 2.6's FSDPStrategy.load_checkpoint (the module's and the optimizers' states loaded here, the rest
-        of the checkpoint returned to the loop), reading only as safe_read.py does, whatever `weights_only` says: a
-        sharded folder through `safe_read.plain_shard_reader` (index, non-tensor items and tensors all with
+        of the checkpoint returned to the loop), reading only as checkpoints/io.py does, whatever `weights_only` says:
+        a sharded folder through `io.plain_shard_reader` (index, non-tensor items and tensors all with
         `weights_only=True`), its meta.pt and a whole file with `read_checkpoint`. The loop checks a folder before it
         resumes (`checkpoints.checkpoint_meta`); this read does not rely on that check, so a shard swapped in between
         is refused here too.

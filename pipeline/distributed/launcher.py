@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from pipeline import preload
 from pipeline.config import Config
+from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
 from pipeline.distributed.loop import RankResult, TrainJob, train
 from pipeline.distributed.rank_process import (ddp_worker, fsdp_worker, horovod_rank_process, horovod_worker,
                                                with_env)
@@ -205,7 +206,7 @@ def _not_restartable() -> tuple:
     checkpoint), SIGTERM, Ctrl-C."""
     from pipeline.config import ConfigError
     from pipeline.data.shards import ConversionError
-    from pipeline.distributed.checkpoints import CheckpointError
+    from pipeline.distributed.checkpoints.io import CheckpointError
     from pipeline.lakehouse.partition import PlanError
     from pipeline.errors import Terminated
 
@@ -243,24 +244,12 @@ def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
     return slots
 
 
-def _given_restore_point(job: TrainJob) -> Optional[str]:
-    """The checkpoint the job's first launch resumes from (`TrainJob.restore_point`), as a path (`last`: the job's own
-    last.ckpt) and settled (a swap a crash cut is finished first); as given when there is none (the ranks say so)."""
-    value = job.restore_point
-    if not value:
-        return None
-    from pipeline.distributed.checkpoints import settle  # torch: on the driver only when a checkpoint is given
-
-    path = os.path.join(job.ckpt_dir, "last.ckpt") if value == "last" else value
-    return path if settle(path) else value
-
-
 def _restated(job: TrainJob, path: str, data: Any, batch: int, first: tuple) -> str:
     """Checkpoint `path` for a launch of `data`'s plan with `batch` per rank: itself when it records that batch and
     world size, else restated from what it records (`restate.restated`) into the job's own checkpoint folder (never
     beside another run's checkpoint); one that records neither is taken as trained like the job's first launch
     (`first`: its per-rank batch and world size)."""
-    from pipeline.distributed.restate import restated
+    from pipeline.distributed.checkpoints.restate import restated
 
     plan = data.plan.train
     return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first,
@@ -282,7 +271,7 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
       lost) goes on with the slots left, down to `train.min_np`: the plan re-made for the new world size (equal
       steps), the checkpoint restated for the smaller global batch (steps, schedule, rates).
 
-    Every launch, the first included, resumes its checkpoint (the given one, or the job's own last.ckpt) restated
+    Every launch, the first included, resumes its checkpoint (the given one, or the job's own last one) restated
     when it records another per-rank batch or world size than that launch's (`restate.restated`).
     `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
     shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow).
@@ -297,12 +286,15 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
     from pipeline.distributed.backoff import backs_off, halved, is_out_of_memory
 
     limit = max(0, job.cfg.train.max_restarts)
-    last = os.path.join(job.ckpt_dir, "last.ckpt")
+    last = last_checkpoint(job.ckpt_dir)
     started = time.time()
     attempt = restarts = backoffs = 0
     batch = job.data.plan.train.batch_size
     first = (batch, job.data.plan.train.world_size)  # taken for a given checkpoint that records neither
-    restore_first = _given_restore_point(job)
+    # the checkpoint the first launch resumes from, as a path and settled; one that does not exist is left to the
+    # ranks, which refuse it naming the key
+    restore_first = resolve_restore_point(job.restore_point, job.ckpt_dir, job.cfg.train.checkpoint_dir,
+                                          required=False)
     if restore_first and os.path.exists(restore_first):  # restated when it records another batch or world size
         job = dataclasses.replace(job, restore_from=_restated(job, restore_first, job.data, batch, first))
     while True:
@@ -310,11 +302,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             return launch(job)
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
-            # a swap of FSDP's last.ckpt a killed rank interrupted is finished first (torch: on the driver only here)
-            from pipeline.distributed.checkpoints import settle
-
-            settle(last)
-            # only a checkpoint this job wrote; an older last.ckpt in the folder belongs to another job
+            settle(last)  # a swap of FSDP's last checkpoint a killed rank interrupted is finished first
+            # only a checkpoint this job wrote; an older last one in the folder belongs to another job
             fresh = os.path.exists(last) and os.path.getmtime(last) >= started
             oom = is_restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
             if oom:

@@ -38,7 +38,7 @@ class TrainJob:
     # configured train.checkpoint_dir itself (a job without an MLflow run)
     checkpoint_dir: Optional[str] = None
     # the checkpoint this launch resumes from, as a path (the driver resolves train.ckpt_restore; a relaunch sets the
-    # job's own last.ckpt); None: train.ckpt_restore as configured
+    # job's own last checkpoint); None: train.ckpt_restore as configured
     restore_from: Optional[str] = None
     # the ranks of this launch when an elastic relaunch went on with fewer (train.min_np); None: train.np
     world_size: Optional[int] = None
@@ -116,14 +116,17 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     from pipeline.distributed.backoff import lr_batch_factor, start_batch_size
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
-                                                MinEpochsEarlyStopping, RngCheckpoint, StopSignals, host_and_pid,
-                                                min_epochs_of, progress_bar, quiet_profiler, skip_idle_step_hooks)
-    from pipeline.distributed.checkpoints import CheckpointRecord, check_checkpoint_lineage, resolve_checkpoint
+                                                MinEpochsEarlyStopping, StopSignals, host_and_pid, min_epochs_of,
+                                                progress_bar, quiet_profiler, skip_idle_step_hooks)
+    from pipeline.distributed.checkpoints.layout import (BEST_STEM, LATEST_STEM, STEP_STEM, last_checkpoint,
+                                                         resolve_restore_point)
+    from pipeline.distributed.checkpoints.record import (CheckpointRecord, RngCheckpoint, check_checkpoint_lineage,
+                                                         plain_classifier)
     from pipeline.distributed.devices import (cuda_capability, rank_device_index, resolve_precision, threads_for_rank,
                                               trainer_strategy)
     from pipeline.distributed.faults import InjectedFaults, wanted
     from pipeline.distributed.telemetry import RankResources
-    from pipeline.model.module import ImageClassifier, scaled_lr
+    from pipeline.model.module import scaled_lr
 
     quiet_third_party_warnings()
     cfg = job.cfg
@@ -167,21 +170,21 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     ckpt_dir = job.ckpt_dir
     es = cfg.train.early_stopping
-    stop = StopSignals(os.path.join(ckpt_dir, "last.ckpt"))
+    stop = StopSignals(last_checkpoint(ckpt_dir))
     resources = RankResources()  # every rank's host CPU and memory, peak RSS and peak GPU memory, per epoch
     accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
-    # best.ckpt when the monitored metric improves; last.ckpt after EVERY epoch (a monitored ModelCheckpoint writes
-    # its last.ckpt only in epochs that improved, so a resume would go back to the last improving epoch) and, with
-    # train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode,
+    # the best checkpoint when the monitored metric improves; the last one after EVERY epoch (a monitored
+    # ModelCheckpoint writes its last only in epochs that improved, so a resume would go back to the last improving
+    # epoch) and, with train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename=BEST_STEM, monitor=es.monitor, mode=es.mode,
                                  save_top_k=1, save_last=False, enable_version_counter=False)
-    latest = ModelCheckpoint(dirpath=ckpt_dir, filename="latest", monitor=None, save_top_k=1, save_last=True,
+    latest = ModelCheckpoint(dirpath=ckpt_dir, filename=LATEST_STEM, monitor=None, save_top_k=1, save_last=True,
                              enable_version_counter=False)
     record = CheckpointRecord(job.lineage, batch_size=batch, world_size=world_size,
                               steps_per_epoch=plan.train.steps_per_epoch, lr=lr)
     callbacks = [stop, resources, accounting, checkpoint, latest, record, RngCheckpoint()]
     if cfg.train.checkpoint_every_n_steps:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step", monitor=None, save_top_k=1,
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename=STEP_STEM, monitor=None, save_top_k=1,
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
                                          enable_version_counter=False))
     if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
@@ -206,7 +209,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         use_distributed_sampler=False, log_every_n_steps=max(1, plan.train.steps_per_epoch))
     skip_idle_step_hooks(trainer.callbacks)  # Lightning's per-step calls of hooks that do nothing (callbacks.py)
 
-    ckpt_path = resolve_checkpoint(job.restore_point, ckpt_dir)
+    ckpt_path = resolve_restore_point(job.restore_point, ckpt_dir, cfg.train.checkpoint_dir)
     if ckpt_path:
         trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
         dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped
@@ -245,7 +248,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     sharded = isinstance(strategy, LakehouseFSDPStrategy)
     if sharded and not (best and os.path.exists(best)):  # FSDP has no whole model in memory: its last checkpoint
-        best = os.path.join(ckpt_dir, "last.ckpt")
+        best = last_checkpoint(ckpt_dir)
     state = None
     if is_zero and accounting.history:  # rank 0 reports and registers: the same epoch's weights and metrics
         state, result.metrics = weights_to_register(accounting.history, best)
@@ -253,9 +256,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
         if sharded:  # FSDP left the module wrapped and sharded: rank 0 rebuilds it whole from the checkpoint
-            model = ImageClassifier(_plain_network(cfg, job), len(job.data.class_names), cfg.model, lr)
-        if state is not None:
-            model.load_state_dict(state)  # FSDP: its shards gathered on rank 0
+            model = plain_classifier(cfg.model, job.data.channels, len(job.data.class_names), lr, state)
+        elif state is not None:
+            model.load_state_dict(state)
         result.model_uri = tracker.finish(model, job, accounting.history, result)
     return result
 
@@ -269,7 +272,7 @@ def weights_to_register(history: List[Dict[str, Any]], best: Optional[str]) -> T
     The epoch is read from the checkpoint, not chosen again from the history: a run resumed from another run's
     checkpoint carries that run's epochs in its history, whose best score Lightning does not carry into the new
     folder, so the best of the history can be an epoch whose weights are not in `best`."""
-    from pipeline.distributed.checkpoints import weights_and_epoch
+    from pipeline.distributed.checkpoints.io import weights_and_epoch
 
     state, epoch = None, history[-1].get("epoch")
     if best and os.path.exists(best):
@@ -292,9 +295,3 @@ def model_for(job: TrainJob, lr: float):
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
         steps_per_epoch=job.data.plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs)
 
-
-def _plain_network(cfg: Config, job: TrainJob):
-    """A fresh, unwrapped network of this job's architecture (its weights come from a checkpoint)."""
-    from pipeline.model.nets import build_network
-
-    return build_network(cfg.model.arch, job.data.channels, len(job.data.class_names), cfg.model.width)

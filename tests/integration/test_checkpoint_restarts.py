@@ -20,7 +20,7 @@ _cfg = restart_config
 
 def _kill_a_rank_once_a_checkpoint_records(folder, batch, done):
     """Wait for a last.ckpt under `folder` trained with `batch` per rank, then SIGKILL one rank process."""
-    from pipeline.distributed.checkpoints import trained_with
+    from pipeline.distributed.checkpoints.record import trained_with
     from pipeline.distributed.rank_signals import rank_processes
 
     deadline = time.monotonic() + 600

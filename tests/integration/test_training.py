@@ -139,7 +139,7 @@ def test_single_process_bf16_mixed_trains_on_cpu_and_records_its_precision(spark
 
 def test_resume_continues_epochs_and_checks_lineage(spark, digits_table, tmp_path):
     from pipeline import workflow
-    from pipeline.distributed.checkpoints import CheckpointLineageError, check_checkpoint_lineage
+    from pipeline.distributed.checkpoints.record import CheckpointLineageError, check_checkpoint_lineage
 
     cfg = _cfg(tmp_path, digits_table, "train.np=-2", "train.max_epochs=1")
     first = workflow.train(spark, cfg)

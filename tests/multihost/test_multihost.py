@@ -300,7 +300,7 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
     checkpoint on the one worker host left (the lost executor removed from the application), with the plan re-made
     for one rank (equal steps: a 1-rank plan's steps per epoch), the checkpoint restated for the smaller global
     batch, in the same MLflow run with world_size_used and the cause, and registers the model with its lineage."""
-    from pipeline.distributed.checkpoints import trained_with
+    from pipeline.distributed.checkpoints.record import trained_with
     from pipeline.lakehouse.partition import plan_split
 
     stall = 20

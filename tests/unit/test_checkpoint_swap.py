@@ -132,7 +132,7 @@ def test_reading_a_checkpoint_leaves_the_users_own_files_beside_it(tmp_path):
     """Only what this project wrote is settled: a user's backups named like `<name>.old-*` / `<name>.tmp-*` beside a
     checkpoint survive every read of it, and one beside a missing checkpoint is never renamed into its place."""
     from pipeline.config import ConfigError
-    from pipeline.distributed.checkpoints import resolve_checkpoint
+    from pipeline.distributed.checkpoints.layout import resolve_restore_point
 
     prod = tmp_path / "prod.ckpt"
     write_atomically({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, str(prod))
@@ -141,11 +141,11 @@ def test_reading_a_checkpoint_leaves_the_users_own_files_beside_it(tmp_path):
     for name, text in users.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "prod.ckpt.old-folder").mkdir()
-    assert resolve_checkpoint(str(prod), str(tmp_path)) == str(prod)
+    assert resolve_restore_point(str(prod), str(tmp_path)) == str(prod)
     assert checkpoint_meta(str(prod))["global_step"] == 7 and settle(prod) == str(prod)
     assert settle(tmp_path / "gone.ckpt") is None
     with pytest.raises(ConfigError, match="gone.ckpt does not exist"):
-        resolve_checkpoint(str(tmp_path / "gone.ckpt"), str(tmp_path))
+        resolve_restore_point(str(tmp_path / "gone.ckpt"), str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted([*users, "prod.ckpt", "prod.ckpt.old-folder"])
     assert all((tmp_path / name).read_text() == text for name, text in users.items())
     assert leftovers(prod) == ([], [])

@@ -14,7 +14,7 @@ from pipeline.distributed import launcher
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, check_checkpoint_lineage,
                                               checkpoint_meta, classifier_from_checkpoint, consolidated_state,
                                               trained_with)
-from pipeline.distributed.restate import converted_position, rescale_checkpoint, restated
+from pipeline.distributed.checkpoints.restate import converted_position, rescale_checkpoint, restated
 from pipeline.distributed.rank_process import rank_record
 
 WORLD, ROWS_PER_RANK = 2, 320  # steps per epoch: 5 at 64 per rank, 10 at 32, 20 at 16
@@ -303,7 +303,7 @@ def test_the_fsdp_strategy_resumes_only_what_it_reads_as_plain_and_refuses_a_hos
 
     import torch.distributed.checkpoint as dcp
 
-    from pipeline.distributed.checkpoints import sharded_state
+    from pipeline.distributed.checkpoints.io import sharded_state
 
     clean = tmp_path / "clean.ckpt"
     _fsdp_fit(2, save=str(clean))

@@ -11,8 +11,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.data.convert import plan_data
 from pipeline.data.shards import ConvertedData
 from pipeline.distributed import launcher
-from pipeline.distributed.checkpoints import TRAINED_WITH
-from pipeline.distributed.restate import converted_position, restated
+from pipeline.distributed.checkpoints.record import TRAINED_WITH
+from pipeline.distributed.checkpoints.restate import converted_position, restated
 
 WORLD, ROWS_PER_RANK = 2, 320  # 10 steps per epoch at 32 per rank on 2 ranks, 20 on 1
 

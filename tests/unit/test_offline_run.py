@@ -15,7 +15,10 @@ def _cfg(tmp_path, restore):
 
 
 def test_ckpt_restore_resolves_within_the_run_or_the_run_named(tmp_path):
-    from pipeline.workflow import resolve_restore
+    from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
+
+    def resolve_restore(cfg, run_id):  # as the driver resolves it for run `run_id` (workflow.train_in_run)
+        return resolve_restore_point(cfg.train.ckpt_restore, run_checkpoint_dir(cfg, run_id), cfg.train.checkpoint_dir)
 
     for run, age in (("older", 100), ("newer", 0)):
         (tmp_path / run).mkdir()

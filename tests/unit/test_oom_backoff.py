@@ -6,7 +6,7 @@ import torch
 
 from pipeline.config import ConfigError, DataConfig, load_config
 from pipeline.distributed.backoff import backs_off, halved, is_out_of_memory, lr_batch_factor, start_batch_size
-from pipeline.distributed.restate import converted_position, rescale_checkpoint
+from pipeline.distributed.checkpoints.restate import converted_position, rescale_checkpoint
 
 
 @pytest.mark.parametrize("exc", [

@@ -3,7 +3,7 @@ run's checkpoint keeps that run's epochs in its history, but its best.ckpt holds
 import pytest
 import torch
 
-from pipeline.distributed.checkpoints import write_atomically
+from pipeline.distributed.checkpoints.io import write_atomically
 from pipeline.distributed.loop import weights_to_register
 
 # the reproduction: the old run's epoch 1 has the best val_loss of the whole history, while the new run's

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.distributed.checkpoints import CheckpointLineageError, check_checkpoint_lineage
+from pipeline.distributed.checkpoints.record import CheckpointLineageError, check_checkpoint_lineage
 from pipeline.lakehouse.delta import DeltaRsEngine
 from pipeline.tracking.heldout import _same_table, pinned_data
 

@@ -127,7 +127,7 @@ def _fit(model, epochs=1):
 
 
 def test_frozen_timm_backbone_keeps_the_pretrained_weights_and_the_rebuild_predicts_the_same(tmp_path):
-    from pipeline.distributed.checkpoints import classifier_from_checkpoint
+    from pipeline.distributed.checkpoints.record import classifier_from_checkpoint
     from pipeline.model.module import ImageClassifier
     from pipeline.model.nets import build_network
     from pipeline.model.timm_backbone import save_pretrained

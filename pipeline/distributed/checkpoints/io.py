@@ -1,13 +1,20 @@
-"""Reading checkpoint bytes without running code: a file with `torch.load(weights_only=True)`, a sharded (torch.
-distributed.checkpoint) folder's `.metadata` with an unpickler of that format's own record types, and its shard
-files' non-tensor items with `weights_only=True`; anything more is refused with `CheckpointError` naming the file.
+"""Reading and writing checkpoints: each written whole or not at all, each read without running code.
+
+Writing. A file is written beside its name and renamed into place (`write_atomically`); a sharded (FSDP) folder is
+written by every rank into a new folder beside its name and swapped in by rank 0 once every shard and `meta.pt` are on
+disk (`write_sharded`; the names and the swap: layout.py).
+
+Reading. A file with `torch.load(weights_only=True)` (tensors and plain values only), a sharded (torch.distributed.
+checkpoint) folder's `.metadata` with an unpickler of that format's own record types, and its shard files' non-tensor
+items with `weights_only=True`; anything more is refused with `CheckpointError` naming the file.
 
 torch.distributed.checkpoint itself unpickles `.metadata` with plain pickle and every non-tensor item of a shard (an
 optimizer's param groups, any value that is not a tensor) with `torch.load(weights_only=False)`: a pickle planted in
 either runs when torch's own reader opens the folder. So a folder is only ever read through `plain_shard_reader`, a
 storage reader that reads the index with `read_index` and unpickles every non-tensor item itself with
 `weights_only=True` whatever planner torch hands it: by `sharded_state` here (one process) and by the FSDP strategy's
-resume (pipeline/distributed/fsdp.py, every rank). `check_sharded` checks a whole folder before a job starts from it.
+resume (pipeline/distributed/fsdp.py, every rank). `check_sharded` checks a whole folder before a job starts from it;
+`checkpoint_meta` is every reader's way in.
 """
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ import enum
 import io
 import os
 import pickle
-from typing import Any, Dict, Iterator, Optional, Sequence
+import tempfile
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded folder's tensors (a pickle)
+from pipeline.distributed.checkpoints.layout import (DCP_METADATA, META_FILE, SUFFIX, fsync_folder,
+                                                     is_sharded_checkpoint, settle, staged_name, swap_in)
 
 
 class CheckpointError(RuntimeError):
@@ -234,3 +243,95 @@ def sharded_state(folder: str, keys: Optional[Sequence[str]] = None) -> Dict[str
         _load_state_dict(state, storage_reader=plain_shard_reader(folder),
                          planner=KeysPlanner(keys=list(keys) if keys is not None else None), no_dist=True)
     return state
+
+
+# ------------------------------------------------------------------------------------ writing: whole or not at all
+def write_atomically(obj: Dict[str, Any], path: str, part_written: Optional[Callable[[str], None]] = None) -> None:
+    """`torch.save(obj)` to a temporary file beside `path`, fsynced, then renamed into place: a crash during the write
+    leaves the previous file under `path` intact. `part_written(path)` (a test's fault hook, pipeline/distributed/
+    faults.py) is called once the bytes are on disk, before the rename."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if part_written is not None:
+            part_written(path)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_folder(folder)
+
+
+def write_sharded(strategy: Any, checkpoint: Dict[str, Any], path: Any,
+                  part_written: Optional[Callable[[str], None]] = None) -> None:
+    """An FSDP checkpoint, whole or not at all, called on every rank (`strategy`: Lightning's FSDP strategy, its
+    `broadcast`, `barrier` and `global_rank`): rank 0 settles `path` and makes a new staged folder beside it; every
+    rank writes its shard of the weights and optimizer state there (torch.distributed.checkpoint, which also writes
+    the index); rank 0 writes `meta.pt` (the rest of `checkpoint`, atomically); after a barrier (every rank done)
+    rank 0 swaps the folder in (`layout.swap_in`). A rank that dies on the way leaves `path` as it was.
+
+    `part_written(path)` (a test's fault hook, pipeline/distributed/faults.py) is called on each rank once its shard
+    is on disk, before the checkpoint is complete."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    final = os.path.abspath(os.fspath(strategy.broadcast(os.fspath(path))))
+    staged = strategy.broadcast(staged_name(final, int(checkpoint.get("global_step", 0))))  # rank 0's id
+    if strategy.global_rank == 0:
+        settle(final)  # what an earlier interrupted save left goes first
+        os.makedirs(staged)
+    strategy.barrier("lakehouse-checkpoint-staged")
+
+    class ShardWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            written.wait()  # this rank's shard is on disk (the index is written after every rank's)
+            if part_written is not None:
+                part_written(final)
+            return written
+
+    state = {"model": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": opt for i, opt in enumerate(checkpoint.pop("optimizer_states", []))})
+    save(state, storage_writer=ShardWriter(staged))
+    if strategy.global_rank == 0:
+        write_atomically(checkpoint, os.path.join(staged, META_FILE))
+    strategy.barrier("lakehouse-checkpoint-written")  # every shard, the index and meta.pt are on disk
+    if strategy.global_rank == 0:
+        swap_in(staged, final)
+    strategy.barrier("lakehouse-checkpoint-swapped")
+
+
+# ---------------------------------------------------------------------------------------------------------- reading
+def checkpoint_meta(path: str) -> Dict[str, Any]:
+    """The non-tensor part of a checkpoint (global_step, callbacks, lineage, trained_with): a file's whole dict, or a
+    sharded checkpoint folder's meta.pt, once its `.metadata` and every non-tensor item of its shards passed
+    `check_sharded` (every reader of a folder, Lightning's resume included, comes through here first)."""
+    if is_sharded_checkpoint(path):
+        check_sharded(path)
+        return read_checkpoint(os.path.join(path, META_FILE))
+    return read_checkpoint(path)
+
+
+def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
+    """The LightningModule state dict of a checkpoint, in one process and without a process group: a file's
+    `state_dict`, or the full state gathered from a sharded folder's shards (read by `sharded_state`, its weights
+    only: the optimizer's state stays on disk)."""
+    if not is_sharded_checkpoint(path):
+        return read_checkpoint(path)["state_dict"]
+    checkpoint_meta(path)  # meta.pt, the index and the shards' non-tensor items pass the same checks first
+    return sharded_state(path, keys=["model"])["model"]
+
+
+def weights_and_epoch(path: str) -> Tuple[Dict[str, torch.Tensor], int]:
+    """The LightningModule state dict of a checkpoint (`consolidated_state`) and the epoch it was saved in: the
+    weights a run registers and the epoch whose metrics go with them."""
+    if is_sharded_checkpoint(path):
+        return consolidated_state(path), int(checkpoint_meta(path)["epoch"])
+    whole = read_checkpoint(path)  # one read of the file for both
+    return whole["state_dict"], int(whole["epoch"])

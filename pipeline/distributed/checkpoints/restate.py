@@ -1,14 +1,14 @@
 """Restating a checkpoint for another global batch (an OOM back-off's smaller batch, an elastic relaunch's fewer
 ranks): the fit loop's and the schedule's step counters at the same place in training, the rates by
-`train.lr_scaling`, from the batch and world size the checkpoint records (`checkpoints.trained_with`)."""
+`train.lr_scaling`, from the batch and world size the checkpoint records (`record.trained_with`)."""
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Optional, Tuple
 
 from pipeline.distributed.backoff import lr_batch_factor
-from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, is_sharded_checkpoint, read_checkpoint,
-                                              recorded_training, trained_with, write_atomically)
+from pipeline.distributed.checkpoints.io import CheckpointError, read_checkpoint, write_atomically
+from pipeline.distributed.checkpoints.layout import is_sharded_checkpoint, restated_path
+from pipeline.distributed.checkpoints.record import TRAINED_WITH, recorded_training, trained_with
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -116,9 +116,7 @@ def restated(path: str, steps_per_epoch: int, batch_size: int, world_size: int, 
                               f"cannot be restated for {batch_size} per rank on {world_size}: a sharded checkpoint "
                               f"resumes only with the batch and world size it records (data.batch_size={old_batch} "
                               f"on {old_world} ranks; train.min_np=null keeps the world size on a relaunch)")
-    stem = os.path.splitext(os.path.basename(path))[0]
-    name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
-    dst = os.path.join(folder or os.path.dirname(path), f"{name}.ckpt")
+    dst = restated_path(path, batch_size, world_size, old_world, folder)
     old_global, new_global = old_batch * old_world, batch_size * world_size
     step = rescale_checkpoint(path, dst, int(record["steps_per_epoch"]), old_global, steps_per_epoch, new_global,
                               lr_batch_factor(new_global, old_global, lr_scaling), new_world=world_size,
