@@ -176,8 +176,11 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
 
     try:
         if "photos" in parts:  # first: the figures never measured yet; `write` keeps each part's as it ends
-            photo_results, _ = measure_photos(cfg, work, quick, save=photos_so_far)
-            results.extend(photo_results)
+            try:
+                results.extend(measure_photos(cfg, work, quick, save=photos_so_far)[0])
+            except Exception as exc:  # recorded; the architectures still run
+                log.exception("bench --gpu: the photo figures failed")
+                report.setdefault("photos", {})["failed"] = f"{type(exc).__name__}: {exc}"
             write()
         for reader in (loader.available_readers(cfg) if "archs" in parts else ()):
             res = loader.measure_loader(cfg, prep, sizes, reader, uncached=True)

@@ -297,10 +297,11 @@ def measure_photos(cfg: Config, work: str, quick: bool = False, save: Callable[[
         return results, per_dev
 
     try:
-        rows = train_contents(data, sizes.reference_images)
+        rows: List[Any] = []
         for key, fn in (("pillow_per_core", lambda: pillow_images_per_s([r[0] for r in rows])),
                         ("decoder_one_worker", lambda: decoder_images_per_s(rows, sizes.image_size, 3))):
             try:
+                rows = rows or train_contents(data, sizes.reference_images)
                 fig[key] = {"images_per_s": fn(), "images": len(rows)}
             except Exception as exc:
                 fig[key] = {"error": error_text(exc)}
