@@ -293,5 +293,6 @@ def model_for(job: TrainJob, lr: float):
     cfg = job.cfg
     return ImageClassifier.from_config(
         cfg.model, job.data.channels, len(job.data.class_names), lr, warmup_epochs=cfg.train.warmup_epochs,
-        steps_per_epoch=job.data.plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs)
+        steps_per_epoch=job.data.plan.train.steps_per_epoch, max_epochs=cfg.train.max_epochs,
+        channels_last=cfg.data.channels_last)
 

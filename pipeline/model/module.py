@@ -68,14 +68,17 @@ class ImageClassifier(pl.LightningModule):
             super().__setattr__(name, value)
 
     def __init__(self, network: nn.Module, num_classes: int, model_cfg: ModelConfig, lr: float,
-                 warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1) -> None:
+                 warmup_epochs: int = 0, steps_per_epoch: int = 1, max_epochs: int = 1,
+                 channels_last: bool = False) -> None:
         super().__init__()
         # Only plain values in hparams, so checkpoints load with torch's weights_only=True. What trains the model is
         # all here; fault injection for tests (the config's debug: section) is a callback, never a hyperparameter.
         self.model_cfg = model_cfg
         self.save_hyperparameters(ignore=["network", "model_cfg"])
         self.hparams["model"] = dataclasses.asdict(model_cfg)
-        self.network = network
+        # data.channels_last: the network's weights in the batches' NHWC order too (the ImageNet recipe on a GPU: the
+        # convolutions then run without a layout change each way), before any strategy wraps it or moves it
+        self.network = network.to(memory_format=torch.channels_last) if channels_last else network
         self._apply_freeze()  # before any strategy wraps the network: DDP/FSDP see which parameters take gradients
         self.loss_fn = nn.CrossEntropyLoss()
         self._epoch_sums: Dict[str, list] = {}  # "train" | "val" -> [loss sum, correct (device), rows (host)]
