@@ -318,6 +318,20 @@ def launch(cfg: Config, data, backend: str, world: int, warmups: Tuple[int, int]
     return sorted(results, key=lambda r: r["rank"])
 
 
+def placeable_worlds(worlds, gpus: Optional[int] = None) -> List[int]:
+    """The world sizes whose ranks each get a device of their own: all of them on a CPU, at most one rank per GPU
+    (NCCL refuses two ranks on one device); those left out are logged."""
+    import torch
+
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kept = [w for w in worlds if not gpus or w <= gpus]
+    if len(kept) < len(worlds):
+        log.info("step overhead: world sizes %s not measured: %d GPU(s), one rank per GPU",
+                 [w for w in worlds if w not in kept], gpus)
+    return kept
+
+
 def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool = False,
                           backends=BACKENDS, worlds=WORLDS, compiled: Optional[bool] = None) -> List[Result]:
     """Every backend x world size: one job each (`launch`), a Result per job. `compiled`: train.compile for train()
@@ -340,9 +354,13 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
     try:
         data1 = converted_without_spark(folder, rows, IMAGE_SIZE, CHANNELS, CLASSES, batch_size=BATCH)
         for backend in backends:
-            for world in worlds:
+            for world in placeable_worlds(worlds):
                 data = data1 if world == 1 else replan(data1, world, BATCH)
-                job = launch(bcfg, data, backend, world, warmups, steps, windows)
+                try:
+                    job = launch(bcfg, data, backend, world, warmups, steps, windows)
+                except Exception as exc:  # one job's failure costs its figure, not the others' (a one-shot GPU call)
+                    log.error("step overhead %s/np%d not measured: %s", backend, world, str(exc).splitlines()[0])
+                    continue
                 res = overhead_result(backend, world, job, device().type, warmup, compiled=compiled)
                 log.info("step overhead %s: train() %.3f ms/step, plain loop %.3f, overhead %.3f ms (per window %s); "
                          "CPU time %.3f - %.3f = %.3f ms", res.variant, res.parts["train_ms_per_step"],
