@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Any, Dict, List, Optional
 
