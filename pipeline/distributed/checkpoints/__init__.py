@@ -8,12 +8,15 @@ driver, which resolves and settles checkpoint paths before any rank starts, impo
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.distributed.checkpoints.layout import (ASIDE, BEST, DCP_METADATA, LAST, META_FILE, NAMES, STAGED,
                                                      is_sharded_checkpoint, last_checkpoint, leftovers,
                                                      resolve_restore_point, restore_path, run_checkpoint_dir, settle,
                                                      swap_in)
+
+if TYPE_CHECKING:  # the lazy names' modules, as the type checker and the import linter see them
+    from pipeline.distributed.checkpoints import io, record, restate  # noqa: F401
 
 # name -> the module (beside this one) that holds it, imported when the name is first asked for
 _LAZY = {
