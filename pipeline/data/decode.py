@@ -273,7 +273,11 @@ class Decoder:
 
 
 def is_jpeg(content: Any) -> bool:
-    return isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
+    """A JPEG whole from its start (SOI) to its end (EOI), what the GPU decoder is given. nvJPEG decodes a truncated
+    or zero-padded stream without a word (seen on an H100: gray where the data stopped), where Pillow refuses it; so a
+    row whose last marker is not EOI goes to the CPU path, which decodes it or names it, as the CPU decoder would."""
+    return (isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
+            and content[-2:] == b"\xff\xd9")
 
 
 class GpuDecoder(Decoder):

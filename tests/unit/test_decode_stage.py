@@ -304,3 +304,26 @@ def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
         with pytest.raises(RowDecodeError, match=r"row /data/dogs/1\.jpg") as gpu_err:
             GpuDecoder(SIZE, 3, train=True, seed=0, device="cpu").decode(batch)
         assert str(cpu_err.value) == str(gpu_err.value)
+
+
+def test_only_a_jpeg_whole_to_its_end_marker_goes_to_the_gpu_decoder():
+    """nvJPEG decodes a truncated or zero-padded JPEG without a word (seen on an H100), where Pillow refuses it: such
+    rows, and a JPEG with bytes after its end marker, take the CPU path, which names them or decodes them."""
+    from pipeline.data.decode import is_jpeg
+
+    good = _photo(3)
+    assert good.endswith(b"\xff\xd9") and is_jpeg(good) and is_jpeg(bytearray(good))
+    for not_whole in (good[: len(good) // 3], good[:600] + bytes(len(good) - 600), b"\xff\xd8\xff" + bytes(100),
+                      good + b"trailer", b"\x89PNG\r\n", b"", None):
+        assert not is_jpeg(not_whole), not_whole[:8] if not_whole else not_whole
+
+
+def test_a_jpeg_with_bytes_after_its_end_marker_decodes_on_the_cpu_path_within_a_gpu_batch():
+    _torchvision()
+    from pipeline.data.decode import GpuDecoder
+
+    contents = [_photo(4), _photo(5) + b"\x00camera trailer"]
+    batch = _batch(contents, index=1)
+    cpu = Decoder(SIZE, 3, train=False, seed=0).decode(batch)
+    gpu = GpuDecoder(SIZE, 3, train=False, seed=0, device="cpu").decode(batch)
+    assert torch.equal(gpu[1], cpu[1])  # the CPU path's own pixels for the row nvJPEG is not given
