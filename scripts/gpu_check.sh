@@ -6,6 +6,7 @@
 #   LAKEHOUSE_BUNDLE=gpu_bundle              the folder made by scripts/fetch_gpu_bundle.sh on a networked machine
 #   PYTHON=python3                           the interpreter that has the CUDA torch
 #   GPU_CHECK_VENV=.venv-gpu                 a venv over that interpreter's packages (--system-site-packages)
+#   GPU_CHECK_TESTS=0                        install and build only (tests/gpu not run)
 #   GPU_CHECK_BENCH=0|quick|1                after the tier, `lakehouse bench --gpu` (quick or full) into gpu_bench.json
 #   GPU_CHECK_BENCH_OVERRIDES="k=v ..."      config overrides for that bench (e.g. data.image_size=64 data.channels=3)
 # Exit status: pytest's (0 when the tier passed); the report is written either way.
@@ -63,7 +64,9 @@ T_HVD=$(date +%s)
 "$VPY" -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'lakehouse-pipeline.pth').write_text('$ROOT\n')"
 "$VPY" -c "import pipeline, os; assert os.path.dirname(os.path.dirname(pipeline.__file__)) == '$ROOT', pipeline.__file__"
 PYTEST_RC=0
-if [ "$HVD_RC" -eq 0 ]; then
+if [ "$HVD_RC" -eq 0 ] && [ "${GPU_CHECK_TESTS:-1}" = 0 ]; then
+  log "GPU_CHECK_TESTS=0: installed and built, tests/gpu not run"
+elif [ "$HVD_RC" -eq 0 ]; then
   "$VPY" -m pytest tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/junit.xml" || PYTEST_RC=$?
 else
   log "horovod build failed (status $HVD_RC): the tier is not run"

@@ -117,6 +117,7 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     import json
     import os
     import shutil
+    import tempfile
     import time
 
     import torch
@@ -144,7 +145,8 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     # the reader every epoch (a real table does not fit data.memory_cache_mb): the input-bound case that matters
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, memory_cache_mb=0))
     out = os.path.abspath(out)
-    work = os.path.join(os.path.dirname(out), "gpu_bench_data")
+    # scratch data in the temp folder, not beside the report (a call cut short would leave it among the results)
+    work = tempfile.mkdtemp(prefix="lakehouse-gpu-bench-")
     bs = gpu_batch_size(cfg)
     rows = rows or bs * (64 if quick else 128)
     t0 = time.perf_counter()
