@@ -25,16 +25,17 @@ def ingest(spark, cfg: Config, source: str, mode: str = "append") -> Dict[str, A
     return ingest_folder(spark, cfg, source, mode).summary()
 
 
-def read_pinned(spark, cfg: Config):
-    """The Delta table at `delta.version` (latest when unset) and the version it is pinned to. `spark`: a session, or
-    a `SparkOnDemand` (started here)."""
+def read_pinned(spark, cfg: Config, version: Optional[int] = None):
+    """The Delta table at `version` (None: `delta.version`, latest when unset) and the version it is pinned to.
+    `spark`: a session, or a `SparkOnDemand` (started here)."""
     from pipeline.lakehouse.delta import get_engine
     from pipeline.lakehouse.spark import session_of
 
-    return get_engine(cfg.delta.engine).read(session_of(spark), cfg.delta.table, cfg.delta.version)
+    return get_engine(cfg.delta.engine).read(session_of(spark), cfg.delta.table,
+                                             cfg.delta.version if version is None else version)
 
 
-def prepare_data(spark, cfg: Config, leases: Any = None):
+def prepare_data(spark, cfg: Config, leases: Any = None, version: Optional[int] = None):
     """Pin the table, convert it for `abs(train.np)` ranks and plan the shards (fails before any rank starts).
 
     `spark`: a session, or a `SparkOnDemand`, started only when Spark has work to do: the table is pinned from its
@@ -42,7 +43,9 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
     on a thread) only for a launch that needs one (`launch_needs_spark`).
 
     `leases` (pipeline.data.leases.JobLeases, optional): the job's leases; the cache entry used is held in it, so no
-    other job evicts or clears it until the job releases it (when its training ends)."""
+    other job evicts or clears it until the job releases it (when its training ends).
+
+    `version`: the Delta version to pin (a sweep's, which every trial reads); None: `delta.version`."""
     from pipeline.data.convert import convert_for_training
     from pipeline.data.readers import require_reader
     from pipeline.distributed.backoff import start_batch_size
@@ -56,9 +59,10 @@ def prepare_data(spark, cfg: Config, leases: Any = None):
     if isinstance(spark, SparkOnDemand) and launch_needs_spark(cfg) and not spark.started:
         spark.start_soon()  # the JVM starts while the table is pinned and the cache looked up
     engine = get_engine(cfg.delta.engine)
-    pinned = engine.pin(cfg.delta.table, cfg.delta.version)  # from the Delta log alone where the engine can
+    version = cfg.delta.version if version is None else version
+    pinned = engine.pin(cfg.delta.table, version)  # from the Delta log alone where the engine can
     if pinned is None:
-        df, pinned = read_pinned(spark, cfg)
+        df, pinned = read_pinned(spark, cfg, version)
     else:
         def df():  # read only on a cache miss: the conversion's input
             return engine.read(session_of(spark), cfg.delta.table, pinned.version)[0]
@@ -93,10 +97,10 @@ def _record_world(run, world: int, cause: str) -> None:
         log.warning("could not record the elastic change to %d rank(s) in MLflow: %s", world, exc)
 
 
-def job_dir_of(cfg: Config, run_id: str) -> str:
+def job_dir_of(cfg: Config, run_id: str, root: Optional[str] = None) -> str:
     """The driver's and ranks' scratch folder of the run (pipeline.distributed.job_folder: rank markers, a run left
-    offline)."""
-    return JobFolder.of_run(cfg.train.checkpoint_dir, run_id).path
+    offline), under `root` (None: `train.checkpoint_dir`)."""
+    return JobFolder.of_run(root or cfg.train.checkpoint_dir, run_id).path
 
 
 def _record_batch(run, n: int, plan, cause: str) -> None:
@@ -112,12 +116,13 @@ def _record_batch(run, n: int, plan, cause: str) -> None:
 
 
 def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None,
-                 marks: Optional[Dict[str, float]] = None):
+                 marks: Optional[Dict[str, float]] = None, checkpoint_root: Optional[str] = None):
     """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
 
     `epoch_gate` (optional) is a context manager with a `folder` attribute, entered while the ranks run: rank 0
     hands it each epoch's metrics there and obeys its verdict (`lakehouse tune` prunes this way). `marks` (optional):
-    the job's timeline, which gets the launch's wall-clock time as `launch`.
+    the job's timeline, which gets the launch's wall-clock time as `launch`. `checkpoint_root` (optional): the folder
+    the run's checkpoint and job folders go under, instead of `train.checkpoint_dir` (a tune trial's own folder).
     Returns rank 0's RankResult.
 
     Raises:
@@ -137,12 +142,13 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
                         "shard_plan.json")
     run.client.set_tag(run.run_id, "batch_size_used", data.plan.train.batch_size)  # per rank; OOM back-off halves it
-    job_dir = job_dir_of(cfg, run.run_id)
+    job_dir = job_dir_of(cfg, run.run_id, checkpoint_root)
     # the run's own folder and the resolved restore point are the job's, not the config's (which stays the user's)
-    checkpoint_dir = run_checkpoint_dir(cfg, run.run_id)
+    checkpoint_dir = run_checkpoint_dir(cfg, run.run_id, checkpoint_root)
     # train.ckpt_restore as a path: `last` / `best` in this run's folder, `<run_id>/last` in that run's; refused here,
     # before any rank starts, when it does not exist
-    restore_from = resolve_restore_point(cfg.train.ckpt_restore, checkpoint_dir, cfg.train.checkpoint_dir)
+    restore_from = resolve_restore_point(cfg.train.ckpt_restore, checkpoint_dir,
+                                         checkpoint_root or cfg.train.checkpoint_dir)
     run.client.set_tag(run.run_id, "checkpoint_dir", checkpoint_dir)
     if restore_from:
         run.client.set_tag(run.run_id, "resumed_from", restore_from)

@@ -222,7 +222,8 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     metric = cfg.tune.metric
     # every cache entry the sweep converts or hits stays leased until the sweep ends: later trials reuse it
     leases = JobLeases(f"tune study {name}")
-    shared = SharedData(lambda c: prepare_data(spark, c, leases), study.user_attrs.get(ATTR_DELTA_VERSION))
+    shared = SharedData(lambda c, version: prepare_data(spark, c, leases, version=version),
+                        study.user_attrs.get(ATTR_DELTA_VERSION))
     # beside the config's own params (tune.* as configured): what this study resolved them to, and the space
     params = {"study.name": name, "study.storage": redact_url(url), "study.pruner": describe_pruner(cfg),
               "study.n_trials": total, **{f"space.{k}": v for k, v in space.describe().items()}}

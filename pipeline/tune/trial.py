@@ -43,9 +43,13 @@ def replan(plan, batch_size: int, min_steps: int = 0):
 class SharedData:
     """The sweep's converted data: converted once per distinct conversion setting (once, unless the space searches
     image size, channels, val fraction or partitions), every trial on the same pinned Delta version, re-planned
-    per batch size."""
+    per batch size.
 
-    def __init__(self, prepare: Callable[[Config], Tuple[Any, Any]], delta_version: Optional[int] = None) -> None:
+    `prepare(cfg, version)` converts the table at Delta `version` (None: `delta.version`); the version the sweep
+    pinned is this object's, never written into a trial's config."""
+
+    def __init__(self, prepare: Callable[[Config, Optional[int]], Tuple[Any, Any]],
+                 delta_version: Optional[int] = None) -> None:
         self._prepare = prepare
         self._converted: Dict[tuple, Tuple[Any, Any]] = {}
         self.delta_version = delta_version
@@ -53,11 +57,9 @@ class SharedData:
 
     def for_config(self, cfg: Config):
         """(data, pinned) for a trial's config: the shared conversion, its plan for `data.batch_size`."""
-        if self.delta_version is not None and cfg.delta.version != self.delta_version:
-            cfg = apply_overrides(cfg, {"delta.version": self.delta_version})
         key = conversion_settings(cfg)
         if key not in self._converted:
-            data, pinned = self._prepare(cfg)
+            data, pinned = self._prepare(cfg, self.delta_version)
             self.conversions += 1
             self.delta_version = pinned.version
             self._converted[key] = (data, pinned)
@@ -145,6 +147,23 @@ class PruningGate:
             os.replace(tmp, os.path.join(self.folder, f"verdict-{epoch}"))
 
 
+@dataclass(frozen=True)
+class TrialJob:
+    """A trial's runtime facts, kept beside its config (the user's config with the trial's sampled values, never
+    rewritten): its number, and its folders under `<train.checkpoint_dir>/tune/<study>`."""
+
+    number: int
+    study: str
+    folder: str  # trial-N: the parent of its run's checkpoint and job folders
+    epochs_folder: str  # epochs/trial-N: where rank 0 hands each epoch's metrics to the PruningGate
+
+    @classmethod
+    def of(cls, cfg: Config, study: str, number: int) -> "TrialJob":
+        base = os.path.join(os.path.abspath(cfg.train.checkpoint_dir), "tune", study)
+        return cls(number, study, os.path.join(base, f"trial-{number}"),
+                   os.path.join(base, "epochs", f"trial-{number}"))
+
+
 @dataclass
 class TrialOutcome:
     number: int
@@ -181,8 +200,7 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
     from pipeline.tracking.runs import tracked_run
     from pipeline.workflow import train_in_run
 
-    base_ckpt = os.path.abspath(cfg.train.checkpoint_dir)
-    trial_dir = os.path.join(base_ckpt, "tune", study_name, f"trial-{trial.number}")
+    job = TrialJob.of(cfg, study_name, trial.number)
     tags = {"world_size": world_size_of(cfg), "backend": cfg.train.backend, "np": cfg.train.np,
             "mlflow.parentRunId": parent_run_id, "optuna.study": study_name, "optuna.trial": trial.number,
             "optuna.params": json.dumps(overrides, sort_keys=True, default=str)}
@@ -190,13 +208,12 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
     # the child run opens first, so a combination the config or the shard plan refuses is a FAILED run too
     with tracked_run(cfg, run_name=f"{study_name}-trial-{trial.number}", tags=tags) as run:
         trial.set_user_attr(ATTR_RUN_ID, run.run_id)
-        tcfg = apply_overrides(cfg, {**overrides, "train.checkpoint_dir": trial_dir})
+        tcfg = apply_overrides(cfg, overrides)
         data, pinned = shared.for_config(tcfg)
         gate = None
         if cfg.tune.pruner != "none":
-            gate = PruningGate(trial, os.path.join(base_ckpt, "tune", study_name, "epochs", f"trial-{trial.number}"),
-                               metric, cfg.tune.pruner)
-        r0 = train_in_run(run, tcfg, data, pinned, tags, epoch_gate=gate)
+            gate = PruningGate(trial, job.epochs_folder, metric, cfg.tune.pruner)
+        r0 = train_in_run(run, tcfg, data, pinned, tags, epoch_gate=gate, checkpoint_root=job.folder)
         trial.set_user_attr(ATTR_METRICS, {k: v for k, v in r0.metrics.items() if math.isfinite(v)})
         if gate is not None and gate.pruned_epoch is not None:
             run.client.log_batch(run.run_id, tags=[RunTag("pruned", "true"),

@@ -121,6 +121,9 @@ def test_sweep_two_ranks_prune_fail_best_registered(spark, digits_table, tmp_pat
     assert plan["train"]["batch_size"] == 32 and plan["train"]["steps_per_epoch"] == min(
         plan["train"]["rows_per_rank"]) // 32
     assert children[1].data.params["data.batch_size"] == "32"
+    for n, child in children.items():  # the config logged is the user's; the trial's folder is the run's own fact
+        assert child.data.params["train.checkpoint_dir"] == f"{tmp_path}/checkpoints"
+        assert child.data.tags["checkpoint_dir"].endswith(f"/tune/{summary['study']}/trial-{n}/{child.info.run_id}")
 
     # only the best trial's model is registered, and the gate made it champion
     versions = client.search_model_versions(f"name='{cfg.mlflow.registered_model}'")

@@ -127,7 +127,7 @@ def test_trial_data_plans_auto_batch_at_its_start_size():
         plan: ShardPlan
 
     data = Data(plan)
-    shared = SharedData(lambda cfg: (data, SimpleNamespace(table="t", version=0)))
+    shared = SharedData(lambda cfg, version: (data, SimpleNamespace(table="t", version=0)))
     cfg = apply_overrides(Config(), {"data.batch_size": "auto", "data.auto_batch_start": 100,
                                      "data.min_steps_per_epoch": 0})
     got, _ = shared.for_config(cfg)
@@ -185,3 +185,31 @@ def test_pruning_gate_reports_each_epoch_and_answers_rank_zero(tmp_path):
             epoch_file(tmp_path / "gate2", epoch, value)
             assert _wait_for(tmp_path / "gate2" / f"verdict-{epoch}") == "continue"
     assert gate.pruned_epoch is None
+
+
+def test_shared_data_hands_the_pinned_version_to_prepare_and_leaves_the_config_as_given():
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from pipeline.config import Config, apply_overrides
+    from pipeline.lakehouse.partition import ShardPlan, plan_split
+    from pipeline.tune.trial import SharedData
+
+    @dataclass
+    class Data:
+        plan: ShardPlan
+
+    data = Data(ShardPlan(train=plan_split("train", [400, 400], 2, 64), val=plan_split("val", [100, 100], 2, 64)))
+    seen = []
+
+    def prepare(cfg, version):
+        seen.append((cfg.delta.version, version))
+        return data, SimpleNamespace(table="t", version=7 if version is None else version)
+
+    cfg = apply_overrides(Config(), {"data.batch_size": 64, "data.min_steps_per_epoch": 0})
+    fresh = SharedData(prepare)
+    fresh.for_config(cfg)
+    assert seen == [(None, None)] and fresh.delta_version == 7  # the version pinned, kept by the sweep's data
+    resumed = SharedData(prepare, delta_version=3)  # a resumed sweep reads the version its study recorded
+    resumed.for_config(cfg)
+    assert seen[-1] == (None, 3)

@@ -49,10 +49,10 @@ def is_last(path: str) -> bool:
     return os.path.basename(os.fspath(path)) == LAST
 
 
-def run_checkpoint_dir(cfg: Config, run_id: str) -> str:
-    """The run's own checkpoint folder, `<train.checkpoint_dir>/<run_id>`: jobs sharing a checkpoint_dir never
-    overwrite or reload each other's checkpoints."""
-    return os.path.join(os.path.abspath(cfg.train.checkpoint_dir), run_id)
+def run_checkpoint_dir(cfg: Config, run_id: str, root: Optional[str] = None) -> str:
+    """The run's own checkpoint folder, `<root>/<run_id>` (root None: `train.checkpoint_dir`; a tune trial's own
+    folder under it): jobs sharing a checkpoint_dir never overwrite or reload each other's checkpoints."""
+    return os.path.join(os.path.abspath(root or cfg.train.checkpoint_dir), run_id)
 
 
 def restated_path(path: str, batch_size: int, world_size: int, old_world: int, folder: Optional[str] = None) -> str:
