@@ -65,10 +65,10 @@ class DataConfig:
     # where images are decoded. convert: once, by Spark at conversion, resized to data.image_size (fixed pixels, no
     # augmentation; the cheapest epoch, right for small images such as the digits). cpu | gpu | auto: the conversion
     # keeps the encoded bytes and each rank decodes them every epoch with the ImageNet recipe at data.image_size
-    # (train: random resized crop and flip; val: resize and center crop): cpu in data.decode_workers threads, gpu with
+    # (train: random resized crop and flip; val: resize and center crop): cpu in data.decode_workers worker processes, gpu with
     # nvJPEG on the rank's GPU (torchvision; rows that are not JPEG on the CPU), auto: gpu on a CUDA rank, else cpu
     decode: str = "convert"
-    decode_workers: int = 0  # decode=cpu|gpu|auto: threads per rank decoding on the CPU; 0: the host's cores / ranks
+    decode_workers: int = 0  # decode=cpu|gpu|auto: processes per rank decoding on the CPU (1: a thread); 0: the host's cores / ranks
     channels_last: bool = False  # batches in channels_last (NHWC) memory order, as GPU convolutions prefer
     reader_workers: int = 2  # per rank: threads reading and decoding row groups ahead of the step
     shuffle_buffer: int = 1024  # rows shuffled across row groups per rank (0: row groups in a shuffled order only)

@@ -81,7 +81,8 @@ def decode_in_rank(data: ConvertedData, c: DataConfig, rank: int) -> str:
     if rank == 0:
         log.info("data.decode=%s: rank 0 decodes %s, the ImageNet recipe at %d px (train: random resized crop and "
                  "flip; val: center crop)", c.decode, "on its GPU with nvJPEG (other formats on the CPU)"
-                 if used == "gpu" else "on the CPU in worker threads", data.image_size)
+                 if used == "gpu" else "on the CPU (Pillow; data.decode_workers > 1: in worker processes)",
+                 data.image_size)
     return used
 
 

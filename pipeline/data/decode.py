@@ -1,5 +1,5 @@
 """The rank's decode stage: encoded image rows -> the ImageNet recipe's crops as uint8 batches, decoded on the CPU in
-worker threads (Pillow) or on the rank's GPU (nvJPEG through torchvision), with the same crops either way.
+worker processes (Pillow) or on the rank's GPU (nvJPEG through torchvision), with the same crops either way.
 
 With `data.decode=cpu|gpu|auto` the converter keeps each row's encoded bytes and path; the batch assembler shuffles
 them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder` turns into tensors:
@@ -9,8 +9,8 @@ them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder
   source image resized to `data.image_size` square. The random draws of a batch depend only on (seed, batch index),
   never on the image sizes or the thread that decodes, so a batch is the same on every run, on the CPU or the GPU, and
   after a resume that skipped batches.
-- CPU: Pillow decodes and resizes the box (`Image.resize(box=)`, antialiased bilinear) in `workers` threads; both
-  release the GIL. Each batch is cut into one chunk per worker, and the next batches are decoded while this one trains.
+- CPU: Pillow decodes and resizes the box (`Image.resize(box=)`, antialiased bilinear) in `workers` processes (one:
+  a thread). Each batch is cut into one chunk per worker, and the next batches are decoded while this one trains.
 - GPU: the JPEG rows of a batch are decoded in one batched nvJPEG call on the rank's device, then cropped, resized
   (bilinear, antialiased: torch's equivalent of Pillow's) and flipped there; rows that are not JPEG, and the JPEG
   rows of a batch nvJPEG refused, are decoded on the CPU path within the same batch.
@@ -23,28 +23,19 @@ import math
 import os
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from pipeline.images import MAX_PIXELS, ImageDecodeError, opened
+from pipeline.data.crops import (CROP_RATIO, CROP_SCALE, DECODE_MODES, DRAWS, VAL_CROP, RowDecodeError,  # noqa: F401
+                                 boxes_for, center_crop_decode, crop_draws, decode_chunk, decode_crop, header,
+                                 train_box, val_box)
+from pipeline.images import MAX_PIXELS
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
-
-DECODE_MODES = ("convert", "cpu", "gpu", "auto")
-CROP_SCALE = (0.08, 1.0)  # RandomResizedCrop's share of the image's area ...
-CROP_RATIO = (3 / 4, 4 / 3)  # ... and its aspect ratio range (torchvision's defaults, the ImageNet recipe)
-CROP_ATTEMPTS = 10  # boxes tried before the central fallback, as torchvision does
-VAL_CROP = 0.875  # validation: the central 224/256 of the shorter side
-DRAWS = 2 * CROP_ATTEMPTS + 3  # uniform draws per row: (area, log aspect) per attempt, top, left, flip
-
-
-class RowDecodeError(ImageDecodeError):
-    """A row's image cannot be decoded; the message names its path and why. The job stops: the table holds a row
-    that ingest would not have written (another writer's, or bytes changed after ingest)."""
 
 
 class EncodedBatch(NamedTuple):
@@ -77,93 +68,6 @@ class EncodedRows:
         return np.empty((n, 2), dtype=object)
 
 
-# ----------------------------------------------------------------------------------------------------------- crops
-def crop_draws(seed: int, batch_index: int, n: int) -> np.ndarray:
-    """(n, DRAWS) uniform draws in [0, 1) for batch `batch_index` of the stream seeded `seed`."""
-    return np.random.default_rng([int(seed), int(batch_index)]).random((n, DRAWS))
-
-
-def train_box(width: int, height: int, u: Sequence[float]) -> Tuple[int, int, int, int, bool]:
-    """(left, top, box width, box height, flip) of a random resized crop from one row's draws `u` (torchvision's
-    RandomResizedCrop: up to CROP_ATTEMPTS boxes of a random area and aspect; else the whole image's central box of
-    an aspect within CROP_RATIO)."""
-    area = width * height
-    log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
-    for a in range(CROP_ATTEMPTS):
-        target = area * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[2 * a])
-        aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * a + 1])
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = min(height - h, int(u[-3] * (height - h + 1)))
-            left = min(width - w, int(u[-2] * (width - w + 1)))
-            return left, top, w, h, bool(u[-1] < 0.5)
-    ratio = width / height
-    if ratio < CROP_RATIO[0]:
-        w, h = width, int(round(width / CROP_RATIO[0]))
-    elif ratio > CROP_RATIO[1]:
-        h, w = height, int(round(height * CROP_RATIO[1]))
-    else:
-        w, h = width, height
-    return (width - w) // 2, (height - h) // 2, w, h, bool(u[-1] < 0.5)
-
-
-def val_box(width: int, height: int) -> Tuple[int, int, int, int, bool]:
-    """(left, top, side, side, no flip): the central square of VAL_CROP of the shorter side, what "resize the shorter
-    side to size / VAL_CROP, then center crop size" takes from the image."""
-    side = max(1, int(round(min(width, height) * VAL_CROP)))
-    return (width - side) // 2, (height - side) // 2, side, side, False
-
-
-# ------------------------------------------------------------------------------------------------------ CPU decode
-def _header(content: Any, path: Any, max_pixels: int) -> Tuple[int, int, str]:
-    """(width, height, format) from the row's header alone, within the pixel bound; RowDecodeError names the row."""
-    if not isinstance(content, (bytes, bytearray, memoryview)):
-        raise RowDecodeError(f"row {path}: no image bytes ({type(content).__name__})")
-    try:
-        with opened(bytes(content), max_pixels) as img:
-            return int(img.width), int(img.height), str(img.format)
-    except ImageDecodeError as exc:
-        raise RowDecodeError(f"row {path}: {exc}") from None
-
-
-def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool], size: int, channels: int,
-                max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """One row with Pillow: decode, resize `box` (left, top, width, height, flip) to `size` square (antialiased
-    bilinear), flip; uint8 (channels, size, size). Raises RowDecodeError naming `path`."""
-    from PIL import Image
-
-    left, top, w, h, flip = box
-    try:
-        with opened(bytes(content), max_pixels) as img:
-            img = img.convert("L" if channels == 1 else "RGB")
-            out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-            if flip:
-                out = out.transpose(Image.FLIP_LEFT_RIGHT)
-            arr = np.asarray(out, dtype=np.uint8)
-    except ImageDecodeError as exc:
-        raise RowDecodeError(f"row {path}: {exc}") from None
-    except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)
-        raise RowDecodeError(f"row {path}: not a decodable image ({type(exc).__name__}: {exc})") from None
-    return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
-
-
-def center_crop_decode(content: bytes, size: int, channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """The validation transform of one image (the central VAL_CROP, resized to `size`): what a model trained with
-    data.decode=cpu|gpu|auto sees of an image at evaluation, for a served model to do the same."""
-    with opened(content, max_pixels) as img:
-        width, height = img.width, img.height
-    return decode_crop(content, "<request>", val_box(width, height), size, channels, max_pixels)
-
-
-def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int) -> List[Tuple]:
-    """The crop box of every row of a batch, from the rows' (width, height) and the batch's draws."""
-    if not train:
-        return [val_box(w, h) for w, h in sizes]
-    draws = crop_draws(seed, batch_index, len(sizes))
-    return [train_box(w, h, draws[i]) for i, (w, h) in enumerate(sizes)]
-
-
 def ranks_on_host(world_size: int) -> int:
     """How many ranks share this host: the launcher's word (Horovod's HOROVOD_LOCAL_SIZE, torchrun's and
     TorchDistributor's LOCAL_WORLD_SIZE), else all `world_size` ranks."""
@@ -183,9 +87,15 @@ def default_workers(world_size: int) -> int:
 
 
 class Decoder:
-    """Decodes `EncodedBatch`es on the CPU into uint8 (N, C, size, size) tensors, `workers` threads, batches decoded
-    ahead of the consumer. `train`: random resized crops and flips (seeded by `seed` and the batch index); else the
-    central crop. `pin`: the batches in pinned memory (a CUDA rank copies them asynchronously)."""
+    """Decodes `EncodedBatch`es on the CPU into uint8 (N, C, size, size) tensors, batches decoded ahead of the
+    consumer. `train`: random resized crops and flips (seeded by `seed` and the batch index); else the central crop.
+    `pin`: the batches in pinned memory (a CUDA rank copies them asynchronously).
+
+    `workers` 1: in a thread of the rank. More: in `workers` processes (forked once, as DataLoader's workers are),
+    each decoding a share of every batch (headers, boxes, Pillow: crops.decode_chunk), while threads of the rank hand
+    the shares over and copy them back.
+    Threads alone do not scale: on the H100 machine 16 threads decoded 2.3x what one did, and here 2 threads of plain
+    Pillow decoded no more than one (Pillow's JPEG path holds the GIL for most of a decode)."""
 
     name = "cpu"
 
@@ -195,12 +105,29 @@ class Decoder:
         self.workers = max(1, int(workers))
         self.pin, self.channels_last, self.max_pixels = pin, channels_last, max_pixels
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._procs: Optional[ProcessPoolExecutor] = None
         self._lock = threading.Lock()
+
+    def processes(self) -> Optional[ProcessPoolExecutor]:
+        """The decode worker processes (workers > 1), started on first use; None: decode in the rank's threads."""
+        if self.workers <= 1:
+            return None
+        with self._lock:
+            if self._procs is None:
+                import multiprocessing
+
+                # fork, as DataLoader's workers on Linux: spawn and forkserver re-run the user's main module in
+                # every worker (a notebook's or a script's without a __main__ guard fails); a worker only decodes
+                # (numpy, Pillow), never touches CUDA or the rank's other threads' state
+                self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"))
+            return self._procs
 
     def pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=f"decode-{self.name}")
+                # with processes, twice the threads: the shares of the next batch wait in the processes' queue
+                threads = self.workers * (2 if self.workers > 1 and self.name == "cpu" else 1)
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"decode-{self.name}")
             return self._pool
 
     def _empty(self, n: int) -> torch.Tensor:
@@ -209,7 +136,7 @@ class Decoder:
         return out
 
     def boxes(self, batch: EncodedBatch) -> List[Tuple]:
-        sizes = [_header(c, p, self.max_pixels)[:2] for c, p in batch.rows]
+        sizes = [header(c, p, self.max_pixels)[:2] for c, p in batch.rows]
         return boxes_for(sizes, self.train, self.seed, batch.index)
 
     def _decode_rows(self, out: torch.Tensor, rows: np.ndarray, boxes: Sequence[Tuple], idx: Iterable[int]) -> None:
@@ -223,9 +150,20 @@ class Decoder:
         out = self._empty(n)
         if n == 0:
             return out, []
-        pool = self.pool()
-        boxes_f = pool.submit(self.boxes, batch)  # headers first (cheap), then the decodes split over the workers
+        pool, procs = self.pool(), self.processes()
         chunk = max(1, math.ceil(n / self.workers))
+        if procs is not None:  # each process: its share's headers, boxes and decodes; a thread here copies it back
+            draws = crop_draws(self.seed, batch.index, n) if self.train else None
+            view = out.numpy()
+
+            def share(lo: int) -> None:
+                hi = min(n, lo + chunk)
+                view[lo:hi] = procs.submit(decode_chunk, list(batch.rows[lo:hi, 0]), list(batch.rows[lo:hi, 1]),
+                                           None if draws is None else draws[lo:hi], self.size, self.channels,
+                                           self.max_pixels).result()
+
+            return out, [pool.submit(share, lo) for lo in range(0, n, chunk)]
+        boxes_f = pool.submit(self.boxes, batch)  # headers first (cheap), then the decodes split over the workers
 
         def part(lo: int) -> None:
             self._decode_rows(out, batch.rows, boxes_f.result(), range(lo, min(n, lo + chunk)))
@@ -270,6 +208,9 @@ class Decoder:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
+            if self._procs is not None:
+                self._procs.shutdown(wait=False, cancel_futures=True)
+                self._procs = None
 
 
 def is_jpeg(content: Any) -> bool:
@@ -303,7 +244,7 @@ class GpuDecoder(Decoder):
 
         rows = batch.rows
         n = len(rows)
-        headers = [_header(c, p, self.max_pixels) for c, p in rows]
+        headers = [header(c, p, self.max_pixels) for c, p in rows]
         boxes = boxes_for([h[:2] for h in headers], self.train, self.seed, batch.index)
         jpeg = [i for i in range(n) if headers[i][2] == "JPEG" and is_jpeg(rows[i, 0])]
         other = [i for i in range(n) if i not in set(jpeg)]

@@ -327,3 +327,18 @@ def test_a_jpeg_with_bytes_after_its_end_marker_decodes_on_the_cpu_path_within_a
     cpu = Decoder(SIZE, 3, train=False, seed=0).decode(batch)
     gpu = GpuDecoder(SIZE, 3, train=False, seed=0, device="cpu").decode(batch)
     assert torch.equal(gpu[1], cpu[1])  # the CPU path's own pixels for the row nvJPEG is not given
+
+
+def test_more_than_one_worker_decodes_in_worker_processes_and_their_errors_name_the_row():
+    import os
+
+    batch = _batch([_jpeg((1, 2, 3), size=(40, 40)), _jpeg((4, 5, 6), size=(300, 300))])
+    decoder = Decoder(SIZE, 3, train=False, seed=0, workers=2, max_pixels=10_000)
+    try:
+        with pytest.raises(RowDecodeError, match=r"row /t/img1\.jpg: too many pixels"):
+            decoder.decode(batch)
+        procs = decoder.processes()
+        assert procs is not None and os.getpid() not in {procs.submit(os.getpid).result() for _ in range(4)}
+        assert Decoder(SIZE, 3, train=False, seed=0, workers=1).processes() is None  # one worker: a thread here
+    finally:
+        decoder.close()

@@ -1,0 +1,121 @@
+"""One row's CPU decode in the ImageNet recipe: the crop boxes (random resized crop and flip for training, the central
+crop for validation) and Pillow's decode of a box to a uint8 square. numpy, Pillow and pipeline.images alone, no torch:
+the decode worker processes (pipeline.data.decode) import this module and nothing heavier."""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from pipeline.images import MAX_PIXELS, ImageDecodeError, opened
+
+DECODE_MODES = ("convert", "cpu", "gpu", "auto")
+CROP_SCALE = (0.08, 1.0)  # RandomResizedCrop's share of the image's area ...
+CROP_RATIO = (3 / 4, 4 / 3)  # ... and its aspect ratio range (torchvision's defaults, the ImageNet recipe)
+CROP_ATTEMPTS = 10  # boxes tried before the central fallback, as torchvision does
+VAL_CROP = 0.875  # validation: the central 224/256 of the shorter side
+DRAWS = 2 * CROP_ATTEMPTS + 3  # uniform draws per row: (area, log aspect) per attempt, top, left, flip
+
+
+class RowDecodeError(ImageDecodeError):
+    """A row's image cannot be decoded; the message names its path and why. The job stops: the table holds a row
+    that ingest would not have written (another writer's, or bytes changed after ingest)."""
+
+
+# ----------------------------------------------------------------------------------------------------------- crops
+def crop_draws(seed: int, batch_index: int, n: int) -> np.ndarray:
+    """(n, DRAWS) uniform draws in [0, 1) for batch `batch_index` of the stream seeded `seed`."""
+    return np.random.default_rng([int(seed), int(batch_index)]).random((n, DRAWS))
+
+
+def train_box(width: int, height: int, u: Sequence[float]) -> Tuple[int, int, int, int, bool]:
+    """(left, top, box width, box height, flip) of a random resized crop from one row's draws `u` (torchvision's
+    RandomResizedCrop: up to CROP_ATTEMPTS boxes of a random area and aspect; else the whole image's central box of
+    an aspect within CROP_RATIO)."""
+    area = width * height
+    log_lo, log_hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    for a in range(CROP_ATTEMPTS):
+        target = area * (CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[2 * a])
+        aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * a + 1])
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = min(height - h, int(u[-3] * (height - h + 1)))
+            left = min(width - w, int(u[-2] * (width - w + 1)))
+            return left, top, w, h, bool(u[-1] < 0.5)
+    ratio = width / height
+    if ratio < CROP_RATIO[0]:
+        w, h = width, int(round(width / CROP_RATIO[0]))
+    elif ratio > CROP_RATIO[1]:
+        h, w = height, int(round(height * CROP_RATIO[1]))
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h, bool(u[-1] < 0.5)
+
+
+def val_box(width: int, height: int) -> Tuple[int, int, int, int, bool]:
+    """(left, top, side, side, no flip): the central square of VAL_CROP of the shorter side, what "resize the shorter
+    side to size / VAL_CROP, then center crop size" takes from the image."""
+    side = max(1, int(round(min(width, height) * VAL_CROP)))
+    return (width - side) // 2, (height - side) // 2, side, side, False
+
+
+def header(content: Any, path: Any, max_pixels: int) -> Tuple[int, int, str]:
+    """(width, height, format) from the row's header alone, within the pixel bound; RowDecodeError names the row."""
+    if not isinstance(content, (bytes, bytearray, memoryview)):
+        raise RowDecodeError(f"row {path}: no image bytes ({type(content).__name__})")
+    try:
+        with opened(bytes(content), max_pixels) as img:
+            return int(img.width), int(img.height), str(img.format)
+    except ImageDecodeError as exc:
+        raise RowDecodeError(f"row {path}: {exc}") from None
+
+
+def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool], size: int, channels: int,
+                max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One row with Pillow: decode, resize `box` (left, top, width, height, flip) to `size` square (antialiased
+    bilinear), flip; uint8 (channels, size, size). Raises RowDecodeError naming `path`."""
+    from PIL import Image
+
+    left, top, w, h, flip = box
+    try:
+        with opened(bytes(content), max_pixels) as img:
+            img = img.convert("L" if channels == 1 else "RGB")
+            out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+            if flip:
+                out = out.transpose(Image.FLIP_LEFT_RIGHT)
+            arr = np.asarray(out, dtype=np.uint8)
+    except ImageDecodeError as exc:
+        raise RowDecodeError(f"row {path}: {exc}") from None
+    except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)
+        raise RowDecodeError(f"row {path}: not a decodable image ({type(exc).__name__}: {exc})") from None
+    return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+
+
+def center_crop_decode(content: bytes, size: int, channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """The validation transform of one image (the central VAL_CROP, resized to `size`): what a model trained with
+    data.decode=cpu|gpu|auto sees of an image at evaluation, for a served model to do the same."""
+    with opened(content, max_pixels) as img:
+        width, height = img.width, img.height
+    return decode_crop(content, "<request>", val_box(width, height), size, channels, max_pixels)
+
+
+def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int) -> List[Tuple]:
+    """The crop box of every row of a batch, from the rows' (width, height) and the batch's draws."""
+    if not train:
+        return [val_box(w, h) for w, h in sizes]
+    draws = crop_draws(seed, batch_index, len(sizes))
+    return [train_box(w, h, draws[i]) for i, (w, h) in enumerate(sizes)]
+
+
+def decode_chunk(contents: Sequence[Any], paths: Sequence[Any], draws: Optional[np.ndarray], size: int, channels: int,
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Rows of one batch -> uint8 (k, channels, size, size), headers, boxes and decodes here (a decode worker's whole
+    task). `draws`: those rows' crop_draws (training), None: the central crop. Raises RowDecodeError naming a row."""
+    out = np.empty((len(contents), channels, size, size), dtype=np.uint8)
+    for i, (content, path) in enumerate(zip(contents, paths)):
+        width, height, _ = header(content, path, max_pixels)
+        box = train_box(width, height, draws[i]) if draws is not None else val_box(width, height)
+        out[i] = decode_crop(content, path, box, size, channels, max_pixels)
+    return out
