@@ -1,6 +1,6 @@
 """One row's CPU decode in the ImageNet recipe: the crop boxes (random resized crop and flip for training, the central
-crop for validation) and Pillow's decode of a box to a uint8 square. numpy, Pillow and pipeline.images alone, no torch:
-the decode worker processes (pipeline.data.decode) import this module and nothing heavier."""
+crop for validation) and Pillow's decode of a box to a uint8 square; `decode_chunk` is a decode worker process's whole
+task (pipeline.data.decode). numpy, Pillow and pipeline.images only: no torch, no tensor crosses a process."""
 from __future__ import annotations
 
 import math
