@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from pipeline import preload
-from pipeline.config import Config, ConfigError, world_size_of
+from pipeline.config import Config, world_size_of
 from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
@@ -77,42 +77,10 @@ def prepare_data(spark, cfg: Config, leases: Any = None, version: Optional[int] 
     return data, pinned
 
 
-def _record_restart(run, n: int, cause: str) -> None:
-    """A restart (train.max_restarts) in the run: the `restarts` metric and a tag with its cause."""
-    try:
-        run.client.log_metric(run.run_id, "restarts", n, step=n)
-        run.client.set_tag(run.run_id, f"restart_{n}_cause", cause[:4000])
-    except Exception as exc:  # the restart matters more than its record
-        log.warning("could not record restart %d in MLflow: %s", n, exc)
-
-
-def _record_world(run, world: int, cause: str) -> None:
-    """An elastic relaunch (train.min_np) on fewer ranks: the `world_size_used` tag, the `world_size` metric and a tag
-    with its cause."""
-    try:
-        run.client.set_tag(run.run_id, "world_size_used", world)
-        run.client.log_metric(run.run_id, "world_size", world)
-        run.client.set_tag(run.run_id, f"world_size_{world}_cause", cause[:4000])
-    except Exception as exc:  # the training matters more than its record
-        log.warning("could not record the elastic change to %d rank(s) in MLflow: %s", world, exc)
-
-
 def job_dir_of(cfg: Config, run_id: str, root: Optional[str] = None) -> str:
     """The driver's and ranks' scratch folder of the run (pipeline.distributed.job_folder: rank markers, a run left
     offline), under `root` (None: `train.checkpoint_dir`)."""
     return JobFolder.of_run(root or cfg.train.checkpoint_dir, run_id).path
-
-
-def _record_batch(run, n: int, plan, cause: str) -> None:
-    """An OOM back-off (data.batch_size=auto, train.oom_backoff) in the run: the `batch_size_used` tag, the
-    `oom_backoffs` metric, a tag with its cause and the new shard plan."""
-    try:
-        run.client.set_tag(run.run_id, "batch_size_used", plan.train.batch_size)
-        run.client.log_metric(run.run_id, "oom_backoffs", n, step=n)
-        run.client.set_tag(run.run_id, f"oom_backoff_{n}_cause", cause[:4000])
-        run.client.log_dict(run.run_id, {"train": plan.train.__dict__, "val": plan.val.__dict__}, "shard_plan.json")
-    except Exception as exc:  # the training matters more than its record
-        log.warning("could not record OOM back-off %d in MLflow: %s", n, exc)
 
 
 def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None,
@@ -133,15 +101,10 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     from pipeline.distributed.loop import TrainJob
     from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
     from pipeline.errors import Terminated
-    from pipeline.tracking.lineage import log_config, log_lineage
+    from pipeline.tracking.run_record import RunRecord
 
     rows_train, rows_val = data.rows
-    log_config(run.client, run.run_id, cfg)
-    log_lineage(run.client, run.run_id, pinned.table, pinned.version,
-                {"train": rows_train, "val": rows_val}, extra_tags=tags)
-    run.client.log_dict(run.run_id, {"train": data.plan.train.__dict__, "val": data.plan.val.__dict__},
-                        "shard_plan.json")
-    run.client.set_tag(run.run_id, "batch_size_used", data.plan.train.batch_size)  # per rank; OOM back-off halves it
+    record = RunRecord(run.client, run.run_id)
     job_dir = job_dir_of(cfg, run.run_id, checkpoint_root)
     # the run's own folder and the resolved restore point are the job's, not the config's (which stays the user's)
     checkpoint_dir = run_checkpoint_dir(cfg, run.run_id, checkpoint_root)
@@ -149,9 +112,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     # before any rank starts, when it does not exist
     restore_from = resolve_restore_point(cfg.train.ckpt_restore, checkpoint_dir,
                                          checkpoint_root or cfg.train.checkpoint_dir)
-    run.client.set_tag(run.run_id, "checkpoint_dir", checkpoint_dir)
-    if restore_from:
-        run.client.set_tag(run.run_id, "resumed_from", restore_from)
+    record.start(cfg, pinned, {"train": rows_train, "val": rows_val}, tags, data.plan, checkpoint_dir, restore_from)
     job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
                    run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker,
                    checkpoint_dir=checkpoint_dir, restore_from=restore_from or "")
@@ -165,9 +126,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     # while rank 0 logs the model); before the launch it delayed the ranks' start, after their return it delays the gate
     torch_for_the_gate = preload.once(lambda: bool(job.folder.ranks_with("done")), ("torch",))
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext(), torch_for_the_gate:
-        results = launch_with_restarts(job, on_restart=lambda n, cause: _record_restart(run, n, cause),
-                                       on_batch=lambda n, plan, cause: _record_batch(run, n, plan, cause),
-                                       on_world=lambda world, cause: _record_world(run, world, cause))
+        results = launch_with_restarts(job, on_restart=record.restart, on_batch=record.batch, on_world=record.world)
     log.info("training finished in %.1f s", time.time() - t0)
     from pipeline.tracking.offline import left_offline
 
@@ -315,13 +274,10 @@ def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any
     """Gate a registered version (latest when None) against the current champion, on the same held-out rows."""
     from pipeline.tracking.runs import configure
 
+    from pipeline.tracking.registry import latest_version
+
     client = configure(cfg.mlflow)
-    name = cfg.mlflow.registered_model
-    if version is None:
-        versions = client.search_model_versions(f"name='{name}'")
-        if not versions:
-            raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
-        version = str(max(int(v.version) for v in versions))
+    version = version or latest_version(client, cfg.mlflow.registered_model)
     return dict(gate(client, cfg, str(version)).__dict__)
 
 

@@ -159,3 +159,13 @@ def _wait_ready(client: MlflowClient, name: str, mv: ModelVersion, wait_s: float
         time.sleep(delay)
         delay = min(delay * 2, 5.0)
         mv = client.get_model_version(name, mv.version)
+
+
+def latest_version(client: MlflowClient, name: str) -> str:
+    """The highest version number of registered model `name`; a ConfigError names the key when it has none."""
+    from pipeline.config import ConfigError
+
+    versions = client.search_model_versions(f"name='{name}'")
+    if not versions:
+        raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
+    return str(max(int(v.version) for v in versions))

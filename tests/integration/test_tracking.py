@@ -199,7 +199,8 @@ def test_tracked_run_model_and_registry(store, tmp_path, gate_table):
 
 
 def _load_in_fresh_process(tracking_uri: str, model_uri: str, tmp_path: Path) -> None:
-    """Load and predict in a new interpreter that cannot import this checkout's `pipeline` package."""
+    """Load and predict in a new interpreter that cannot import this checkout's `pipeline` package: the model runs
+    the code logged with it, and loading it puts no `pipeline` module in the process."""
     repo = str(Path(__file__).resolve().parents[2])
     (tmp_path / "img.png").write_bytes(_png(7))
     script = textwrap.dedent(f"""
@@ -218,8 +219,9 @@ def _load_in_fresh_process(tracking_uri: str, model_uri: str, tmp_path: Path) ->
         mlflow.set_tracking_uri({tracking_uri!r})
         model = mlflow.pyfunc.load_model({model_uri!r})
         out = model.predict(pd.DataFrame({{"content": [open("img.png", "rb").read()]}}))
-        import pipeline
-        print(json.dumps({{"label": out["label"][0], "pipeline": pipeline.__file__}}))
+        served = sys.modules[type(model.unwrap_python_model()).__module__]
+        print(json.dumps({{"label": out["label"][0], "served": served.__name__, "file": served.__file__,
+                           "pipeline": "pipeline" in sys.modules}}))
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -227,7 +229,9 @@ def _load_in_fresh_process(tracking_uri: str, model_uri: str, tmp_path: Path) ->
     assert res.returncode == 0, res.stderr[-3000:]
     answer = json.loads(res.stdout.strip().splitlines()[-1])
     assert answer["label"] in CLASS_NAMES
-    assert not answer["pipeline"].startswith(repo), answer
+    # the model's own code, shipped with it under its own name (never a partial `pipeline`), not this checkout's
+    assert answer["served"].startswith("lakehouse_model_") and not answer["file"].startswith(repo), answer
+    assert answer["pipeline"] is False, answer
 
 
 @pytest.mark.timeout(300)
