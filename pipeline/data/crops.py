@@ -72,10 +72,10 @@ def header(content: Any, path: Any, max_pixels: int) -> Tuple[int, int, str]:
         raise RowDecodeError(f"row {path}: {exc}") from None
 
 
-def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool], size: int, channels: int,
+def crop_pixels(content: bytes, box: Tuple[int, int, int, int, bool], size: int, channels: int,
                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """One row with Pillow: decode, resize `box` (left, top, width, height, flip) to `size` square (antialiased
-    bilinear), flip; uint8 (channels, size, size). Raises RowDecodeError naming `path`."""
+    """One image with Pillow: decode, resize `box` (left, top, width, height, flip) to `size` square (antialiased
+    bilinear), flip; uint8 (channels, size, size). Raises ImageDecodeError saying why (no row named)."""
     from PIL import Image
 
     left, top, w, h, flip = box
@@ -86,19 +86,34 @@ def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool],
             if flip:
                 out = out.transpose(Image.FLIP_LEFT_RIGHT)
             arr = np.asarray(out, dtype=np.uint8)
-    except ImageDecodeError as exc:
-        raise RowDecodeError(f"row {path}: {exc}") from None
+    except ImageDecodeError:
+        raise
     except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)
-        raise RowDecodeError(f"row {path}: not a decodable image ({type(exc).__name__}: {exc})") from None
+        raise ImageDecodeError(f"not a decodable image ({type(exc).__name__}: {exc})") from None
     return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
 
 
+def decode_crop(content: bytes, path: Any, box: Tuple[int, int, int, int, bool], size: int, channels: int,
+                max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """One row: `crop_pixels`, a RowDecodeError naming `path` when it cannot."""
+    try:
+        return crop_pixels(content, box, size, channels, max_pixels)
+    except ImageDecodeError as exc:
+        raise RowDecodeError(f"row {path}: {exc}") from None
+
+
 def center_crop_decode(content: bytes, size: int, channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """The validation transform of one image (the central VAL_CROP, resized to `size`): what a model trained with
-    data.decode=cpu|gpu|auto sees of an image at evaluation, for a served model to do the same."""
-    with opened(content, max_pixels) as img:
-        width, height = img.width, img.height
-    return decode_crop(content, "<request>", val_box(width, height), size, channels, max_pixels)
+    """The validation transform of one image (the central VAL_CROP of the shorter side, resized to `size`): what a
+    model trained with data.decode=cpu|gpu|auto sees of an image at evaluation, for the served model, the promotion
+    gate and the preprocessing contract to do the same. Raises ImageDecodeError saying why."""
+    try:
+        with opened(bytes(content), max_pixels) as img:
+            width, height = img.width, img.height
+    except ImageDecodeError:
+        raise
+    except Exception as exc:
+        raise ImageDecodeError(f"not a decodable image ({type(exc).__name__}: {exc})") from None
+    return crop_pixels(content, val_box(width, height), size, channels, max_pixels)
 
 
 def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int) -> List[Tuple]:

@@ -280,10 +280,16 @@ def _head_of(network: nn.Module) -> nn.Module:
 
 
 def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_names: List[str],
-                 network: Optional[nn.Module] = None) -> Dict[str, Any]:
-    """What a served model needs to rebuild the network and its input transform."""
+                 network: Optional[nn.Module] = None, center_crop: bool = False) -> Dict[str, Any]:
+    """What a served model needs to rebuild the network and its input transform. `center_crop`: the ranks decoded
+    the rows (data.decode=cpu|gpu|auto), so validation saw the central VAL_CROP of each image, resized; the served
+    model, the gate and the preprocessing contract then take the same crop (`center_crop`: that share)."""
+    from pipeline.data.crops import VAL_CROP
+
     meta = {"arch": model_cfg.arch, "width": model_cfg.width, "channels": channels, "image_size": image_size,
             "class_names": list(class_names)}
+    if center_crop:
+        meta["center_crop"] = VAL_CROP
     if network is not None and hasattr(network, "transform"):  # a timm backbone: the input transform it applies
         meta["input_transform"] = network.transform  # (also in its state dict: informative, not needed to rebuild)
         meta["pretrained"] = model_cfg.pretrained  # where its starting weights came from (not read at load time)

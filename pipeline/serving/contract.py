@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pipeline.data.crops import VAL_CROP, center_crop_decode
 from pipeline.images import ImageDecodeError, decode_image
 
 CONTRACT_FILE = "contract.json"
@@ -37,6 +38,10 @@ def preprocessing_contract(meta: Dict[str, Any], model: Optional[Dict[str, Any]]
             "width": size,
             "color_mode": "L" if channels == 1 else "RGB",
             "resize": "bilinear (PIL Image.BILINEAR), only when the decoded image is not height x width",
+            **({"center_crop": meta["center_crop"],
+                "crop": "first the central square of center_crop x the shorter side, resized bilinear (antialiased) "
+                        "to height x width (the validation transform of a model whose ranks decoded its rows)"}
+               if meta.get("center_crop") else {}),
             "scale": 1.0 / 255.0,
             "mean": [PIXEL_MEAN] * channels,
             "std": [PIXEL_STD] * channels,
@@ -86,12 +91,15 @@ def preprocess(contents: Sequence[bytes], contract: Dict[str, Any]) -> np.ndarra
     if c not in (1, 3) or spec["color_mode"] != ("L" if c == 1 else "RGB"):
         raise ValueError(f"preprocessing contract input.color_mode={spec['color_mode']!r} with input.channels={c}: "
                          f"the codec (pipeline.images.decode_image) decodes 'L' (1 channel) or 'RGB' (3)")
+    if spec.get("center_crop") not in (None, VAL_CROP):
+        raise ValueError(f"preprocessing contract input.center_crop={spec['center_crop']!r}: the codec "
+                         f"(pipeline.data.crops.center_crop_decode) takes the central {VAL_CROP} only")
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(c, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(c, 1, 1)
     out = np.empty((len(contents), c, h, w), dtype=np.uint8)
     for i, content in enumerate(contents):
         try:  # the header's size checked against the bound before any decode
-            out[i] = decode_image(content, h, c)
+            out[i] = center_crop_decode(content, h, c) if spec.get("center_crop") else decode_image(content, h, c)
         except ImageDecodeError as exc:
             raise ValueError(f"row {i}: {exc}") from None
     return (out.astype(np.float32) * np.float32(spec["scale"]) - mean) / std

@@ -72,6 +72,7 @@ MAX_ROWS_PER_CALL, MAX_ROWS_CONFIG_KEY, MAX_ROWS_ENV = 10_000, "max_rows_per_cal
 SERVED_MODULES = (
     "pipeline/log.py",
     "pipeline/data/transforms.py",
+    "pipeline/data/crops.py",  # the center crop of a model whose ranks decoded its rows (meta center_crop)
     "pipeline/images.py",
     "pipeline/model/nets.py",
     "pipeline/model/timm_backbone.py",  # nets.build_network imports it (timm itself only for a timm/<name> arch)
@@ -136,6 +137,9 @@ def check_meta(meta: Dict[str, Any]) -> Dict[str, Any]:
     for key in ("width", "channels", "image_size"):
         if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 1:
             raise ValueError(f"model meta key '{key}' must be a positive int, got {meta[key]!r}")
+    crop = meta.get("center_crop")
+    if crop is not None and (isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0 < crop <= 1):
+        raise ValueError(f"model meta key 'center_crop' must be a share in (0, 1] or absent, got {crop!r}")
     out = dict(meta)
     out["class_names"] = [str(n) for n in names]
     return out
@@ -219,7 +223,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
                 good: List[int] = []
                 for i, content in enumerate(chunk):
                     try:
-                        pixels[len(good)] = decode_batch([image_bytes(content)], size, channels)[0]
+                        pixels[len(good)] = decode_batch([image_bytes(content)], size, channels,
+                                                         center_crop=bool(self.meta.get("center_crop")))[0]
                         reason = None
                     except (ImageDecodeError, InvalidImageField) as exc:
                         reason = str(exc)

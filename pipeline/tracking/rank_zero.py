@@ -251,7 +251,8 @@ class RankZeroTracker:
         from pipeline.model.module import network_meta
 
         self._plots(model, job, history, self.offline)
-        meta = network_meta(job.cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
+        meta = network_meta(job.cfg.model, job.data.channels, job.data.image_size, job.data.class_names,
+                            center_crop=job.cfg.data.decode != "convert")
         model.eval()
         self.offline.save_model(model.network.cpu(), meta, result.epochs)
         log.info("kept the model of run %s in %s", self.run_id, self.offline.folder)
@@ -263,7 +264,8 @@ class RankZeroTracker:
 
         cfg = job.cfg
         self._plots(model, job, history, self.client)
-        meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names)
+        meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names,
+                            center_crop=cfg.data.decode != "convert")
         model.eval()
         uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)
         log.info("logged the model to run %s as %s", self.run_id, uri)

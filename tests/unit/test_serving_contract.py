@@ -326,3 +326,47 @@ def test_session_conf_puts_the_sessions_values_back():
             assert spark.conf.values == {"a": "2", "b": "3"}
             raise RuntimeError("the write failed")
     assert spark.conf.values == {"a": "1"}  # a's value back, b unset again
+
+
+def test_a_model_whose_ranks_decoded_its_rows_is_served_and_described_with_its_validation_crop(tmp_path):
+    """data.decode=cpu|gpu|auto: validation saw the central crop of each image; the served model (and so the gate,
+    which scores through it) and the preprocessing contract take that crop, not the whole image resized."""
+    import json
+
+    from PIL import Image
+
+    from pipeline.data.decode import Decoder, EncodedBatch
+    from pipeline.data.transforms import pixels_to_float
+    from pipeline.model.module import network_meta
+    from pipeline.config import ModelConfig
+    from mlflow.pyfunc.model import PythonModelContext
+
+    rng = np.random.default_rng(0)
+    contents = []
+    for w, h in ((60, 40), (33, 50)):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        contents.append(buf.getvalue())
+    meta = network_meta(ModelConfig(arch="cnn", width=4), 3, 16, ["a", "b", "c"], center_crop=True)
+    assert meta["center_crop"] == 0.875 and network_meta(ModelConfig(), 3, 16, ["a"]).get("center_crop") is None
+    torch.manual_seed(0)
+    net = build_network("cnn", 3, 3, width=4).eval()
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    torch.save(net.state_dict(), tmp_path / "weights.pt")
+    model = ImageClassifierModel()
+    model.load_context(PythonModelContext({"meta": str(tmp_path / "meta.json"),
+                                           "weights": str(tmp_path / "weights.pt")}, {}))
+    served = np.stack(model.predict(None, pd.DataFrame({"content": contents}))["probabilities"].to_list())
+    rows = np.empty((2, 2), dtype=object)
+    rows[:, 0], rows[:, 1] = contents, ["/a.png", "/b.png"]
+    val = pixels_to_float(Decoder(16, 3, train=False, seed=0).decode(EncodedBatch(rows, 0)).numpy())
+    with torch.no_grad():
+        expected = torch.softmax(net(torch.from_numpy(val)), 1).numpy()
+    assert np.allclose(served, expected, atol=1e-5)
+    contract = preprocessing_contract(meta)
+    assert contract["input"]["center_crop"] == 0.875
+    assert np.allclose(preprocess(contents, contract), val, atol=1e-6)
+    whole = preprocess(contents, preprocessing_contract({k: v for k, v in meta.items() if k != "center_crop"}))
+    assert not np.allclose(whole, val, atol=1e-2)  # the crop matters on these images
+    with pytest.raises(ValueError, match="input.center_crop=0.5"):
+        preprocess(contents, {**contract, "input": {**contract["input"], "center_crop": 0.5}})
