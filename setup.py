@@ -47,6 +47,7 @@ setup(
     name="lakehouse-pipeline",
     version="0.1.0",
     description="Delta Lake -> Spark -> Petastorm/Arrow -> PyTorch Lightning on Horovod -> MLflow registry",
+    # the library only: bench/ (lakehouse bench, run from a checkout), tests/, jobs/ and scripts/ are not installed
     packages=find_packages(include=["pipeline", "pipeline.*"]),
     python_requires=">=3.11,<3.13",
     install_requires=INSTALL_REQUIRES,

@@ -173,17 +173,19 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps({"cache_dir": cfg.data.cache_dir,
                                   **clear(cfg.data.cache_dir, args.key, force=args.force)}))
             return 0
-        if args.command == "bench" and args.gpu:
-            from pipeline.bench.gpu import run_gpu_bench
-
-            print(json.dumps({"out": run_gpu_bench(cfg, args.out, quick=args.quick,
-                                                   only=args.only.split(",") if args.only else None)["out"]}))
-            return 0
         if args.command == "bench":
-            from pipeline.bench import run_bench
+            missing = _checkout_bench()
+            if missing:
+                raise ConfigError(missing)
+            only = args.only.split(",") if args.only else None
+            if args.gpu:
+                from bench.gpu import run_gpu_bench  # the checkout's bench/, beside the package: not in the library
 
-            print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out,
-                                       only=args.only.split(",") if args.only else None)))
+                print(json.dumps({"out": run_gpu_bench(cfg, args.out, quick=args.quick, only=only)["out"]}))
+                return 0
+            from bench import run_bench  # the checkout's bench/, beside the package: not in the library
+
+            print(json.dumps(run_bench(cfg, quick=args.quick, out=args.out, only=only)))
             return 0
         if args.command == "predict":
             # pyspark (pandas with it) loads here first; MLflow and torch, which predict needs after Spark is up, then
@@ -247,6 +249,23 @@ def _main(argv: Optional[List[str]] = None) -> int:
             raise
         return 1
     return 0
+
+
+def _checkout_bench() -> Optional[str]:
+    """Make the checkout's `bench` package importable here and in the processes it starts (Horovod and torchrun ranks
+    unpickle bench functions by reference); None, or what is missing. The bench is not part of the installed library:
+    it sits beside `pipeline/` in a checkout, and an editable install maps only `pipeline`, so from another folder
+    the checkout (the parent of the package folder) goes first on sys.path and PYTHONPATH for this command."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "bench", "__init__.py")):
+        return (f"lakehouse bench needs the checkout's bench/ package beside pipeline/ (looked in {root}); this "
+                "install has the library only: run it from a git checkout installed with `pip install -e .`")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return None
 
 
 def _exit_past_abandoned_launches(rc: int) -> int:

@@ -55,7 +55,7 @@ part step_overhead 60 --only step_overhead --quick
 part gpu_photos 170 --gpu --only photos --quick
 # train() over a plain loop per arch and precision at 32 px (0.38-0.78 on c912d8d)
 part gpu_archs 75 --gpu --only archs --quick
-grep -E "pipeline.bench.report: |Error" "$OUT/bench.log" | grep -v "^ *backend=\|machine:" | sed 's/.*report: //' | tail -40
+grep -E "bench.report: |Error" "$OUT/bench.log" | grep -v "^ *backend=\|machine:" | sed 's/.*report: //' | tail -40
 # the tier (tests/gpu) in the time left, each test bounded; a test cut by the call's end is reported as not run
 LEFT=$((LIMIT - SECONDS - 15))
 if [ "$LEFT" -gt 30 ]; then

@@ -117,13 +117,16 @@ def plain_loop(warmup: int = 10, steps: int = 50) -> List[Dict[str, Any]]:
 
 def bench_figures() -> Dict[str, Any]:
     """The bench's GPU figures of the product's path (Lightning + strategy), where it offers them without Spark."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: bench/ sits beside pipeline/
+    if root not in sys.path:
+        sys.path.insert(0, root)
     try:
-        from pipeline.bench import gpu as bench_gpu
+        from bench import gpu as bench_gpu
     except Exception as exc:
-        return {"skipped": f"pipeline.bench.gpu is not importable here: {type(exc).__name__}: {exc}"}
+        return {"skipped": f"bench.gpu is not importable here: {type(exc).__name__}: {exc}"}
     fn = getattr(bench_gpu, "standalone_figures", None)
     if fn is None:
-        return {"skipped": "pipeline.bench.gpu offers no standalone_figures() (its measure_gpu needs Spark-converted "
+        return {"skipped": "bench.gpu offers no standalone_figures() (its measure_gpu needs Spark-converted "
                            "data); run `lakehouse bench` where Spark and Java are"}
     return fn()
 

@@ -97,7 +97,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     # a 2-rank `lakehouse train` per backend, phase by phase: the phases add up to the process's wall time
     phases = {r["variant"]: r["parts"] for r in report["results"] if r["name"] == "job_fixed_cost"}
     assert set(phases) == {"horovod", "ddp"}
-    from pipeline.bench.job_phases import PHASES
+    from bench.job_phases import PHASES
     for parts in phases.values():
         assert all(parts[k] >= 0 for k in PHASES) and parts["epochs_s"] > 0 and parts["rank_start_s"] > 0, parts
         assert sum(parts[k] for k in PHASES) == pytest.approx(parts["wall_s"], rel=0.01), parts
@@ -151,8 +151,8 @@ def test_bench_step_overhead_quick(tmp_path: Path):
 def test_conversion_measurement_leaves_the_users_cache_entry(spark, digits_table, tmp_path: Path):
     """The bench converts into its own cache: the user's entry of the same table, under the very key the bench
     deletes and rewrites on every repeat, is still there afterwards, untouched."""
-    from pipeline.bench.conversion import bench_cache_dir, measure_conversion, remove_bench_cache
-    from pipeline.bench.core import QUICK
+    from bench.conversion import bench_cache_dir, measure_conversion, remove_bench_cache
+    from bench.core import QUICK
     from pipeline.data.cache import list_entries, read_manifest, remove_entry
     from pipeline.workflow import prepare_data
 

@@ -346,7 +346,7 @@ def test_elastic_a_worker_host_lost_the_run_goes_on_with_the_rank_left(cluster, 
 
 def test_bench_cross_host_without_a_cluster_says_how_to_start_one(monkeypatch, tmp_path):
     """`lakehouse bench --only cross_host` needs `scripts/multihost.sh up`: without its state it says so."""
-    from pipeline.bench.cross_host import cluster_state
+    from bench.cross_host import cluster_state
     from pipeline.config import ConfigError
 
     monkeypatch.setenv("LAKEHOUSE_MH_ROOT", str(tmp_path))

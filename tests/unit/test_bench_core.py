@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from pipeline.bench import loaders_side_by_side
-from pipeline.bench.core import Result, input_bound_fraction, ratio, windows_rate
-from pipeline.bench.lightning_path import MemoryLoader, step_windows
-from pipeline.bench.loader import available_readers, configured_reader, with_reader
+from bench import loaders_side_by_side
+from bench.core import Result, input_bound_fraction, ratio, windows_rate
+from bench.lightning_path import MemoryLoader, step_windows
+from bench.loader import available_readers, configured_reader, with_reader
 from pipeline.config import Config
 
 
@@ -86,7 +86,7 @@ def test_memory_batches_gather_rows_across_small_row_groups(tmp_path):
     import torch
     import pyarrow.parquet as pq
 
-    from pipeline.bench.reference import memory_batch_list
+    from bench.reference import memory_batch_list
 
     rows = 50
     pixels = [bytes([i % 256]) * 4 for i in range(rows)]  # 1 channel, 2x2
@@ -113,7 +113,7 @@ def test_control_processes_that_die_are_an_error_not_a_wait():
     import multiprocessing as mp
     import time
 
-    from pipeline.bench.reference import _collect
+    from bench.reference import _collect
 
     ctx = mp.get_context("spawn")
     worker = ctx.Process(target=_exit_with, args=(3,))
@@ -126,7 +126,7 @@ def test_control_processes_that_die_are_an_error_not_a_wait():
 
 
 def test_bench_only_names_unknown_measurements_before_any_work():
-    from pipeline.bench import MEASUREMENTS, run_bench
+    from bench import MEASUREMENTS, run_bench
     from pipeline.config import Config, ConfigError
 
     assert "loader" in MEASUREMENTS and "restart_cost" in MEASUREMENTS
@@ -139,7 +139,7 @@ def test_the_direct_pyfunc_calls_of_predict_throughput_stay_within_the_row_limit
     bound), so the bench sends them as a client must: every row once, no call over the limit."""
     import pandas as pd
 
-    from pipeline.bench.predict_throughput import score_directly
+    from bench.predict_throughput import score_directly
 
     class Limited:
         calls = []

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.bench.gpu import MIN_BATCH, PRECISIONS, gpu_batch_size, gpu_results, installed_reader
-from pipeline.bench.jobs import autocast_dtype
+from bench.gpu import MIN_BATCH, PRECISIONS, gpu_batch_size, gpu_results, installed_reader
+from bench.jobs import autocast_dtype
 from pipeline.config import Config, ConfigError
 
 

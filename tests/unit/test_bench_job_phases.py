@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.bench.job_phases import PHASES, timeline
+from bench.job_phases import PHASES, timeline
 from pipeline.workflow import phases
 
 

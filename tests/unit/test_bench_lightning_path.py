@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.bench.jobs import _plain
-from pipeline.bench.lightning_path import timed_train
+from bench.jobs import _plain
+from bench.lightning_path import timed_train
 from pipeline.config import Config
 from pipeline.lakehouse.partition import ShardPlan, plan_split
 

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.bench import photos_gpu
-from pipeline.bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
-                                        train_contents)
-from pipeline.bench.photos_gpu import (LOADER_OVER_MEMORY, PhotoSizes, loader_alone, photo_config, photo_results,
-                                       train_specs)
+from bench import photos_gpu
+from bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
+                               train_contents)
+from bench.photos_gpu import (LOADER_OVER_MEMORY, PhotoSizes, loader_alone, photo_config, photo_results,
+                              train_specs)
 from pipeline.config import Config, ConfigError, DataConfig
 
 TINY = PhotoSizes(train_rows=24, val_rows=8, image_size=32, batch_size=8, warmup=1, steps=1, windows=2,
@@ -145,7 +145,7 @@ def test_figures_that_cannot_run_here_are_skipped_with_the_reason_not_failed():
 
 def test_without_cuda_the_photos_skip_gpu_decode_with_the_reason_and_a_failed_job_does_not_stop_the_next(
         tmp_path, monkeypatch):
-    from pipeline.bench import jobs
+    from bench import jobs
     from pipeline.data.decode import gpu_decode_problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -194,7 +194,7 @@ def test_a_loader_process_that_fails_is_an_error_not_a_raise(photos):
 
 
 def test_bench_gpu_parts_and_the_refusal_without_cuda(monkeypatch, tmp_path):
-    from pipeline.bench.gpu import gpu_parts, run_gpu_bench
+    from bench.gpu import gpu_parts, run_gpu_bench
 
     assert gpu_parts(None) == ["archs", "photos"] and gpu_parts(["photos"]) == ["photos"]
     with pytest.raises(ConfigError, match="unknown part.*pictures"):

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.bench.restart_cost import cost_result, epoch_timing
+from bench.restart_cost import cost_result, epoch_timing
 
 
 def test_restart_cost_passes_when_only_an_epoch_and_a_start_are_lost():
@@ -27,7 +27,7 @@ def test_epoch_timing_from_the_epoch_metric():
 
 
 def test_attempts_split_a_run_with_a_failure():
-    from pipeline.bench.restart_cost import attempts
+    from bench.restart_cost import attempts
 
     history = [SimpleNamespace(step=0, value=4.0, timestamp=120_000),
                SimpleNamespace(step=1, value=4.0, timestamp=170_000)]

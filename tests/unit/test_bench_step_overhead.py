@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.step_overhead import (RUNS, counted_overhead_ms, mean_step_ms, overhead_per_window,
-                                          overhead_result, result_name, run_total, step_ms)
+from bench.step_overhead import (RUNS, counted_overhead_ms, mean_step_ms, overhead_per_window,
+                                 overhead_result, result_name, run_total, step_ms)
 
 
 def _rank(windows, steps=100, warmup_s=0.5, cpu=None):

@@ -1,5 +1,5 @@
 """Which world sizes the step-overhead bench measures: every one on a CPU, at most one rank per GPU."""
-from pipeline.bench.step_overhead import placeable_worlds
+from bench.step_overhead import placeable_worlds
 
 
 def test_world_sizes_are_bounded_by_the_gpus_and_free_on_a_cpu():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.tune_overhead import (EPOCHS, Pair, Spans, breakdown, from_parts_result, overhead_result,
-                                          sweep_space)
+from bench.tune_overhead import (EPOCHS, Pair, Spans, breakdown, from_parts_result, overhead_result,
+                                 sweep_space)
 from pipeline.config import Config
 from pipeline.tune.space import space_from_text
 

@@ -150,7 +150,7 @@ def test_no_step_of_train_reads_a_tensor_on_the_host(monkeypatch, tmp_path):
 
     from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
-    from pipeline.bench.lightning_path import timed_train
+    from bench.lightning_path import timed_train
     from pipeline.config import Config
     from pipeline.lakehouse.partition import ShardPlan, plan_split
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.bench.lightning_path import timed_train
+from bench.lightning_path import timed_train
 from pipeline.config import Config, ModelConfig
 from pipeline.lakehouse.partition import ShardPlan, plan_split
 from pipeline.model.module import ImageClassifier

@@ -9,7 +9,7 @@ import shutil
 import time
 from typing import List, Tuple
 
-from pipeline.bench.core import Result, Sizes, median, patched
+from bench.core import Result, Sizes, median, patched
 from pipeline.config import Config
 from pipeline.tracking.runs import temporary_env
 

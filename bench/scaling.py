@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List
 
-from pipeline.bench.core import Result, Sizes, median, ratio, windows_rate
-from pipeline.bench.input_bound import LOADER_RUN, later_warmup, warmup_run
-from pipeline.bench.jobs import launch, per_run, run_spec
-from pipeline.bench.reference import solo_run
+from bench.core import Result, Sizes, median, ratio, windows_rate
+from bench.input_bound import LOADER_RUN, later_warmup, warmup_run
+from bench.jobs import launch, per_run, run_spec
+from bench.reference import solo_run
 from pipeline.config import Config
 from pipeline.log import get_logger
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import pandas as pd  # at module level: the pandas UDF's type hints (strings here) are resolved in this module
 
-from pipeline.bench.core import Result, Sizes, discarded, interleaved, load, median, ratio
+from bench.core import Result, Sizes, discarded, interleaved, load, median, ratio
 from pipeline.config import Config
 from pipeline.log import get_logger
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import yaml
 
-from pipeline.bench.core import Result, Sizes, discarded, median, patched, ratio
+from bench.core import Result, Sizes, discarded, median, patched, ratio
 from pipeline.config import Config, apply_overrides, world_size_of
 from pipeline.log import get_logger
 
@@ -194,7 +194,7 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
     import optuna
 
     from pipeline import workflow
-    from pipeline.bench.conversion import bench_cache_dir
+    from bench.conversion import bench_cache_dir
     from pipeline.distributed import launcher
     from pipeline.tracking.runs import temporary_env
     from pipeline.tune import sweep

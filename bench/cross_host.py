@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
-from pipeline.bench.core import Result, Sizes, interleaved, median, ratio
+from bench.core import Result, Sizes, interleaved, median, ratio
 from pipeline.config import ConfigError
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/, conf/, scripts/multihost.sh
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: jobs/, conf/, scripts/multihost.sh
 LOOPBACK_PORT, LOOPBACK_UI = 7079, 8089
 JOB_TIMEOUT_S = 900
 START_TIMEOUT_S = 120

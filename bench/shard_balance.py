@@ -1,7 +1,7 @@
 """Shard balance: most / fewest rows each rank reads in one pass over its shard of a 2-rank plan (exact counts)."""
 from __future__ import annotations
 
-from pipeline.bench.core import TARGETS, Result
+from bench.core import TARGETS, Result
 from pipeline.config import Config
 
 

@@ -2,10 +2,10 @@
 digits sample through `model.pretrained`, against the same architecture from random initialisation.
 
 Two steps, because timm needs the vision venv and the tables need Spark:
-  .venv/bin/python -m pipeline.bench.transfer prepare --work DIR [--rows 4000]
+  .venv/bin/python -m bench.transfer prepare --work DIR [--rows 4000]
       the synthetic bench table (Spark, as `lakehouse bench` makes it) and the digits sample, decoded once (the
       loader's normalised pixels) into DIR/transfer_data.npz
-  .venv-vision/bin/python -m pipeline.bench.transfer run --work DIR [--arch timm/resnet18] [--epochs 15]
+  .venv-vision/bin/python -m bench.transfer run --work DIR [--arch timm/resnet18] [--epochs 15]
       pretrain on the synthetic images, save the network as a model.pretrained file, fine-tune on 80 % of the digits
       and validate on 20 % each epoch, from that file and from scratch; prints one JSON line with both val_acc curves
       and the epochs each needs to reach --target (0.97).
@@ -31,7 +31,7 @@ def prepare(work: str, rows: int = 4000) -> Dict[str, Any]:
 
     from deltalake import DeltaTable
 
-    from pipeline.bench.datasets import ensure_synthetic
+    from bench.datasets import ensure_synthetic
     from pipeline.config import load_config
     from pipeline.data.transforms import decode_batch
     from pipeline.lakehouse.sample_data import CLASS_NAMES, render_digits

@@ -5,8 +5,8 @@ import dataclasses
 import time
 from typing import List, Optional
 
-from pipeline.bench.core import Result, Sizes, interleaved, median, torch_threads
-from pipeline.bench.reference import parquet_paths, pyarrow_pass
+from bench.core import Result, Sizes, interleaved, median, torch_threads
+from bench.reference import parquet_paths, pyarrow_pass
 from pipeline.config import Config
 
 def configured_reader(cfg: Config) -> str:

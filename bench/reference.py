@@ -6,7 +6,7 @@ import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-from pipeline.bench.core import Sizes
+from bench.core import Sizes
 from pipeline.config import Config
 from pipeline.log import get_logger
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pipeline.bench.core import Result, median, ratio
-from pipeline.bench.photos_rank import error_text, photo_rank_job
+from bench.core import Result, median, ratio
+from bench.photos_rank import error_text, photo_rank_job
 from pipeline.config import Config
 from pipeline.log import get_logger
 
@@ -87,7 +87,7 @@ def _loader_child(data, cfg: Config, decode: str, batches: int, queue) -> None:
         import psutil
         import torch
 
-        from pipeline.bench.core import device, sync
+        from bench.core import device, sync
         from pipeline.data.datamodule import make_datamodule
         from pipeline.data.decode import default_workers
         from pipeline.log import setup_logging
@@ -251,7 +251,7 @@ def photo_results(dataset: str, fig: Dict[str, Any]) -> Tuple[List[Result], Dict
 # ---------------------------------------------------------------------------------------------- the measurement
 def train_specs(sizes: PhotoSizes, decodes: Sequence[str]) -> List[Dict[str, Any]]:
     """The runs of one arch's rank, in order: plain loop, train() in memory, train() with the loader per decode."""
-    from pipeline.bench.jobs import run_spec
+    from bench.jobs import run_spec
 
     def spec(kind, source, decode=None):
         return {**run_spec(kind, sizes.warmup, source, PRECISION, sizes.batch_size), "decode": decode,
@@ -267,9 +267,9 @@ def measure_photos(cfg: Config, work: str, quick: bool = False, save: Callable[[
 
     import torch
 
-    from pipeline.bench.jobs import launch
-    from pipeline.bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
-                                            train_contents)
+    from bench.jobs import launch
+    from bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
+                                   train_contents)
     from pipeline.data.decode import gpu_decode_problem
 
     cuda = torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pipeline.bench.core import Result, Sizes, input_bound_fraction, median, ratio
+from bench.core import Result, Sizes, input_bound_fraction, median, ratio
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
 
@@ -48,9 +48,9 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
 
     if not torch.cuda.is_available():
         return [], {}
-    from pipeline.bench.conversion import replan
-    from pipeline.bench.input_bound import later_warmup
-    from pipeline.bench.jobs import launch, per_run, run_spec
+    from bench.conversion import replan
+    from bench.input_bound import later_warmup
+    from bench.jobs import launch, per_run, run_spec
 
     bs = gpu_batch_size(cfg)
     data = replan(prep.data1, 1, bs)
@@ -74,7 +74,7 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
 
 GPU_ARCHS = ("cnn", "resnet", "timm/resnet18")
 # what `bench --gpu --only` picks from: the architectures on 32 px synthetic pixels (and the loader alone on them), and
-# the ImageNet-shaped photos (pipeline/bench/photos_gpu.py)
+# the ImageNet-shaped photos (bench/photos_gpu.py)
 GPU_PARTS = ("archs", "photos")
 
 
@@ -122,12 +122,12 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
 
     import torch
 
-    from pipeline.bench import loader
-    from pipeline.bench.conversion import Prepared
-    from pipeline.bench.core import FULL, QUICK, load, machine
-    from pipeline.bench.datasets import converted_without_spark
-    from pipeline.bench.photos_gpu import measure_photos, on_cpu_switch
-    from pipeline.bench.report import log_table
+    from bench import loader
+    from bench.conversion import Prepared
+    from bench.core import FULL, QUICK, load, machine
+    from bench.datasets import converted_without_spark
+    from bench.photos_gpu import measure_photos, on_cpu_switch
+    from bench.report import log_table
 
     parts = gpu_parts(only)
 

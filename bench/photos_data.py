@@ -105,7 +105,7 @@ def train_contents(data, count: int) -> List[Tuple[bytes, str, int]]:
     """The first `count` train rows' (content, path, label_index), in file and row group order."""
     import pyarrow.parquet as pq
 
-    from pipeline.bench.reference import parquet_paths
+    from bench.reference import parquet_paths
     from pipeline.data.shards import CONTENT, LABEL, PATH
 
     out: List[Tuple[bytes, str, int]] = []

@@ -1,6 +1,6 @@
 """FSDP vs DDP peak memory per rank: the same wide model trained a few steps on 2 ranks with each strategy.
 
-Run `python -m pipeline.bench.fsdp_memory [--ranks 2] [--width 2048] [--layers 10] [--steps 4]`: each strategy runs in
+Run `python -m bench.fsdp_memory [--ranks 2] [--width 2048] [--layers 10] [--steps 4]`: each strategy runs in
 its own torchrun job (ranks over gloo on CPU, NCCL on GPUs) through the product's ImageClassifier and the strategies
 train() uses (Lightning's DDPStrategy, pipeline.distributed.fsdp.LakehouseFSDPStrategy); every rank reports its peak
 RSS (and torch.cuda.max_memory_allocated on a GPU) and its RSS before the model was built (the interpreter and
@@ -123,7 +123,7 @@ def measure(ranks: int = 2, width: int = 2048, layers: int = 10, steps: int = 4,
     with tempfile.TemporaryDirectory(prefix="fsdp-memory-") as out_dir:
         for name in ("ddp", "fsdp"):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                   "-m", "pipeline.bench.fsdp_memory", "--rank-job", name, "--out", out_dir, "--width", str(width),
+                   "-m", "bench.fsdp_memory", "--rank-job", name, "--out", out_dir, "--width", str(width),
                    "--layers", str(layers), "--steps", str(steps)]
             # glibc returns freed large blocks to the OS only when they were mmapped: a fixed threshold keeps RSS the
             # memory in use (its default threshold grows after the first large free, and RSS then keeps dead heap)

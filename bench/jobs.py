@@ -41,8 +41,8 @@ def _plain(cfg: Config, data, batches, precision, warmup: int, steps: int, windo
     """A plain PyTorch loop (forward, loss, backward, optimizer step) on `batches`, autocast for bf16-mixed."""
     import torch
 
-    from pipeline.bench.core import device, sync
-    from pipeline.bench.reference import model_and_optimizer, step, timed_windows
+    from bench.core import device, sync
+    from bench.reference import model_and_optimizer, step, timed_windows
 
     dev = device()
     torch.manual_seed(cfg.train.seed)
@@ -70,9 +70,9 @@ def rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows:
     import horovod.torch as hvd
     import torch
 
-    from pipeline.bench.core import device
-    from pipeline.bench.lightning_path import timed_train
-    from pipeline.bench.reference import horovod_alone, memory_batch_list
+    from bench.core import device
+    from bench.lightning_path import timed_train
+    from bench.reference import horovod_alone, memory_batch_list
     from pipeline.distributed.horovod_strategy import HorovodStrategy
     from pipeline.distributed.rank_process import repair_horovod_env
 

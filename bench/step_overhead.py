@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from pipeline.bench.core import Result, Sizes, median
+from bench.core import Result, Sizes, median
 from pipeline.config import Config
 from pipeline.log import get_logger
 
@@ -140,9 +140,9 @@ def plain_loop(cfg: Config, data, batches: List[Tuple[Any, Any]], precision: Opt
     (or `backend` None) nothing is wrapped: what train() adds over this loop is the framework's own cost."""
     import torch
 
-    from pipeline.bench.core import device, sync
-    from pipeline.bench.jobs import autocast_dtype
-    from pipeline.bench.reference import model_and_optimizer, timed_windows
+    from bench.core import device, sync
+    from bench.jobs import autocast_dtype
+    from bench.reference import model_and_optimizer, timed_windows
 
     dev = device()
     torch.manual_seed(cfg.train.seed)
@@ -201,9 +201,9 @@ def rank_runs(cfg: Config, data, backend: str, rank: int, size: int, make_strate
     """`RUNS` in this rank: the same device-resident batches for every run (and every rank)."""
     import torch
 
-    from pipeline.bench.core import device
-    from pipeline.bench.lightning_path import timed_train
-    from pipeline.bench.reference import memory_batch_list
+    from bench.core import device
+    from bench.lightning_path import timed_train
+    from bench.reference import memory_batch_list
     from pipeline.distributed.devices import cuda_capability, resolve_precision
 
     if cfg.train.threads_per_rank is not None:
@@ -299,7 +299,7 @@ def launch(cfg: Config, data, backend: str, world: int, warmups: Tuple[int, int]
     else:
         import multiprocessing as mp
 
-        from pipeline.bench.reference import _collect
+        from bench.reference import _collect
 
         ctx = mp.get_context("spawn")
         queue, port = ctx.Queue(), _free_port()
@@ -338,9 +338,9 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
     (None: the config's). Its scratch data set is written under `work_dir` and removed."""
     import shutil
 
-    from pipeline.bench.conversion import replan
-    from pipeline.bench.core import device
-    from pipeline.bench.datasets import converted_without_spark
+    from bench.conversion import replan
+    from bench.core import device
+    from bench.datasets import converted_without_spark
 
     steps, warmup = (QUICK_STEPS, QUICK_WARMUP) if quick else (STEPS, WARMUP)
     windows = sizes.repeats

@@ -11,7 +11,7 @@ import shutil
 import time
 from typing import Any, Dict, List, Tuple
 
-from pipeline.bench.core import Result, Sizes, discarded, median, patched, ratio
+from bench.core import Result, Sizes, discarded, median, patched, ratio
 from pipeline.config import Config, apply_overrides, world_size_of
 from pipeline.log import get_logger
 
@@ -74,7 +74,7 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
     from mlflow.tracking import MlflowClient
 
     from pipeline import workflow
-    from pipeline.bench.conversion import bench_cache_dir
+    from bench.conversion import bench_cache_dir
     from pipeline.distributed import launcher
     from pipeline.tracking.runs import temporary_env
 

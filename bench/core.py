@@ -59,7 +59,7 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                     "strategy, every callback) minus a plain PyTorch loop (same network, optimizer, "
                                     "precision and gradient averaging) on the same batches held on the device, tiny "
                                     "cnn, batch 16 per rank, on a CPU; per backend and world size "
-                                    "(pipeline/bench/step_overhead.py)"),
+                                    "(bench/step_overhead.py)"),
     "gpu_step_overhead_ms": ("<=", 0.25, "the same on a GPU: milliseconds per step of train() minus the plain loop on "
                                          "the same GPU-resident batches"),
     "gpu_lightning_over_plain": (">=", 0.8, "images/s of the product's train() (Lightning, HorovodStrategy) on "
@@ -67,7 +67,7 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                             "model, batch and precision, one GPU"),
     "gpu_input_bound_fraction": ("<=", 0.05, "1 - step time of the product's train() on GPU-resident batches / the "
                                              "same with the real ShardLoader, one GPU"),
-    # ImageNet-shaped photos (~400x350 JPEG rows) at 224 px, bf16-mixed, one GPU (pipeline/bench/photos_gpu.py)
+    # ImageNet-shaped photos (~400x350 JPEG rows) at 224 px, bf16-mixed, one GPU (bench/photos_gpu.py)
     "gpu_photos_loader_images_per_s": (">=", 6000.0, "images/s of the train ShardLoader alone with data.decode=gpu "
                                                      "(nvJPEG, crop, flip), each batch normalised into bf16 on the "
                                                      "GPU"),

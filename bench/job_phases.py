@@ -1,6 +1,6 @@
 """Job phases: where the wall time of a 2-rank `lakehouse train` goes, phase by phase, for each backend, as a user
 runs it (a new process: interpreter, Spark, data, run set-up, rank start, epochs, model logging, registration and
-gate, exit). `run_jobs` starts those jobs; pipeline.bench.epoch_parity uses it on longer epochs."""
+gate, exit). `run_jobs` starts those jobs; bench.epoch_parity uses it on longer epochs."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from pipeline.bench.core import Result, Sizes, discarded, median, ratio
+from bench.core import Result, Sizes, discarded, median, ratio
 from pipeline.config import Config
 from pipeline.log import get_logger
 
@@ -81,7 +81,7 @@ def run_jobs(cfg: Config, prep, work_dir: str, name: str, epochs: int, rounds: i
     import yaml
     from mlflow import MlflowClient
 
-    from pipeline.bench.conversion import bench_cache_dir
+    from bench.conversion import bench_cache_dir
     from pipeline.tracking.runs import resolve_tracking_uri
 
     root = os.path.join(work_dir, name)
@@ -121,7 +121,7 @@ def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bo
     """`repeats` rounds of one 2-rank `lakehouse train` of the sample per backend (`run_jobs`, `EPOCHS` epochs, warm
     converted-data cache; `quick`: one round, no warm-up: it proves the measurement runs). Result per backend:
     `job_fixed_cost` (the seconds outside the epochs / the job's wall time, every phase in the parts). The epoch
-    time of the two backends is compared on longer epochs (pipeline.bench.epoch_parity)."""
+    time of the two backends is compared on longer epochs (bench.epoch_parity)."""
     runs = run_jobs(cfg, prep, work_dir, "job_phases", EPOCHS, 1 if quick else sizes.repeats, warm_up=not quick)
     results = []
     for backend in BACKENDS:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 from urllib.parse import urlparse
 
-from pipeline.bench.core import Result, Sizes, median
+from bench.core import Result, Sizes, median
 from pipeline.config import Config
 from pipeline.data.cache import remove_entry, root_url
 from pipeline.log import get_logger

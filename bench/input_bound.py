@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from pipeline.bench.core import Result, Sizes, input_bound_fraction, median
-from pipeline.bench.jobs import launch, per_run, run_spec
+from bench.core import Result, Sizes, input_bound_fraction, median
+from bench.jobs import launch, per_run, run_spec
 from pipeline.config import Config
 
 

@@ -10,7 +10,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from pipeline.bench.core import patched
+from bench.core import patched
 from pipeline.config import Config
 from pipeline.log import get_logger
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pipeline.bench.core import Result, Sizes, median, ratio
-from pipeline.bench.job_phases import run_jobs
+from bench.core import Result, Sizes, median, ratio
+from bench.job_phases import run_jobs
 from pipeline.config import Config
 from pipeline.log import get_logger
 

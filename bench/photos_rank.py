@@ -21,7 +21,7 @@ def resident_batches(data, count: int, dev, seed: int) -> List[Tuple[Any, Any]]:
     import numpy as np
     import torch
 
-    from pipeline.bench.photos_data import train_contents
+    from bench.photos_data import train_contents
     from pipeline.data.decode import Decoder, EncodedBatch, default_workers
 
     bs = data.plan.train.batch_size
@@ -51,9 +51,9 @@ def plain_photos(cfg: Config, data, batches, warmup: int, steps: int, windows: i
 
     import torch
 
-    from pipeline.bench.core import device, sync
-    from pipeline.bench.jobs import autocast_dtype
-    from pipeline.bench.reference import model_and_optimizer, timed_windows
+    from bench.core import device, sync
+    from bench.jobs import autocast_dtype
+    from bench.reference import model_and_optimizer, timed_windows
     from pipeline.model.module import normalize_pixels
 
     dev = device()
@@ -85,8 +85,8 @@ def photo_rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, wi
     import horovod.torch as hvd
     import torch
 
-    from pipeline.bench.core import device
-    from pipeline.bench.lightning_path import timed_train
+    from bench.core import device
+    from bench.lightning_path import timed_train
     from pipeline.distributed.horovod_strategy import HorovodStrategy
     from pipeline.distributed.rank_process import repair_horovod_env
 

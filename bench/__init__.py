@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from pipeline.bench.core import FULL, QUICK, TARGETS, Result, Sizes, load, machine
+from bench.core import FULL, QUICK, TARGETS, Result, Sizes, load, machine
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger, quiet_third_party_warnings
 
@@ -59,11 +59,11 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
 
     local = [m for m in MEASUREMENTS if want(m) and m not in STANDALONE]  # the ones on this machine's sample
 
-    from pipeline.bench import (conversion, cross_host, epoch_parity, gpu, input_bound, job_phases, loader,
-                                overheads, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
-                                tune_overhead)
-    from pipeline.bench.datasets import ensure_sample, ensure_synthetic
-    from pipeline.bench.report import log_table, log_to_mlflow
+    from bench import (conversion, cross_host, epoch_parity, gpu, input_bound, job_phases, loader,
+                       overheads, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
+                       tune_overhead)
+    from bench.datasets import ensure_sample, ensure_synthetic
+    from bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
     from pipeline.lakehouse.spark import spark_session
     from pipeline.tracking.runs import tracked_run
