@@ -261,7 +261,7 @@ def phases(marks: Dict[str, float]) -> Dict[str, Any]:
     """Where a train job's time went, from its timeline: seconds pinning, converting and planning the data (MLflow's
     connection included), opening the run until the launch, in the ranks (their start, every epoch and rank 0's model
     logging), and registering and gating; with the timeline itself (wall clock, `launch` included) so a caller can
-    place the ranks' own marks (their `epoch_time_s` metrics) in it (pipeline.bench.job_phases)."""
+    place the ranks' own marks (their `epoch_time_s` metrics) in it (bench/job_phases.py)."""
     order = ("train_called", "data_ready", "launch", "ranks_returned", "gated")
     names = ("prepare_data_s", "run_setup_s", "ranks_s", "register_and_gate_s")
     out: Dict[str, Any] = {name: round(marks[b] - marks[a], 3) for name, a, b in zip(names, order, order[1:])
