@@ -86,6 +86,20 @@ def default_workers(world_size: int) -> int:
     return max(1, cores // ranks_on_host(world_size))
 
 
+def _exit_with_parent(parent: int, every_s: float = 0.2) -> None:
+    """In a decode worker process: end within `every_s` of the rank's end. A rank may end without the interpreter's
+    teardown (os._exit once its result is delivered, or a kill), which never tells the workers; left running they
+    would hold the rank's stdout and stderr open, and a launcher reading them to their end would wait forever."""
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="decode-worker-watch", daemon=True).start()
+
+
 class Decoder:
     """Decodes `EncodedBatch`es on the CPU into uint8 (N, C, size, size) tensors, batches decoded ahead of the
     consumer. `train`: random resized crops and flips (seeded by `seed` and the batch index); else the central crop.
@@ -119,7 +133,8 @@ class Decoder:
                 # fork, as DataLoader's workers on Linux: spawn and forkserver re-run the user's main module in
                 # every worker (a notebook's or a script's without a __main__ guard fails); a worker only decodes
                 # (numpy, Pillow), never touches CUDA or the rank's other threads' state
-                self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"))
+                self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                                  initializer=_exit_with_parent, initargs=(os.getpid(),))
             return self._procs
 
     def pool(self) -> ThreadPoolExecutor:

@@ -342,3 +342,27 @@ def test_more_than_one_worker_decodes_in_worker_processes_and_their_errors_name_
         assert Decoder(SIZE, 3, train=False, seed=0, workers=1).processes() is None  # one worker: a thread here
     finally:
         decoder.close()
+
+
+def test_decode_workers_end_with_a_rank_that_ends_without_its_teardown(tmp_path):
+    """A rank ends with os._exit once its result is delivered: its decode workers must end too, or they hold its
+    stdout open and a launcher reading it to the end waits forever (seen: a pipe never closed)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, io, numpy as np
+        from PIL import Image
+        from pipeline.data.decode import Decoder, EncodedBatch
+        buf = io.BytesIO(); Image.new("RGB", (40, 30), (9, 8, 7)).save(buf, format="JPEG")
+        rows = np.empty((4, 2), dtype=object); rows[:, 0] = [buf.getvalue()] * 4; rows[:, 1] = ["/a.jpg"] * 4
+        d = Decoder(16, 3, train=True, seed=0, workers=2)
+        d.decode(EncodedBatch(rows, 0))
+        print(" ".join(str(p) for p in d.processes()._processes), flush=True)
+        os._exit(0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)  # EOF on stdout
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
