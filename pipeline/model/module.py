@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.config import ModelConfig
+from pipeline.data.crops import VAL_CROP
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 from pipeline.log import get_logger
 from pipeline.model.nets import network_from_config, split_parameters
@@ -284,8 +285,6 @@ def network_meta(model_cfg: ModelConfig, channels: int, image_size: int, class_n
     """What a served model needs to rebuild the network and its input transform. `center_crop`: the ranks decoded
     the rows (data.decode=cpu|gpu|auto), so validation saw the central VAL_CROP of each image, resized; the served
     model, the gate and the preprocessing contract then take the same crop (`center_crop`: that share)."""
-    from pipeline.data.crops import VAL_CROP
-
     meta = {"arch": model_cfg.arch, "width": model_cfg.width, "channels": channels, "image_size": image_size,
             "class_names": list(class_names)}
     if center_crop:

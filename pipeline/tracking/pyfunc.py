@@ -42,14 +42,8 @@ def load_pyfunc(model_uri: str, check_requirements: bool = True):
     One load at a time per process: a models-from-code model is handed over through a module global
     (`mlflow.models.set_model`), so two threads loading at once can both get the same model (seen: two promotion
     gates in one process scored two versions with one network); sys.path is process-wide too."""
-    import sys
-
-    with _LOAD_LOCK:
-        path = list(sys.path)
-        try:
-            return mlflow.pyfunc.load_model(model_uri, suppress_warnings=not check_requirements)
-        finally:
-            sys.path[:] = path
+    with _LOAD_LOCK, _sys_path_kept():
+        return mlflow.pyfunc.load_model(model_uri, suppress_warnings=not check_requirements)
 
 
 CONTENT_COLUMN = "content"
@@ -412,7 +406,7 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
         # would put it in the fluent "current" experiment and, without an active run, link no run.
         logged = mlflow.initialize_logged_model(name=artifact_path, source_run_id=run_id, experiment_id=experiment_id,
                                                 model_type="image-classifier")
-        with _LOAD_LOCK, _served_code_importable(code_pkg.parent):  # MLflow imports the model file while it logs
+        with _LOAD_LOCK, _sys_path_kept(first=code_pkg.parent):  # MLflow imports the model file while it logs
             info = Model.log(
                 artifact_path=None,
                 name=artifact_path,
@@ -435,12 +429,14 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
 
 
 @contextlib.contextmanager
-def _served_code_importable(code_dir: Path) -> Iterator[None]:
-    """`code_dir` first on sys.path for the block, as MLflow puts it where the model loads; put back after."""
+def _sys_path_kept(first: Optional[Path] = None) -> Iterator[None]:
+    """sys.path as it was after the block (MLflow prepends a model's code folder for good); `first`: put first on it
+    for the block, as MLflow does where the model loads."""
     import sys
 
     path = list(sys.path)
-    sys.path.insert(0, str(code_dir))
+    if first is not None:
+        sys.path.insert(0, str(first))
     try:
         yield
     finally:
