@@ -55,6 +55,10 @@ class DataConfig:
     cache_dir: str = "work/data_cache"  # converted Parquet, content-keyed, kept across jobs (`lakehouse cache`)
     cache_max_gb: float = 20.0  # least recently used entries are evicted above this; 0 = no bound
     reader: str = "petastorm"  # petastorm | arrow: how the ranks read the converted Parquet
+    # converted: Spark splits (and with data.decode=convert decodes) the pinned version into the converted-data cache,
+    # which the ranks read | direct: the ranks read the table's own Parquet files at the pinned version (delta-rs
+    # pins and plans, no copy, no cache entry); the split, shuffle and resume rules are the same
+    source: str = "converted"
     row_groups_per_rank: int = 32  # the converter sizes row groups so each rank gets about this many
     max_row_group_mb: float = 32.0  # no row group larger than this
     # ... and none smaller, down to one row group per partition (a reader pays a fixed cost per row group)
@@ -260,6 +264,7 @@ CHOICES = {
     "tune.sampler": ("tpe", "random"),
     "tune.pruner": ("median", "none"),
     "data.reader": ("petastorm", "arrow"),
+    "data.source": ("converted", "direct"),
     "data.decode": ("convert", "cpu", "gpu", "auto"),
     "debug.fail_with": ("error", "oom", "hang"),
 }
