@@ -314,6 +314,9 @@ def validate(cfg: Config) -> None:
         ("data.max_row_group_mb", cfg.data.max_row_group_mb > 0, "must be > 0"),
         ("data.min_row_group_mb", 0 <= cfg.data.min_row_group_mb <= cfg.data.max_row_group_mb,
          "must be >= 0 and <= data.max_row_group_mb"),
+        ("data.source", cfg.data.source != "direct" or cfg.data.decode != "convert",
+         "reads the table's encoded images, which the ranks decode: it needs data.decode cpu, gpu or auto, not "
+         "convert"),
         ("model.lr", cfg.model.lr > 0, "must be > 0"),
         ("model.arch", cfg.model.arch in ("cnn", "resnet") or (cfg.model.arch.startswith("timm/")
                                                               and len(cfg.model.arch) > 5),

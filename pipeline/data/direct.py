@@ -1,0 +1,304 @@
+"""The direct path (data.source=direct): a pinned Delta version's own Parquet files split by the split rule, spread over
+the ranks at the row level, and read per rank with pyarrow into the arrow reader's row groups. No copy, no Spark.
+
+Three steps, each a function:
+
+- `split_index`: the rows of each file in each split, by the one split rule (`partition.row_key` and
+  `partition.is_validation`, as the converted path's Spark filter): it reads the `data.split_key` column (`path`, or
+  `content` to hash), nothing else.
+- `plan_ranges` / `plan_direct`: metadata only. The split's rows, file after file, are cut into one contiguous run per
+  rank: train into equal shares (the total a multiple of the world size; fewer than world-size rows left out, logged),
+  validation into shares that differ by at most one row (every validation row read once; `SplitPlan.eval_steps` pads
+  the ranks with fewer). Files of any sizes are balanced at the row level: a rank's share is (file, start, stop) runs.
+- `DirectShardReader`: one rank's runs cut at the files' row-group boundaries into chunks, read with pyarrow (only
+  the content, label and path columns) and handed over as `readers.RowGroup`s of the encoded layout, so the loader's
+  batch assembly, decode (data.decode=cpu|gpu|auto), data.memory_cache_mb and mid-epoch resume work unchanged: pass
+  p takes the chunks in `readers.pass_order(n, seed, p)`, a pure function of (seed, pass).
+
+A row's id is (file index << 32) | its row in the file: unique within the pinned version.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
+
+from pipeline.data.readers import ArrowShardReader, RowGroup, pass_order
+from pipeline.data.shards import CONTENT, LABEL, PATH, ConversionError
+from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem
+from pipeline.lakehouse.partition import PlanError, ShardPlan, is_validation, plan_shards, row_key, split_rule
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+READ_COLUMNS = (CONTENT, LABEL, PATH)  # what a rank reads of the table's files
+INDEX_THREADS = 4  # files whose split key column is read at once
+FILE_BITS = 32  # a row id is (file index << FILE_BITS) | row in the file
+
+Run = Tuple[int, int, int]  # (file index, start, stop): rows [start, stop) of the split's rows of that file
+
+
+@dataclass
+class SplitIndex:
+    """The rows of each split in each file of a pinned version: sorted row numbers within the file."""
+
+    train: List[np.ndarray]
+    val: List[np.ndarray]
+    split_key: str
+    val_fraction: float
+
+    def counts(self, name: str) -> List[int]:
+        return [len(p) for p in getattr(self, name)]
+
+
+def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, val_fraction: float) \
+        -> Tuple[np.ndarray, np.ndarray]:
+    """(train rows, val rows) of one file by the split rule; a row without a key value is in neither."""
+    import pyarrow.parquet as pq
+
+    column = CONTENT if split_key == "content" else PATH
+    fs, path = arrow_filesystem(uri, storage_options)
+    train: List[int] = []
+    val: List[int] = []
+    row = 0
+    try:
+        with fs.open_input_file(path) as fh:
+            pf = pq.ParquetFile(fh)
+            if column not in pf.schema_arrow.names:
+                raise KeyError(f"no column {column!r} (data.split_key={split_key})")
+            for g in range(pf.num_row_groups):
+                for value in pf.read_row_group(g, columns=[column], use_threads=False).column(0).to_pylist():
+                    key = (row_key(split_key, value, None) if split_key == "path"
+                           else row_key(split_key, None, value))
+                    if key is not None:
+                        (val if is_validation(key, val_fraction) else train).append(row)
+                    row += 1
+    except Exception as exc:
+        raise ConversionError(f"Delta table data file {uri} row {row}: the split key cannot be read "
+                              f"({type(exc).__name__}: {exc})") from None
+    return np.asarray(train, np.int64), np.asarray(val, np.int64)
+
+
+def split_index(pinned: DeltaFiles, val_fraction: float, split_key: str, threads: int = INDEX_THREADS) -> SplitIndex:
+    """Each file's rows in train and val by the split rule of `data.split_key` (the converted path's rule, so the same
+    validation rows): reads that one column of every file (`path`; `content` to hash), on `threads` threads."""
+    split_rule(split_key)  # a key that is not one of partition.SPLIT_KEYS is refused, naming the config key
+    uris = [f.uri for f in pinned.files]
+    with ThreadPoolExecutor(max(1, min(threads, len(uris) or 1))) as pool:
+        parts = list(pool.map(lambda u: _file_split(u, pinned.storage_options, split_key, val_fraction), uris))
+    for f, (t, v) in zip(pinned.files, parts):
+        if len(t) + len(v) > f.rows:
+            raise ConversionError(f"Delta table data file {f.uri} holds {len(t) + len(v)} rows, the log says {f.rows}")
+    return SplitIndex(train=[t for t, _ in parts], val=[v for _, v in parts], split_key=split_key,
+                      val_fraction=val_fraction)
+
+
+def plan_ranges(counts: Sequence[int], world_size: int, drop_remainder: bool) -> List[List[Run]]:
+    """The runs of each rank over files of `counts` rows, taken file after file: rank r gets rows [lo_r, hi_r) of the
+    concatenation, cut at file boundaries. `drop_remainder`: every rank the same rows (the total a multiple of
+    `world_size`, the last `total % world_size` rows in no share); else shares differing by at most one row, every
+    row in one. Metadata only, O(files + ranks), deterministic."""
+    if world_size < 1:
+        raise PlanError(f"world size {world_size} must be >= 1")
+    total = int(sum(counts))
+    per, extra = divmod(total, world_size)
+    if drop_remainder:
+        extra = 0
+    bounds = [0]
+    for r in range(world_size):
+        bounds.append(bounds[-1] + per + (1 if r < extra else 0))
+    starts = np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).tolist()  # file f: [starts[f], starts[f+1])
+    out: List[List[Run]] = []
+    for r in range(world_size):
+        lo, hi = bounds[r], bounds[r + 1]
+        runs: List[Run] = []
+        f = bisect.bisect_right(starts, lo) - 1
+        while lo < hi:
+            while starts[f + 1] <= lo:  # empty files
+                f += 1
+            stop = min(hi, starts[f + 1])
+            runs.append((f, lo - starts[f], stop - starts[f]))
+            lo = stop
+        out.append(runs)
+    return out
+
+
+@dataclass
+class DirectSplit:
+    """One split of the direct path: the table's files, the split's rows of each (sorted row numbers), and the runs
+    of each rank over them. Picklable; crosses into the ranks as a ConvertedSplit does."""
+
+    name: str
+    file_urls: List[str]
+    file_sizes: List[int]
+    positions: List[np.ndarray]
+    runs: List[List[Run]]
+    storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.runs)
+
+    @property
+    def rows_per_rank(self) -> List[int]:
+        return [sum(stop - start for _, start, stop in runs) for runs in self.runs]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.rows_per_rank)
+
+    def rank_rows(self, rank: int) -> List[Tuple[int, np.ndarray]]:
+        """(file index, row numbers in the file) of each run of `rank`, in plan order."""
+        return [(f, self.positions[f][start:stop]) for f, start, stop in self.runs[rank]]
+
+    def encoded_row_bytes(self) -> int:
+        """An encoded row's bytes on average (the files' sizes over their split rows plus the other split's: the
+        whole files), for data.memory_cache_mb: `loader.encoded_row_bytes`'s rule without listing the files."""
+        rows = sum(len(p) for p in self.positions)
+        return max(1, sum(self.file_sizes) // max(1, rows))
+
+
+@dataclass
+class DirectData:
+    """The direct path's train/val splits of a pinned version, the shard plan over the ranks, and the lineage."""
+
+    train: DirectSplit
+    val: DirectSplit
+    plan: ShardPlan
+    table: str
+    version: int
+    files_digest: str
+    split_key: str
+    val_fraction: float
+    left_out: int = 0  # train rows in no share this plan (fewer than the world size)
+
+    @property
+    def rows(self) -> Tuple[int, int]:
+        return self.plan.train.total_rows, self.plan.val.total_rows
+
+    def lineage(self) -> Dict[str, object]:
+        """What a run records of the data it trained on: table@version, the digest of the file list, the source."""
+        return {"source": "direct", "table": self.table, "version": self.version, "files_digest": self.files_digest,
+                "split_rule": split_rule(self.split_key), "val_fraction": self.val_fraction}
+
+
+def plan_direct(pinned: DeltaFiles, index: SplitIndex, world_size: int, batch_size: int,
+                min_steps: int = 0) -> DirectData:
+    """The direct plan for `world_size` ranks: train in equal shares, val every row once (see `plan_ranges`), and the
+    ShardPlan of `partition.plan_shards` over the shares (equal steps per rank, the batch lowered on a small table to
+    give `min_steps` steps, an empty share refused). Metadata only.
+
+    Raises:
+        PlanError: a rank would get no rows, with the numbers.
+    """
+    uris, sizes = [f.uri for f in pinned.files], [f.size for f in pinned.files]
+    for name in ("train", "val"):
+        rows = sum(index.counts(name))
+        if 0 < rows < world_size:
+            raise PlanError(f"{name} split of {pinned.table}@{pinned.version}: {rows} row(s) cannot feed {world_size} "
+                            f"ranks; some rank would read no data. Use fewer ranks (train.np) or add data")
+    splits = {}
+    for name, drop in (("train", True), ("val", False)):
+        runs = plan_ranges(index.counts(name), world_size, drop_remainder=drop)
+        splits[name] = DirectSplit(name, uris, sizes, getattr(index, name), runs, pinned.storage_options)
+    left_out = sum(index.counts("train")) - splits["train"].rows
+    if left_out:
+        log.info("direct plan: %d train row(s) (fewer than the %d ranks) left out of this plan so every rank has "
+                 "%d rows", left_out, world_size, splits["train"].rows_per_rank[0])
+    plan = plan_shards(splits["train"].rows_per_rank, splits["val"].rows_per_rank, world_size, batch_size, min_steps)
+    log.info("direct shard plan for %d rank(s) over %d file(s) of %s@%d: %s", world_size, len(uris), pinned.table,
+             pinned.version, plan.describe())
+    return DirectData(train=splits["train"], val=splits["val"], plan=plan, table=pinned.table, version=pinned.version,
+                      files_digest=pinned.digest, split_key=index.split_key, val_fraction=index.val_fraction,
+                      left_out=left_out)
+
+
+class DirectShardReader(ArrowShardReader):
+    """Reads one rank's share of a DirectSplit with pyarrow, `workers` chunks ahead of the consumer: the arrow reader's
+    interface (`len`, `read`, `iter_groups`, `iter_tagged`), so the loader takes it in the arrow reader's place.
+
+    A chunk is the rank's rows inside one row group of one file; `read` reads that row group's content, label and
+    path columns and takes the rows. Footers are read once, when the reader is made (metadata only).
+    """
+
+    def __init__(self, split: DirectSplit, rank: int, world_size: int, workers: int = 2) -> None:
+        if split.world_size != world_size:
+            raise PlanError(f"{split.name} split was planned for {split.world_size} ranks, not {world_size}")
+        self.split = split
+        self.rank = rank
+        self.workers = max(1, workers)
+        self._local = threading.local()
+        self.groups: List[Tuple[int, int, np.ndarray]] = []  # (file index, row group, row numbers in the file)
+        for f, rows in split.rank_rows(rank):
+            bounds = self._group_bounds(f)
+            cut = np.searchsorted(rows, bounds[1:-1], side="left")
+            for g, part in enumerate(np.split(rows, cut)):
+                if len(part):
+                    self.groups.append((f, g, part))
+
+    def _group_bounds(self, file_index: int) -> np.ndarray:
+        meta = self._file(file_index).metadata
+        return np.concatenate([[0], np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])])
+
+    def _file(self, file_index: int):
+        import pyarrow.parquet as pq
+
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = {}
+        if file_index not in files:
+            url = self.split.file_urls[file_index]
+            try:
+                fs, path = arrow_filesystem(url, self.split.storage_options)
+                files[file_index] = pq.ParquetFile(fs.open_input_file(path))
+            except Exception as exc:
+                raise ConversionError(f"Delta table data file {url} cannot be opened ({type(exc).__name__}: "
+                                      f"{exc})") from None
+        return files[file_index]
+
+    def rows(self) -> int:
+        return sum(len(rows) for _, _, rows in self.groups)
+
+    def read(self, local_index: int) -> RowGroup:
+        """Chunk `local_index` of this rank's share.
+
+        Raises:
+            ConversionError: naming the file and row group when it is missing, changed or unreadable.
+        """
+        import pyarrow as pa
+
+        file_index, group, rows = self.groups[local_index]
+        try:
+            pf = self._file(file_index)
+            offset = int(sum(pf.metadata.row_group(g).num_rows for g in range(group)))
+            table = pf.read_row_group(group, columns=list(READ_COLUMNS), use_threads=False)
+            table = table.take(pa.array(rows - offset))
+        except Exception as exc:
+            url = self.split.file_urls[file_index]
+            raise ConversionError(f"Delta table data file {url} row group {group} ({self.split.name} split, direct "
+                                  f"path) is unreadable ({type(exc).__name__}: {exc})") from None
+        ids = pa.array((np.int64(file_index) << FILE_BITS) | rows.astype(np.int64))
+        return RowGroup(table.column(CONTENT), table.column(LABEL), ids, table.column(PATH))
+
+    def order(self, seed: int, pass_index: int, shuffle: bool) -> np.ndarray:
+        """The chunks' order in pass `pass_index`: the arrow reader's rule (seed, pass) -> permutation."""
+        return pass_order(len(self), seed, pass_index, shuffle)
+
+
+def direct_row_ids(split: DirectSplit, rank: int, world_size: int) -> List[int]:
+    """Every row id of `rank`'s share (for checks and tests; reads the share)."""
+    reader = DirectShardReader(split, rank, world_size, workers=1)
+    ids: List[int] = []
+    for _, group in reader.iter_groups(range(len(reader))):
+        ids.extend(group.row_id.to_pylist())
+    return ids
+
+
+def decode_row_id(row_id: int) -> Tuple[int, int]:
+    """(file index, row in the file) of a direct row id."""
+    return row_id >> FILE_BITS, row_id & ((1 << FILE_BITS) - 1)
+
