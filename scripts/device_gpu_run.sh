@@ -5,7 +5,8 @@
 # (`lakehouse bench --only step_overhead`), the ImageNet-shaped photos (`bench --gpu --only photos`), the per-arch
 # Lightning / plain loop figures (`bench --gpu --only archs`). The GPU bench reads with the arrow reader where
 # Petastorm is absent. Into $OUT, at most 8 files (what the device tool brings back): smi.csv (the card's load once a
-# second), gpu_check.json + gpu_check.log (the tier), step_overhead.json, gpu_photos.json, gpu_archs.json, bench.log.
+# second), gpu_check.json + gpu_check.log (the tier), step_overhead.json, step_profile.json,
+# gpu_photos.json, gpu_archs.json, bench.log.
 #   DEVICE_LIMIT_S=560     the call's budget; the last part gets what the others leave
 #   DEVICE_BUILD_S=240     the bound of bundle install + Horovod build; each GPU test is bounded by DEVICE_TEST_S=150
 #   DEVICE_BENCH_FLAGS     e.g. --quick for every bench part
@@ -47,20 +48,30 @@ part() {
     --out "$OUT/$name.json" data.reader=arrow >> "$OUT/bench.log" 2>&1
   echo "$name: exit $? after $SECONDS s"
 }
-# The figures first, then the tier in what is left (the 2026-11-27 call: install + build 130 s, tier 231 s, step overhead
-# 73 s, photos 190+ s, archs 70 s: more than one call's 10 minutes at full sizes, hence --quick where it is given).
-# the framework's cost per step on the GPU (issue 36: at most 0.25 ms at world size 1)
+# The decode tests first (they check the GPU decode against the CPU one), then the figures, then the rest of the tier in
+# what is left (the 2026-11-27 call: install + build 130 s, tier 231 s, step overhead 73 s, photos 190+ s, archs 70 s:
+# more than one call's 10 minutes at full sizes, hence --quick, and the archs part last).
+# tier NAME SECONDS TESTS...: pytest over TESTS bounded by SECONDS (or what is left), its outcome in gpu_check.log
+tier() {
+  local name=$1 want=$2; shift 2
+  local left=$((LIMIT - SECONDS - 10))
+  [ "$want" -gt "$left" ] && want=$left
+  if [ "$want" -lt 30 ]; then echo "$name: not run, ${left} s left"; return; fi
+  timeout -s INT -k 10 "$want" python3 -m pytest "$@" -ra -p no:cacheprovider --timeout="${DEVICE_TEST_S:-150}" \
+    --junitxml="/tmp/$name.xml" >> "$OUT/gpu_check.log" 2>&1
+  echo "$name: exit $? after $SECONDS s"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|mean \|gpu - cpu\|" "$OUT/gpu_check.log" | tail -8
+}
+tier junit_decode 90 tests/gpu/test_gpu_decode.py -s
+# the framework's cost per step on the GPU (issue 36: at most 0.25 ms at world size 1), then where it goes
 part step_overhead 60 --only step_overhead --quick
+left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 45 ] && left=45
+timeout "$left" python3 -m bench.step_profile --steps 300 --conf conf/local.yaml --out "$OUT/step_profile.json" \
+  data.reader=arrow >> "$OUT/bench.log" 2>&1; echo "step_profile: exit $? after $SECONDS s"
 # ImageNet-shaped photos: the loader alone (decode=cpu|gpu) and timm resnet50/resnet18 at 224 px in bf16
-part gpu_photos 170 --gpu --only photos --quick
-# train() over a plain loop per arch and precision at 32 px (0.38-0.78 on c912d8d)
-part gpu_archs 75 --gpu --only archs --quick
+part gpu_photos 230 --gpu --only photos --quick
 grep -E "bench.report: |Error" "$OUT/bench.log" | grep -v "^ *backend=\|machine:" | sed 's/.*report: //' | tail -40
-# the tier (tests/gpu) in the time left, each test bounded; a test cut by the call's end is reported as not run
-LEFT=$((LIMIT - SECONDS - 15))
-if [ "$LEFT" -gt 30 ]; then
-  timeout -s INT -k 10 "$LEFT" python3 -m pytest tests/gpu -ra -p no:cacheprovider --timeout="${DEVICE_TEST_S:-150}" \
-    --junitxml="$OUT/junit.xml" >> "$OUT/gpu_check.log" 2>&1
-  echo "tests/gpu: exit $? after $SECONDS s"
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_check.log" | tail -15
-fi
+# the rest of the tier in the time left, each test bounded; a test cut by the call's end is reported as not run
+tier junit_rest 600 tests/gpu --ignore=tests/gpu/test_gpu_decode.py
+# train() over a plain loop per arch and precision at 32 px (0.38-0.78 on c912d8d), if anything is left
+part gpu_archs 75 --gpu --only archs --quick

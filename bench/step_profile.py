@@ -1,0 +1,117 @@
+"""Where train()'s extra time per step goes: the product's train() and the plain loop of bench/step_overhead.py on the
+same device-resident batches in one Horovod rank of one, each under cProfile, the CPU time per step summed by where
+the code lives (Lightning, torch's Python, this project, C builtins) and the functions that differ most.
+
+    python -m bench.step_profile [--steps 400] [--out step_profile.json] [--conf conf/local.yaml] [key=value ...]
+
+cProfile slows Python code down (~2x), so the figures locate the cost; the milliseconds of the overhead itself are
+`lakehouse bench --only step_overhead`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import pstats
+import tempfile
+from typing import Any, Dict, List
+
+from bench.step_overhead import BATCH, CHANNELS, CLASSES, IMAGE_SIZE, plain_loop, tiny
+from pipeline.config import load_config
+from pipeline.log import get_logger, setup_logging
+
+log = get_logger(__name__)
+
+WHERE = (("lightning", ("pytorch_lightning", "lightning_fabric", "lightning_utilities")), ("torch", ("/torch/",)),
+         ("project", ("/pipeline/", "/bench/")), ("horovod", ("/horovod/",)))
+
+
+def where(filename: str) -> str:
+    """The bucket of a profiled function's file (`~`: C builtins and methods, torch's ops among them)."""
+    if filename == "~":
+        return "builtins"
+    for name, parts in WHERE:
+        if any(p in filename for p in parts):
+            return name
+    return "python"
+
+
+def per_step(stats: pstats.Stats, steps: int) -> Dict[str, Any]:
+    """{buckets: {bucket: CPU ms per step}, functions: {"file:line(name)": (calls per step, ms per step)}}."""
+    buckets: Dict[str, float] = collections.Counter()
+    functions: Dict[str, tuple] = {}
+    for (file, line, name), (_, calls, tottime, _, _) in stats.stats.items():
+        buckets[where(file)] += 1000.0 * tottime / steps
+        functions[f"{file.split('site-packages/')[-1]}:{line}({name})"] = (calls / steps, 1000.0 * tottime / steps)
+    return {"buckets": {k: round(v, 4) for k, v in sorted(buckets.items())}, "functions": functions}
+
+
+def difference(train: Dict[str, Any], plain: Dict[str, Any], top: int = 30) -> List[Dict[str, Any]]:
+    """The `top` functions by train()'s CPU ms per step minus the plain loop's."""
+    names = set(train["functions"]) | set(plain["functions"])
+    rows = [{"function": n, "train_ms": train["functions"].get(n, (0, 0))[1],
+             "plain_ms": plain["functions"].get(n, (0, 0))[1], "train_calls": train["functions"].get(n, (0, 0))[0]}
+            for n in names]
+    rows.sort(key=lambda r: r["plain_ms"] - r["train_ms"])
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:top]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--out", default="step_profile.json")
+    ap.add_argument("--conf", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    setup_logging()
+    import horovod.torch as hvd
+    import torch
+
+    from bench.core import device
+    from bench.datasets import converted_without_spark
+    from bench.lightning_path import timed_train
+    from bench.reference import memory_batch_list
+    from pipeline.distributed.devices import cuda_capability, resolve_precision
+    from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+    hvd.init()
+    cfg = tiny(load_config(args.conf, args.overrides))
+    dev = device()
+    precision = resolve_precision(cfg.train.precision, dev.type == "cuda",
+                                  cuda_capability(dev.index or 0) if dev.type == "cuda" else None)
+    data = converted_without_spark(tempfile.mkdtemp(prefix="step_profile_"), BATCH * 2 * 256, IMAGE_SIZE, CHANNELS,
+                                   CLASSES, batch_size=BATCH)
+    batches = [(x.to(dev), y.to(dev)) for x, y in memory_batch_list(data, batch_size=BATCH)]
+    kw = {"local_rank": 0, "local_world_size": 1}
+
+    def run_train(steps: int):
+        return timed_train(cfg, data, 0, 1, HorovodStrategy, 50, steps, 1, batches=batches, precision=precision,
+                           train_kwargs=kw)
+
+    run_train(200)  # a process speeds up over its first hundreds of steps; the plain loop's imports happen here too
+    plain_loop(cfg, data, batches, precision, 10, 50, 1, backend="horovod")
+    out: Dict[str, Any] = {"device": str(dev), "precision": precision, "steps": args.steps,
+                           "torch": torch.__version__}
+    for name, fn in (("plain", lambda: plain_loop(cfg, data, batches, precision, 50, args.steps, 1,
+                                                  backend="horovod")),
+                     ("train", lambda: run_train(args.steps))):
+        prof = cProfile.Profile()
+        prof.enable()
+        timing = fn()
+        prof.disable()
+        out[name] = per_step(pstats.Stats(prof), args.steps + 50)
+        out[name]["ms_per_step_profiled"] = 1000.0 * timing["window_s"][0] / args.steps
+    out["differences"] = difference(out["train"], out["plain"])
+    for side in ("train", "plain"):
+        out[side]["functions"] = dict(sorted(out[side]["functions"].items(), key=lambda kv: -kv[1][1])[:40])
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    log.info("step profile: train %s, plain %s (CPU ms per step by bucket); top differences: %s",
+             out["train"]["buckets"], out["plain"]["buckets"],
+             [(d["function"], round(d["train_ms"] - d["plain_ms"], 3)) for d in out["differences"][:8]])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
