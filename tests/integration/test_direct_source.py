@@ -1,0 +1,209 @@
+"""The direct path (data.source=direct) on real tables written by delta-rs: pinned without Spark, planned over files of
+uneven sizes, every planned row read exactly once across the ranks, the converted path's validation rows (compared by
+path, against a real conversion), batches the loader's assembler and CPU decoder take, and tables whose protocol
+needs a feature the reader lacks refused, naming it."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def _rows(digits_dir: Path):
+    files = sorted(p for p in digits_dir.rglob("*") if p.is_file())
+    labels = sorted({p.parent.name for p in files})
+    return [{"path": str(p), "label": p.parent.name, "label_index": labels.index(p.parent.name),
+             "content": p.read_bytes()} for p in files]
+
+
+def _write(table: Path, rows, mode: str) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    schema = pa.schema([("path", pa.string()), ("label", pa.string()), ("label_index", pa.int32()),
+                        ("content", pa.binary())])
+    write_deltalake(str(table), pa.Table.from_pylist(rows, schema=schema), mode=mode)
+
+
+@pytest.fixture(scope="module")
+def uneven_table(digits_dir, tmp_path_factory) -> Path:
+    """The digits in a table of two appends with files of different sizes: 400 rows in one file, then files of
+    17, 61, 5 and 117 rows (as other writers leave them)."""
+    rows = _rows(digits_dir)
+    table = tmp_path_factory.mktemp("direct") / "uneven"
+    _write(table, rows[:400], "overwrite")
+    start = 400
+    for n in (17, 61, 5, 117):
+        _write(table, rows[start:start + n], "append")
+        start += n
+    assert start == len(rows) == 600
+    return table
+
+
+def _direct(table, world, split_key="content", val_fraction=0.2, batch=8):
+    from pipeline.data.direct import plan_direct, split_index
+    from pipeline.lakehouse.delta_files import pin_files
+
+    pinned = pin_files(str(table))
+    return pinned, plan_direct(pinned, split_index(pinned, val_fraction, split_key), world, batch)
+
+
+def _read_split(split, world):
+    """Per rank: the (row id, path) of every row its reader yields."""
+    from pipeline.data.direct import DirectShardReader
+
+    out = []
+    for rank in range(world):
+        reader = DirectShardReader(split, rank, world, workers=2)
+        got = []
+        for _, group in reader.iter_groups(range(len(reader))):
+            got += list(zip(group.row_id.to_pylist(), group.path.to_pylist()))
+            assert len(group.pixels) == len(group.label_index) == len(group.row_id)
+        out.append(got)
+    return out
+
+
+def test_pinned_without_spark_with_the_engines_digest(uneven_table):
+    from pipeline.lakehouse.delta_rs import DeltaRsEngine
+
+    pinned, _ = _direct(uneven_table, 2)
+    engine = DeltaRsEngine().pin(str(uneven_table))
+    assert pinned.version == engine.version == 4
+    assert pinned.digest == engine.files_digest  # the lineage the converted path records for the same version
+    assert sorted(f.rows for f in pinned.files) == [5, 17, 61, 117, 400]
+    assert pinned.num_rows == 600
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_planned_row_is_read_exactly_once_with_equal_train_rows(uneven_table, world):
+    _, data = _direct(uneven_table, world)
+    for split in (data.train, data.val):
+        per_rank = _read_split(split, world)
+        assert [len(r) for r in per_rank] == split.rows_per_rank
+        ids = [i for r in per_rank for i, _ in r]
+        assert len(ids) == len(set(ids)) == split.rows
+    assert len(set(data.plan.train.rows_per_rank)) == 1  # equal rows, so equal steps
+    assert data.train.rows % world == 0 and data.left_out < world
+    assert data.train.rows + data.left_out + data.val.rows == 600
+    # the big first file is shared by ranks at the row level: no rank gets whole files only
+    if world > 1:
+        assert abs(data.plan.val.rows_per_rank[0] - data.plan.val.rows_per_rank[-1]) <= 1
+
+
+@pytest.mark.parametrize("split_key", ["content", "path"])
+def test_validation_rows_equal_the_converted_paths(spark, uneven_table, tmp_path, split_key):
+    """A real conversion (Spark's split_frame, the encoded layout keeps each row's path) and the direct plan hold out
+    the same rows, compared by path; the direct train rows are the converted train rows (less those left out)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.lakehouse.delta import get_engine
+
+    cfg = make_config(tmp_path, f"delta.table={uneven_table}", "data.decode=cpu", "data.reader=arrow",
+                      f"data.split_key={split_key}")
+    df, pinned_spark = get_engine("delta-rs").read(spark, str(uneven_table))
+    converted = convert_for_training(spark, df, cfg, 2, class_names_of(df), pinned_spark)
+
+    def paths(split):
+        return sorted(p for url in split.file_urls for p in pq.read_table(url.replace("file://", ""),
+                                                                          columns=["path"]).column(0).to_pylist())
+
+    _, data = _direct(uneven_table, 2, split_key=split_key, val_fraction=cfg.data.val_fraction)
+    direct_val = sorted(p for r in _read_split(data.val, 2) for _, p in r)
+    direct_train = [p for r in _read_split(data.train, 2) for _, p in r]
+    assert direct_val == paths(converted.val) and len(direct_val) > 0
+    conv_train = paths(converted.train)
+    assert set(direct_train) <= set(conv_train) and len(direct_train) == len(conv_train) - data.left_out
+
+
+def test_batches_the_loader_takes_decoded_on_the_cpu_in_a_seeded_order(uneven_table):
+    """The reader's row groups go through the loader's batch assembly and CPU decoder unchanged; pass p's order is
+    a pure function of (seed, p), so a resumed stream replays it."""
+    from pipeline.data.batches import BatchAssembler
+    from pipeline.data.decode import Decoder, EncodedRows
+    from pipeline.data.direct import DirectShardReader
+
+    _, data = _direct(uneven_table, 1)
+    reader = DirectShardReader(data.train, 0, 1, workers=2)
+    assert len(reader) == 5  # one chunk per row group of each file
+
+    def stream(p):
+        order = reader.order(seed=7, pass_index=p, shuffle=True)
+        return [g for _, g in reader.iter_groups(order)]
+
+    first, again, other = stream(0), stream(0), stream(1)
+    ids = [g.row_id.to_pylist() for g in first]
+    assert ids == [g.row_id.to_pylist() for g in again]
+    assert ids != [g.row_id.to_pylist() for g in other]
+    assembler = BatchAssembler(iter(first), 16, EncodedRows(data.train.encoded_row_bytes()), 64, 7, with_ids=True)
+    decoder = Decoder(16, 1, False, 7, workers=1)
+    try:
+        batches = list(decoder.batches(iter(assembler), depth=2))
+    finally:
+        decoder.close()
+    x, y, row_ids = batches[0]
+    assert tuple(x.shape) == (16, 1, 16, 16) and len(y) == 16
+    assert sum(len(b[1]) for b in batches) == data.plan.train.rows_per_rank[0]
+    assert sorted(i for b in batches for i in b[2].tolist()) == sorted(i for g in first for i in g.row_id.to_pylist())
+
+
+def _add_commit(table: Path, actions) -> None:
+    log = table / "_delta_log"
+    version = max(int(p.name.split(".")[0]) for p in log.glob("*.json")) + 1
+    actions = [{"commitInfo": {"timestamp": 1, "operation": "TEST"}}] + actions
+    (log / f"{version:020d}.json").write_text("\n".join(json.dumps(a) for a in actions) + "\n")
+
+
+@pytest.mark.parametrize("feature", ["deletionVectors", "columnMapping"])
+def test_a_table_needing_a_feature_the_reader_lacks_is_refused_naming_it(digits_dir, tmp_path, feature):
+    from deltalake import DeltaTable
+
+    from pipeline.config_parse import ConfigError
+    from pipeline.lakehouse.delta_files import pin_files
+
+    table = tmp_path / feature
+    _write(table, _rows(digits_dir)[:20], "overwrite")
+    pin_files(str(table))  # readable as written
+    protocol = {"protocol": {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": [feature],
+                             "writerFeatures": [feature]}}
+    if feature == "deletionVectors":
+        actions = [protocol]
+    else:  # column mapping by name: the files' physical names differ from the table's names
+        meta = DeltaTable(str(table)).metadata()
+        fields = [{"name": n, "type": t, "nullable": True,
+                   "metadata": {"delta.columnMapping.id": i + 1, "delta.columnMapping.physicalName": f"col-{i}"}}
+                  for i, (n, t) in enumerate([("path", "string"), ("label", "string"), ("label_index", "integer"),
+                                              ("content", "binary")])]
+        actions = [protocol, {"metaData": {
+            "id": meta.id, "format": {"provider": "parquet", "options": {}},
+            "schemaString": json.dumps({"type": "struct", "fields": fields}), "partitionColumns": [],
+            "createdTime": 1, "configuration": {"delta.columnMapping.mode": "name",
+                                                "delta.columnMapping.maxColumnId": "4"}}}]
+    _add_commit(table, actions)
+    with pytest.raises(ConfigError) as err:
+        pin_files(str(table))
+    assert feature in str(err.value) and str(table) in str(err.value) and "data.source" in str(err.value)
+    assert pin_files(str(table), version=0).version == 0  # the version before the feature still reads
+
+
+def test_file_uri_and_a_missing_file_named(uneven_table, tmp_path):
+    import shutil
+
+    from pipeline.config_parse import ConfigError
+    from pipeline.lakehouse.delta_files import pin_files
+
+    pinned = pin_files(f"file://{uneven_table}")
+    assert pinned.num_rows == 600
+    copy = tmp_path / "copy"
+    shutil.copytree(uneven_table, copy)
+    victim = sorted(p for p in copy.glob("*.parquet"))[0]
+    os.remove(victim)
+    with pytest.raises(ConfigError, match=victim.name):
+        pin_files(str(copy))
+    assert [f.uri for f in pinned.files] == sorted(f.uri for f in pinned.files)
