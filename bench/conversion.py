@@ -65,14 +65,13 @@ class Prepared:
                 "classes": len(self.class_names)}
 
 
-def replan(data, world: int, batch_size: int = 0):
-    """The same converted data with a shard plan for `world` ranks (and `batch_size`, 0: the plan's own)."""
-    from pipeline.lakehouse.partition import ShardPlan, plan_split
+def replan(cfg: Config, data, world: int, batch_size: int = 0):
+    """The same converted data with the shard plan `derive_plan` makes for `world` ranks at `batch_size` per rank
+    exactly (0: the plan's own; never lowered for data.min_steps_per_epoch: the bench measures the batch it asks)."""
+    from pipeline.data.plan import derive_plan
 
-    plan = data.plan
-    return dataclasses.replace(data, plan=ShardPlan(
-        train=plan_split("train", plan.train.row_group_rows, world, batch_size or plan.train.batch_size),
-        val=plan_split("val", plan.val.row_group_rows, world, batch_size or plan.val.batch_size)))
+    batch = batch_size or data.plan.train.batch_size
+    return dataclasses.replace(data, plan=derive_plan(cfg, data, world, batch, min_steps=0).shards)
 
 
 def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
@@ -87,8 +86,9 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
     not touched. The returned data lives there too (run_bench deletes it).
     """
     cfg = with_bench_cache(cfg, work_dir)
-    from pipeline.data.convert import class_names_of, convert_for_training, decoded_frame, split_frame
+    from pipeline.data.convert import class_names_of, convert_for_training, decoded_frame
     from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.split import split_frame
 
     engine = get_engine(cfg.delta.engine)
     world = 2
@@ -135,7 +135,7 @@ def measure_conversion(spark, cfg: Config, name: str, table: str, sizes: Sizes,
     data = convert_for_training(spark, df, cfg, world, class_names, pinned)  # a hit on the last repeat's entry
     rows = pinned.num_rows if pinned.num_rows is not None else df.count()
     prepared = Prepared(name=name, table=table, version=version, rows=rows, class_names=class_names, data=data,
-                        data1=replan(data, 1))
+                        data1=replan(cfg, data, 1))
     results = [
         Result("conversion_vs_plain_write", name, median([f / p for f, p in zip(firsts, plains)]),
                {"first_conversion_s": median(firsts), "plain_write_s": median(plains),

@@ -15,7 +15,7 @@ MIN_BATCH = 256  # the target (Lightning / plain >= 0.8) holds at batch >= 256
 
 
 def gpu_batch_size(cfg: Config) -> int:
-    from pipeline.distributed.backoff import start_batch_size
+    from pipeline.data.plan import start_batch_size
 
     return max(MIN_BATCH, start_batch_size(cfg.data))  # data.batch_size may be `auto`
 
@@ -53,7 +53,7 @@ def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str
     from bench.jobs import launch, per_run, run_spec
 
     bs = gpu_batch_size(cfg)
-    data = replan(prep.data1, 1, bs)
+    data = replan(cfg, prep.data1, 1, bs)
     specs, labels = [], []
     for p in PRECISIONS:
         first = not specs

@@ -355,7 +355,7 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
         data1 = converted_without_spark(folder, rows, IMAGE_SIZE, CHANNELS, CLASSES, batch_size=BATCH)
         for backend in backends:
             for world in placeable_worlds(worlds):
-                data = data1 if world == 1 else replan(data1, world, BATCH)
+                data = data1 if world == 1 else replan(bcfg, data1, world, BATCH)
                 try:
                     job = launch(bcfg, data, backend, world, warmups, steps, windows)
                 except Exception as exc:  # one job's failure costs its figure, not the others' (a one-shot GPU call)

@@ -12,48 +12,23 @@ import functools
 import math
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from pipeline.config import Config
 from pipeline.data import cache
+from pipeline.data.plan import derive_plan, partitions_for
 from pipeline.data.shards import (CONTENT, FORMAT_VERSION, LABEL, LAYOUTS, PATH, PIXELS, ROW_ID, ConversionError,
                                   ConvertedData, ConvertedSplit)
 from pipeline.lakehouse.delta_common import files_digest
-from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, PlanError, ShardPlan,
-                                         num_partitions, plan_shards, split_rule)
+from pipeline.lakehouse.partition import PlanError, ShardPlan, plan_shards
+from pipeline.lakehouse.split import split_frame, split_rule
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
+# split_frame: the split rule's Spark form (pipeline.lakehouse.split), which _convert applies
 __all__ = ["ConversionError", "ConvertedData", "ConvertedSplit", "convert_for_training", "split_frame",
-           "held_out_frame", "prepare_split", "write_split", "plan_data", "class_names_of"]
-
-
-def _bucket(split_key: str):
-    """The Spark column of a row's split bucket under `split_key`: partition.split_bucket(partition.row_key(...))."""
-    from pyspark.sql import functions as F
-
-    split_rule(split_key)  # a key that is not one of partition.SPLIT_KEYS is refused, naming the config key
-    key = F.sha2(F.col("content"), 256) if split_key == "content" else F.col("path")
-    return F.pmod(F.crc32(key.cast("binary")), F.lit(SPLIT_BUCKETS))
-
-
-def split_frame(df, val_fraction: float, split_key: str = LEGACY_SPLIT_KEY):
-    """(train, val) by the CRC-32 bucket of the row's `split_key` (`data.split_key`), the rule of
-    `partition.is_validation(partition.row_key(...))`. The one place Spark splits a table."""
-    bucket = _bucket(split_key)
-    threshold = round(val_fraction * SPLIT_BUCKETS)
-    return df.filter(bucket.isNotNull() & (bucket >= threshold)), df.filter(bucket < threshold)
-
-
-def held_out_frame(df, conditions: Tuple[HoldOut, ...], split: str = "val"):
-    """The rows of `df` in `split` under every one of `conditions` (partition.held_out_by_all): `val`, the rows every
-    model held out; `train`, the rows every model trained on. Same rule as `partition.in_split`, run in Spark."""
-    for c in conditions:
-        bucket = _bucket(c.split_key)
-        threshold = round(c.val_fraction * SPLIT_BUCKETS)
-        df = df.filter(bucket < threshold) if split == "val" else df.filter(bucket.isNotNull() & (bucket >= threshold))
-    return df
+           "prepare_split", "write_split", "plan_data", "class_names_of"]
 
 
 ENCODED_ROW_BYTES = 110_000  # an encoded row's size for sizing row groups before any is written: an ImageNet JPEG's
@@ -69,7 +44,7 @@ def prepare_split(df, cfg: Config, world_size: int):
     layout), repartitioned for the ranks."""
     from pyspark.sql import functions as F
 
-    parts = num_partitions(cfg.data.partitions_per_worker, world_size)
+    parts = partitions_for(cfg.data.partitions_per_worker, world_size)
     columns = [F.col("content"), F.col("label_index").cast("int").alias(LABEL), F.xxhash64(F.col("path")).alias(ROW_ID)]
     if layout_of(cfg) == "encoded":
         columns.append(F.col("path").cast("string").alias(PATH))
@@ -296,7 +271,7 @@ def _convert(df, cfg: Config, world_size: int, url: str, inputs: Dict[str, Any],
     for name, frame in (("train", train_df), ("val", val_df)):
         rows = max(1, round(total * share[name]))
         group_rows = group_rows_for(rows, world_size, row_bytes, cfg.data.row_groups_per_rank,
-                                    cfg.data.max_row_group_mb, num_partitions(cfg.data.partitions_per_worker,
+                                    cfg.data.max_row_group_mb, partitions_for(cfg.data.partitions_per_worker,
                                                                               world_size),
                                     cfg.data.min_row_group_mb)
         files = write_split(prepare_split(frame, cfg, world_size), f"{url}/{run}/{name}", cfg.data.image_size,
@@ -321,8 +296,9 @@ def _usable(manifest: Optional[Dict[str, Any]], url: str, columns=LAYOUTS["pixel
 
 def plan_data(train: ConvertedSplit, val: ConvertedSplit, world_size: int, batch_size: int,
               min_steps: int = 0) -> ShardPlan:
-    """The shard plan over converted splits at `batch_size` per rank, lowered on a small table so an epoch has at least
-    `min_steps` steps (`data.min_steps_per_epoch`); fails when a rank would get no data."""
+    """The shard plan alone over converted splits at `batch_size` per rank, lowered on a small table so an epoch has at
+    least `min_steps` steps; fails when a rank would get no data. For data built without a config (tests, the bench's
+    data sets); a job's plan, its rate included, is `pipeline.data.plan.derive_plan`'s."""
     return plan_shards(train.row_group_rows, val.row_group_rows, world_size, batch_size, min_steps)
 
 
@@ -333,7 +309,7 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
     the shards before any rank starts. `df`: the DataFrame, or a function that reads it, called only when it is needed:
     with a table pinned from its log (`pinned.files_digest`), a cache hit runs no Spark at all, so a job whose data is
     converted already starts no JVM for it. `batch_size`: the per-rank batch to plan for (the job's batch in use, which
-    `data.batch_size: auto` leaves to the driver); default `data.batch_size`. `class_names` None: the table's
+    `data.batch_size: auto` leaves to the driver); default the job's starting batch (`plan.start_batch_size`). `class_names` None: the table's
     (`class_names_of`, a Spark job over the label columns), kept in the entry's manifest, so a cache hit reads them
     from there and runs no Spark job at all (1.7 s of a 2-rank job's start on the sample, measured).
 
@@ -373,8 +349,8 @@ def convert_for_training(spark, df, cfg: Config, world_size: int, class_names: O
         s = manifest["splits"][name]
         splits[name] = split_from_manifest(name, f"{url}/{s['folder']}", s["files"])
         verify_split(splits[name], s["files"])
-    plan = plan_data(splits["train"], splits["val"], world_size,
-                     batch_size if batch_size is not None else cfg.data.batch_size, cfg.data.min_steps_per_epoch)
+    plan = derive_plan(cfg, (splits["train"].row_group_rows, splits["val"].row_group_rows), world_size,
+                       batch_size).shards
     log.info("shard plan for %d rank(s): %s", world_size, plan.describe())
     return ConvertedData(train=splits["train"], val=splits["val"], plan=plan, class_names=class_names,
                          image_size=cfg.data.image_size, channels=cfg.data.channels, key=key, entry_url=url,

@@ -1,101 +1,20 @@
-"""Partition planning: the train/val split rule and, from row groups, the rows and steps each rank gets."""
+"""Shard planning: from a split's row groups, the rows, row groups and equal steps each rank gets."""
 from __future__ import annotations
 
-import hashlib
-import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Tuple
+from typing import List, Tuple
 
+# The split rule lives in pipeline.lakehouse.split; its names stay importable from here for callers written before
+# it had a module of its own (the gate, tests).
+from pipeline.lakehouse.split import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, SPLIT_KEYS, HoldOut,  # noqa: F401
+                                      held_out_by_all, in_split, is_validation, row_key, split_bucket, split_rule)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
-SPLIT_BUCKETS = 10_000
-# What a row's split bucket is computed from (`data.split_key`). content: the SHA-256 of the row's bytes, the same
-# wherever the files were mounted when ingested (and a duplicate image always on the same side); path: the absolute
-# path, the rule before the key existed (a table re-ingested from another mount changes every bucket).
-SPLIT_KEYS = ("content", "path")
-# A run that records no `data.split_key` was trained before the key existed: with this rule.
-LEGACY_SPLIT_KEY = "path"
-
 
 class PlanError(ValueError):
     """The data cannot be spread over the ranks as asked; the message has the numbers and the fix."""
-
-
-def split_bucket(key: str) -> int:
-    """Bucket of a row key (its path) in [0, SPLIT_BUCKETS): CRC-32 of the UTF-8 bytes, as Spark's crc32()."""
-    return zlib.crc32(key.encode("utf-8")) % SPLIT_BUCKETS
-
-
-def is_validation(key: str, val_fraction: float) -> bool:
-    """A row is in the validation split when its bucket falls under the fraction.
-
-    It depends on the key alone, so a row stays in its split when the table grows.
-    """
-    return split_bucket(key) < round(val_fraction * SPLIT_BUCKETS)
-
-
-def split_rule(split_key: str) -> str:
-    """The split rule of `data.split_key`, in words (recorded in the conversion cache's key and the gate's tags)."""
-    if split_key not in SPLIT_KEYS:
-        raise ValueError(f"config key 'data.split_key': {split_key!r} is not one of {', '.join(SPLIT_KEYS)}")
-    return (f"crc32(sha256(content) hex) % {SPLIT_BUCKETS}" if split_key == "content" else
-            f"crc32(path) % {SPLIT_BUCKETS}")
-
-
-def row_key(split_key: str, path: Optional[str], content: Optional[bytes]) -> Optional[str]:
-    """The string a row's bucket is computed from under `split_key` (None: the row has no such value; it is in no
-    split). Spark computes the same in pipeline.data.convert.split_frame."""
-    if split_key == "content":
-        return None if content is None else hashlib.sha256(content).hexdigest()
-    if split_key == "path":
-        return path
-    raise ValueError(f"config key 'data.split_key': {split_key!r} is not one of {', '.join(SPLIT_KEYS)}")
-
-
-@dataclass(frozen=True)
-class HoldOut:
-    """How one model's training held rows out: its `data.val_fraction` and `data.split_key`."""
-
-    val_fraction: float
-    split_key: str = LEGACY_SPLIT_KEY
-
-    def describe(self) -> str:
-        return f"val_fraction {self.val_fraction:g} by {self.split_key}"
-
-
-def held_out_by_all(holdouts: Iterable[HoldOut]) -> Tuple[HoldOut, ...]:
-    """The conditions a row must meet to be held out by EVERY one of `holdouts` (rows none of them trained on).
-
-    Under one split key a smaller fraction's validation rows are a subset of a larger one's (the bucket is below
-    round(fraction x SPLIT_BUCKETS)), so per key the smallest fraction is the intersection; under different keys the
-    row must be held out under each (sorted by key, so the result is the same in any order).
-    """
-    smallest: dict = {}
-    for h in holdouts:
-        if h.split_key not in SPLIT_KEYS:
-            raise ValueError(f"config key 'data.split_key': {h.split_key!r} is not one of {', '.join(SPLIT_KEYS)}")
-        smallest[h.split_key] = min(smallest.get(h.split_key, h.val_fraction), h.val_fraction)
-    if not smallest:
-        raise ValueError("held_out_by_all needs at least one hold-out")
-    return tuple(HoldOut(f, k) for k, f in sorted(smallest.items()))
-
-
-def in_split(split: str, conditions: Tuple[HoldOut, ...], path: Optional[str], content: Optional[bytes]) -> bool:
-    """Whether a row is in `split` under all `conditions` (see `held_out_by_all`): `val` when every condition holds it
-    out, `train` when none does (rows every model trained on). A row without a key value is in neither."""
-    held = []
-    for c in conditions:
-        key = row_key(c.split_key, path, content)
-        if key is None:
-            return False
-        held.append(is_validation(key, c.val_fraction))
-    return all(held) if split == "val" else not any(held)
-
-
-def num_partitions(partitions_per_worker: int, world_size: int) -> int:
-    return partitions_per_worker * world_size
 
 
 @dataclass

@@ -12,22 +12,12 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.data.crops import VAL_CROP
+from pipeline.data.plan import scaled_lr  # noqa: F401  (the rate is the plan's: pipeline/data/plan.py)
 from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
 from pipeline.log import get_logger
 from pipeline.model.nets import network_from_config, split_parameters
 
 log = get_logger(__name__)
-
-
-def scaled_lr(base_lr: float, world_size: int, rule: str) -> float:
-    """Learning rate for `world_size` ranks: linear (× size), sqrt (× √size) or none."""
-    if rule == "linear":
-        return base_lr * world_size
-    if rule == "sqrt":
-        return base_lr * math.sqrt(world_size)
-    if rule == "none":
-        return base_lr
-    raise ValueError(f"config key 'train.lr_scaling': {rule!r} is not linear, sqrt or none")
 
 
 # Lightning's notes on what this module does on purpose: the batch hooks are the model's (the data module has none),

@@ -2,9 +2,9 @@
 
 Fair: a version trained with data.val_fraction 0.3 held out rows that one trained with 0.1 trained on, and the
 other way round, so two versions are compared on the rows held out by BOTH (per split key the smaller fraction, under
-different keys each key's rule: pipeline.lakehouse.partition.held_out_by_all), of one table at one Delta version.
+different keys each key's rule: pipeline.lakehouse.split.held_out_by_all), of one table at one Delta version.
 Each version's own rule is read from its run (params data.val_fraction, data.split_key, or the same-named version
-tags); a run that records no data.split_key was split by path (partition.LEGACY_SPLIT_KEY), one that records no
+tags); a run that records no data.split_key was split by path (split.LEGACY_SPLIT_KEY), one that records no
 data.val_fraction is taken to have used the gate's configured one. Versions trained on different tables are not
 compared (`comparable`). Bounded memory: the table is scanned in record batches (delta-rs) or streamed from Spark (a
 catalog table, split in Spark), and `score_on_rows` scores GATE_CHUNK_ROWS rows at a time; only labels stay in memory.
@@ -22,7 +22,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from pipeline.lakehouse.partition import LEGACY_SPLIT_KEY, SPLIT_KEYS, HoldOut, held_out_by_all, in_split
+from pipeline.lakehouse.split import (LEGACY_SPLIT_KEY, SPLIT_KEYS, HoldOut, held_out_by_all, held_out_frame,
+                                      in_split)
 from pipeline.log import get_logger
 from pipeline.tracking.registry import RegistryError
 
@@ -133,9 +134,8 @@ def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split
 
 def _catalog_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split: str) -> HeldOutRows:
     """The rows of a catalog-named table (catalog.schema.table) through the active Spark session (delta-rs cannot
-    resolve the name): the split rule (pipeline.data.convert.held_out_frame, training's) and the column selection
+    resolve the name): the split rule (pipeline.lakehouse.split.held_out_frame, training's) and the column selection
     run in Spark; the driver collects the labels, and streams the rows partition by partition when scoring."""
-    from pipeline.data.convert import held_out_frame
     from pipeline.lakehouse.delta import SparkDeltaEngine
 
     from pipeline.lakehouse.spark import active_session

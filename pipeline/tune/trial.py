@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from pipeline.config import Config, apply_overrides
-from pipeline.distributed.backoff import start_batch_size
-from pipeline.lakehouse.partition import plan_shards
+from pipeline.data.plan import derive_plan
 from pipeline.log import get_logger
 from pipeline.tune.space import conversion_settings
 from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
@@ -31,13 +30,6 @@ log = get_logger(__name__)
 
 class TrialFailed(RuntimeError):
     """A trial ended without a value (its reason is in the message and in the child run's `error` tag)."""
-
-
-def replan(plan, batch_size: int, min_steps: int = 0):
-    """The shard plan for another batch size over the same converted row groups (the files stay valid), lowered on a
-    small table as the job's own plan is (`data.min_steps_per_epoch`)."""
-    return plan_shards(plan.train.row_group_rows, plan.val.row_group_rows, plan.train.world_size, batch_size,
-                       min_steps)
 
 
 class SharedData:
@@ -66,8 +58,9 @@ class SharedData:
             log.info("converted data for the sweep (conversion %d): %s version %d", self.conversions, pinned.table,
                      pinned.version)
         data, pinned = self._converted[key]
-        batch = start_batch_size(cfg.data)  # data.batch_size may be `auto`: its starting size
-        planned = replan(data.plan, batch, cfg.data.min_steps_per_epoch)
+        # the trial's plan over the same converted row groups (the files stay valid), derived as a job's is: its
+        # starting batch (data.batch_size, or auto's start), lowered on a small table
+        planned = derive_plan(cfg, data.plan, data.plan.train.world_size).shards
         if planned.train.batch_size != data.plan.train.batch_size:
             data = replace(data, plan=planned)
         return data, pinned

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.lakehouse.partition import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, held_out_by_all, in_split,
-                                          is_validation, row_key, split_bucket, split_rule)
+from pipeline.lakehouse.split import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, HoldOut, held_out_by_all, in_split,
+                                      is_validation, row_key, split_bucket, split_rule)
 from pipeline.tracking.heldout import _same_table, comparable, holdout_of
 from pipeline.tracking.registry import RegistryError
 

@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from pipeline.lakehouse.partition import PlanError, batch_for_min_steps, is_validation, plan_shards, plan_split, split_bucket
+from pipeline.lakehouse.partition import PlanError, batch_for_min_steps, plan_shards, plan_split
+from pipeline.lakehouse.split import is_validation, split_bucket
 
 
 def test_split_is_stable_when_table_grows():

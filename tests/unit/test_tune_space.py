@@ -102,12 +102,14 @@ def test_conversion_keys_reconvert_read_time_keys_share():
     assert space.needs_conversion() == ["data.image_size"]
 
 
-def test_replan_keeps_row_groups_changes_steps():
+def test_a_trials_plan_keeps_row_groups_changes_steps():
+    """A trial re-plans the shared conversion with the job's own derivation (pipeline.data.plan.derive_plan)."""
+    from pipeline.data.plan import derive_plan
     from pipeline.lakehouse.partition import ShardPlan, plan_split
-    from pipeline.tune.trial import replan
 
     plan = ShardPlan(train=plan_split("train", [100, 90, 80, 70], 2, 16), val=plan_split("val", [20, 25], 2, 16))
-    again = replan(plan, 32)
+    again = derive_plan(apply_overrides(Config(), {"data.batch_size": 32, "data.min_steps_per_epoch": 0}), plan,
+                        plan.train.world_size).shards
     assert again.train.row_group_rows == plan.train.row_group_rows and again.train.rows_per_rank == [180, 160]
     assert (plan.train.steps_per_epoch, again.train.steps_per_epoch) == (10, 5)
     assert again.val.batch_size == 32 and again.val.steps_per_epoch == 1
@@ -123,7 +125,7 @@ def test_trial_data_plans_auto_batch_at_its_start_size():
 
     plan = ShardPlan(train=plan_split("train", [400, 400], 2, 64), val=plan_split("val", [100, 100], 2, 64))
     @dataclass
-    class Data:  # what replan touches of a ConvertedData
+    class Data:  # what the trial's re-plan touches of a ConvertedData
         plan: ShardPlan
 
     data = Data(plan)
