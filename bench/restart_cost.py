@@ -75,7 +75,7 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
 
     from pipeline import workflow
     from bench.conversion import bench_cache_dir
-    from pipeline.distributed import launcher
+    from pipeline.distributed import restart
     from pipeline.tracking.runs import temporary_env
 
     root = os.path.join(work_dir, "restart_cost")
@@ -118,7 +118,7 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
     cut: List[Dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(temporary_env({"LAKEHOUSE_PROGRESS": "0"}))
-        stack.enter_context(patched(launcher, "launch", launch_timer))
+        stack.enter_context(patched(restart, "launch", launch_timer))
         stack.enter_context(discarded(root, base.mlflow, model))
         warm = one("warmup", 0)  # the driver's imports, the experiment, the registered model, the cache entry
         client = MlflowClient(warm["tracking_uri"])

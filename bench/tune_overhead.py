@@ -195,7 +195,7 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
 
     from pipeline import workflow
     from bench.conversion import bench_cache_dir
-    from pipeline.distributed import launcher
+    from pipeline.distributed import restart
     from pipeline.tracking.runs import temporary_env
     from pipeline.tune import sweep
     from pipeline.tune import trial as tune_trial
@@ -265,7 +265,7 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
                                   (sweep, "log_study_artifacts", "study_artifacts"),
                                   (workflow, "prepare_data", "prepare"), (workflow, "train_in_run", "train_in_run"),
                                   (workflow, "register_and_promote", "register"),
-                                  (launcher, "launch_with_restarts", "ranks"),
+                                  (restart, "launch_with_restarts", "ranks"),
                                   (optuna.study.Study, "ask", "ask"), (optuna.study.Study, "tell", "tell")):
             stack.enter_context(patched(owner, attr, spans.timer(name)))
         stack.enter_context(patched(sweep, "_next_trial", next_trial))

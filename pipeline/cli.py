@@ -272,9 +272,9 @@ def _exit_past_abandoned_launches(rc: int) -> int:
     """`rc`, or exit the process with it now when a launch given up on left threads waiting on a lost host (the
     interpreter would wait for them at exit, for minutes): the job's outcome is already printed and recorded, an
     elastic relaunch's success too."""
-    if "pipeline.distributed.launcher" not in sys.modules:  # no launch in this process
+    if "pipeline.distributed.backends.spark_tasks" not in sys.modules:  # no launch in this process
         return rc
-    from pipeline.distributed.launcher import abandoned_threads
+    from pipeline.distributed.backends.spark_tasks import abandoned_threads
 
     left = abandoned_threads()
     if not left:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from pipeline.config import Config
+from pipeline.distributed.backends import MachineFacts, get, name_of
 
 PACKAGES = ["torch", "pytorch_lightning", "pyspark", "delta", "deltalake", "petastorm", "pyarrow", "numpy", "pandas",
             "mlflow", "horovod"]
@@ -148,12 +149,11 @@ def reader_problems(reader: str, petastorm_version: Optional[str]) -> List[str]:
     return []
 
 
-def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str]:
+def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts) -> List[str]:
+    """Horovod's build against this torch, whatever the backend (it is installed by every profile)."""
     problems = []
     if not hvd.installed:
         problems.append(f"horovod is not importable ({hvd.error}); run `make setup`")
-        if backend == "horovod":
-            problems.append("config train.backend=horovod but horovod is missing")
         return problems
     if not hvd.gloo:
         problems.append("horovod was built without Gloo; CPU training needs it")
@@ -167,25 +167,22 @@ def horovod_problems(hvd: HorovodBuild, gpu: GpuFacts, backend: str) -> List[str
     return problems
 
 
-def gpu_problems(gpu: GpuFacts, backend: str, np_: int) -> List[str]:
-    """Ranks vs GPUs, and DDP's process-group backend (the ranks' rule, `devices.ddp_backend`: NCCL where they see
-    CUDA, else gloo) vs this torch's torch.distributed."""
-    from pipeline.distributed.devices import ddp_backend
-
-    problems = []
-    local_ranks = -np_ if np_ < 0 else (1 if np_ == 1 or backend == "single" else 0)  # N > 1: Spark tasks, elsewhere
+def gpu_problems(gpu: GpuFacts, np_: int) -> List[str]:
+    """Ranks vs GPUs: each local rank pins a GPU of its own (`train.backend=single` is always `train.np=1`)."""
+    local_ranks = -np_ if np_ < 0 else (1 if np_ == 1 else 0)  # N > 1: Spark tasks, placed elsewhere
     if gpu.device_count and local_ranks > gpu.device_count:
-        problems.append(f"config train.np={np_}: {local_ranks} local ranks but {gpu.device_count} visible GPU(s); "
-                        f"each rank pins its own GPU: use train.np=-{gpu.device_count} or fewer")
-    if backend == "ddp":
-        if ddp_backend(gpu.device_count > 0) == "nccl" and not gpu.dist_nccl:
-            problems.append(f"train.backend=ddp on {gpu.device_count} GPU(s) uses NCCL, but torch {gpu.torch}'s "
-                            "torch.distributed has no NCCL")
-    if backend == "fsdp":  # where Lightning's FSDP strategy cannot run (pipeline/distributed/fsdp.py)
-        from pipeline.distributed.devices import fsdp_problems
+        return [f"config train.np={np_}: {local_ranks} local ranks but {gpu.device_count} visible GPU(s); "
+                f"each rank pins its own GPU: use train.np=-{gpu.device_count} or fewer"]
+    return []
 
-        problems += fsdp_problems(gpu.torch, gpu.device_count, gpu.dist_nccl, _gloo_available(), np_)
-    return problems
+
+def backend_problems(gpu: GpuFacts, hvd: Optional[HorovodBuild], backend: str, np_: int) -> List[str]:
+    """What the backend named `backend` says keeps it from running `train.np=np_` ranks here (pipeline/distributed/
+    backends: DDP's and FSDP's process group vs this torch.distributed, a missing Horovod). `hvd` None: Horovod's
+    absence is not judged here (a Databricks runtime's own check names it)."""
+    facts = MachineFacts(torch=gpu.torch, device_count=gpu.device_count, dist_nccl=gpu.dist_nccl,
+                         gloo=_gloo_available(), horovod_installed=None if hvd is None else hvd.installed)
+    return get(backend).problems(facts, np_)
 
 
 def _gloo_available() -> bool:
@@ -246,6 +243,7 @@ def run_doctor(cfg: Config) -> int:
     profile, why = detect_profile(versions)
     marker = _profile_marker()
     reader = cfg.data.reader
+    backend = name_of(cfg)
     dbr = os.environ.get("DATABRICKS_RUNTIME_VERSION")
     notes: List[str] = []
 
@@ -255,16 +253,18 @@ def run_doctor(cfg: Config) -> int:
         _, py, runtime_versions = runtime_facts()
         target, problems, notes = databricks_problems(cfg, dbr, py, runtime_versions)
         if hvd.installed:
-            problems += horovod_problems(hvd, gpu, cfg.train.backend)
-        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np)
+            problems += horovod_problems(hvd, gpu)
+        problems += gpu_problems(gpu, cfg.train.np)
+        problems += backend_problems(gpu, hvd if hvd.installed else None, backend, cfg.train.np)
         where = (f"target {target} (Spark {TARGETS[target].spark}, Python {TARGETS[target].python}, defaults "
                  f"data.reader={TARGETS[target].reader} train.backend={TARGETS[target].backend})" if target
                  else "no supported target")
     else:
         problems = known_problems(versions, java)
         problems += reader_problems(reader, versions.get("petastorm"))
-        problems += horovod_problems(hvd, gpu, cfg.train.backend)
-        problems += gpu_problems(gpu, cfg.train.backend, cfg.train.np)
+        problems += horovod_problems(hvd, gpu)
+        problems += backend_problems(gpu, hvd, backend, cfg.train.np)
+        problems += gpu_problems(gpu, cfg.train.np)
         if marker and profile != "unknown" and marker != profile:
             problems.append(f"set up as the {marker} profile ({sys.prefix}/{PROFILE_MARKER}) but what is installed "
                             f"is {profile} ({why}); re-run `make setup PROFILE={marker}`")
@@ -293,7 +293,7 @@ def run_doctor(cfg: Config) -> int:
         print(f"  {'cuda devices':<18} 0")
     if hvd.installed:
         print(f"  horovod build      pytorch={hvd.pytorch} gloo={hvd.gloo} nccl={hvd.nccl} mpi={hvd.mpi}")
-    print(f"  {'config':<18} train.backend={cfg.train.backend} train.np={cfg.train.np} data.reader={reader}")
+    print(f"  {'config':<18} train.backend={backend} train.np={cfg.train.np} data.reader={reader}")
     for name, state in engines.items():
         print(f"  delta engine {name:<6} {state}")
     for note in notes:

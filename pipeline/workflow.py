@@ -97,7 +97,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         Terminated: SIGTERM reached the ranks.
         TrainingStopped: a non-finite loss stopped training.
     """
-    from pipeline.distributed.launcher import launch_with_restarts
+    from pipeline.distributed.restart import launch_with_restarts
     from pipeline.distributed.loop import TrainJob
     from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
     from pipeline.errors import Terminated

@@ -83,22 +83,3 @@ def cuda_capability(index: int) -> Optional[Tuple[int, int]]:
         return None
     return tuple(torch.cuda.get_device_capability(index))
 
-
-def fsdp_problems(torch_version: Optional[str], device_count: int, nccl: bool, gloo: bool, np_: int,
-                  backend: str = "fsdp") -> list:
-    """Where `train.backend=fsdp` cannot run (for `lakehouse doctor`): torch without torch.distributed, GPUs without
-    NCCL, CPU ranks without gloo; one rank shards nothing."""
-    if backend != "fsdp":
-        return []
-    if not torch_version:
-        return ["train.backend=fsdp needs torch, which is not importable"]
-    out = []
-    if device_count and not nccl:
-        out.append(f"train.backend=fsdp on {device_count} GPU(s) uses NCCL, but torch {torch_version}'s "
-                   "torch.distributed has no NCCL")
-    if not device_count and not gloo:
-        out.append(f"train.backend=fsdp on CPU ranks uses gloo, but torch {torch_version}'s torch.distributed has no "
-                   "gloo: FSDP cannot run here")
-    if abs(np_) == 1:
-        out.append("train.backend=fsdp with train.np=1: one rank shards nothing (use train.np=-N or N)")
-    return out

@@ -41,6 +41,9 @@ class LakehouseFSDPStrategy(FSDPStrategy):
     torch's or Lightning's own readers, which unpickle a shard's non-tensor items or a whole file without
     `weights_only`."""
 
+    # no rank holds the whole model: the loop registers it rebuilt from the last checkpoint (loop.train)
+    shards_the_model = True
+
     # a test's fault hook (pipeline/distributed/faults.py): called on a rank with the checkpoint's path once its shard
     # is on disk, before the checkpoint is complete
     part_written: Optional[Callable[[str], None]] = None

@@ -244,9 +244,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     result.best_checkpoint = best
     result.final_weights_digest = _digest(model)
 
-    from pipeline.distributed.fsdp import LakehouseFSDPStrategy
-
-    sharded = isinstance(strategy, LakehouseFSDPStrategy)
+    sharded = bool(getattr(strategy, "shards_the_model", False))  # the strategy says (fsdp.LakehouseFSDPStrategy)
     if sharded and not (best and os.path.exists(best)):  # FSDP has no whole model in memory: its last checkpoint
         best = last_checkpoint(ckpt_dir)
     state = None

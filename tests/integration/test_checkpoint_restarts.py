@@ -83,7 +83,7 @@ def test_a_config_error_in_the_ranks_ends_the_job_after_one_launch(spark, digits
     """Every rank raises ConfigError (its train.ckpt_restore is gone): one launch, no restart although
     train.max_restarts=2, and the error names the key."""
     from pipeline.data.convert import class_names_of, convert_for_training
-    from pipeline.distributed import launcher
+    from pipeline.distributed import launcher, restart
     from pipeline.lakehouse.delta import get_engine
 
     cfg = _cfg(tmp_path, "cfgerr", digits_table, "train.max_restarts=2",
@@ -94,10 +94,10 @@ def test_a_config_error_in_the_ranks_ends_the_job_after_one_launch(spark, digits
                             job_dir=str(tmp_path / "job"))
     launches = []
     real = launcher.launch
-    monkeypatch.setattr(launcher, "launch", lambda j: launches.append(j.attempt) or real(j))
+    monkeypatch.setattr(restart, "launch", lambda j: launches.append(j.attempt) or real(j))
     with pytest.raises(launcher.DistributedTrainingError,
                        match=r"ConfigError: config key 'train.ckpt_restore': checkpoint .*gone/last.ckpt") as err:
-        launcher.launch_with_restarts(job)
+        restart.launch_with_restarts(job)
     assert launches == [0]
     assert sorted(err.value.rank_classes) == [0, 1]
     assert all(any(c.endswith(".ConfigError") for c in classes) for classes in err.value.rank_classes.values())

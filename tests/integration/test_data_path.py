@@ -221,7 +221,7 @@ def test_arrow_ranks_import_no_spark_petastorm_or_mlflow(spark, digits_table, tm
     def rank_fn(job):
         import sys
 
-        from pipeline.distributed.rank_process import horovod_worker
+        from pipeline.distributed.backends.horovod import horovod_worker
 
         result = horovod_worker(job)
         return result.rank, result.epochs, sorted(m.split(".")[0] for m in sys.modules)

@@ -10,7 +10,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.data.convert import plan_data
 from pipeline.data.shards import ConvertedData
-from pipeline.distributed import launcher
+from pipeline.distributed import launcher, rank_failures, restart
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, check_checkpoint_lineage,
                                               checkpoint_meta, classifier_from_checkpoint, consolidated_state,
                                               trained_with)
@@ -80,12 +80,12 @@ def test_two_backoffs_then_a_kill_restate_from_the_batch_each_checkpoint_records
             raise _oom()
         if job.attempt == 2:  # resumed at 16 from step 34, 2 more steps, then rank 1 killed
             _checkpoint(last, 16, 20, 36, 16, lr=0.1)
-            raise launcher.DistributedTrainingError("training failed on rank 1: " + launcher.SILENT_RANK)
+            raise launcher.DistributedTrainingError("training failed on rank 1: " + rank_failures.SILENT_RANK)
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.setattr(restart, "launch", fake_launch)
     restarts, backoffs = [], []
-    assert launcher.launch_with_restarts(job, lambda n, c: restarts.append(n),
+    assert restart.launch_with_restarts(job, lambda n, c: restarts.append(n),
                                          lambda n, plan, c: backoffs.append(plan.train.batch_size)) == ["done"]
     assert [(a, b, s) for a, b, s, _, _ in seen] == [(0, 64, 5), (1, 32, 10), (2, 16, 20), (3, 16, 20)]
     assert backoffs == [32, 16] and restarts == [1, 2, 3]
@@ -373,11 +373,11 @@ def test_a_rank_error_of_a_class_not_restartable_fails_the_job_at_once(tmp_path,
     launches, fake = _ranks_failing({0: RuntimeError("Timed out waiting 60000ms"), 1: error})
     monkeypatch.setattr(launcher, "_launch", fake)
     with pytest.raises(launcher.DistributedTrainingError) as err:
-        launcher.launch_with_restarts(job)
+        restart.launch_with_restarts(job)
     assert launches == [0]  # one launch, no restart, though train.max_restarts=2
     assert f"rank 1: {type(error).__name__}: {error}" in str(err.value)
     assert f"{type(error).__module__}.{type(error).__qualname__}" in err.value.rank_classes[1]
-    assert not launcher.is_restartable(err.value)
+    assert not restart.is_restartable(err.value)
 
 
 def test_a_rank_that_died_of_a_restartable_error_is_relaunched(tmp_path, monkeypatch):
@@ -385,15 +385,15 @@ def test_a_rank_that_died_of_a_restartable_error_is_relaunched(tmp_path, monkeyp
     launches, fake = _ranks_failing({1: RuntimeError("injected failure at step 3 on rank 1")})
     monkeypatch.setattr(launcher, "_launch", fake)
     with pytest.raises(launcher.DistributedTrainingError, match=r"after 2 restart\(s\)") as err:
-        launcher.launch_with_restarts(job)
+        restart.launch_with_restarts(job)
     assert launches == [0, 1, 2] and err.value.rank_classes[1][0] == "builtins.RuntimeError"
 
 
 def test_restartability_is_decided_by_class_not_text():
     text_only = launcher.DistributedTrainingError("training failed on rank 0: ConfigError: config key 'x'")
-    assert launcher.is_restartable(text_only)  # a message that merely mentions a class decides nothing
+    assert restart.is_restartable(text_only)  # a message that merely mentions a class decides nothing
     recorded = launcher.DistributedTrainingError("training failed on rank 0: bad",
                                                  {0: [f"{ConfigError.__module__}.{ConfigError.__qualname__}"]})
-    assert not launcher.is_restartable(recorded)
-    assert not launcher.is_restartable(ConfigError("config key 'x'"))
-    assert launcher.is_restartable(launcher.DistributedTrainingError("x", {0: ["builtins.RuntimeError"]}))
+    assert not restart.is_restartable(recorded)
+    assert not restart.is_restartable(ConfigError("config key 'x'"))
+    assert restart.is_restartable(launcher.DistributedTrainingError("x", {0: ["builtins.RuntimeError"]}))

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.doctor import (GpuFacts, HorovodBuild, databricks_problems, detect_profile, gpu_problems,
-                             horovod_problems, known_problems, reader_problems)
+from pipeline.doctor import (GpuFacts, HorovodBuild, backend_problems, databricks_problems, detect_profile,
+                             gpu_problems, horovod_problems, known_problems, reader_problems)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSIC = {"torch": "2.13.0+cpu", "pytorch_lightning": "2.6.6", "pyspark": "4.0.5", "delta": "4.0.1",
@@ -58,32 +58,36 @@ def test_petastorm_reader_without_petastorm_says_what_to_do():
 
 
 def test_cuda_torch_with_gloo_only_horovod_is_named():
-    (msg,) = horovod_problems(GLOO_HVD, H100, "horovod")
+    (msg,) = horovod_problems(GLOO_HVD, H100)
     assert "CUDA torch 2.11.0+cu130 beside a Horovod built without NCCL" in msg and "build_horovod.sh" in msg
-    assert horovod_problems(NCCL_HVD, H100, "horovod") == []
-    assert horovod_problems(GLOO_HVD, CPU, "horovod") == []
+    assert horovod_problems(NCCL_HVD, H100) == []
+    assert horovod_problems(GLOO_HVD, CPU) == []
     # a CUDA torch on a machine without GPUs (PyPI's torch on Python 3.12): no CUDA tensors to all-reduce
-    assert horovod_problems(GLOO_HVD, GpuFacts(torch="2.13.0+cu128", torch_cuda="12.8"), "horovod") == []
-    assert any("built with NCCL but torch 2.13.0+cpu has no CUDA" in p for p in horovod_problems(NCCL_HVD, CPU, "ddp"))
-    missing = horovod_problems(HorovodBuild(installed=False, error="ModuleNotFoundError"), CPU, "horovod")
-    assert any("train.backend=horovod but horovod is missing" in p for p in missing)
+    assert horovod_problems(GLOO_HVD, GpuFacts(torch="2.13.0+cu128", torch_cuda="12.8")) == []
+    assert any("built with NCCL but torch 2.13.0+cpu has no CUDA" in p for p in horovod_problems(NCCL_HVD, CPU))
+    absent = HorovodBuild(installed=False, error="ModuleNotFoundError")
+    assert any("horovod is not importable" in p for p in horovod_problems(absent, CPU))
+    # the horovod backend names itself; another backend, or a Databricks runtime's own check (None), does not
+    (msg,) = backend_problems(CPU, absent, "horovod", -2)
+    assert "train.backend=horovod but horovod is missing" in msg
+    assert backend_problems(CPU, absent, "ddp", -2) == [] and backend_problems(CPU, None, "horovod", -2) == []
 
 
 def test_more_local_ranks_than_gpus():
-    (msg,) = gpu_problems(H100, "horovod", -2)
+    (msg,) = gpu_problems(H100, -2)
     assert "train.np=-2: 2 local ranks but 1 visible GPU(s)" in msg and "train.np=-1" in msg
-    assert gpu_problems(H100, "horovod", -1) == []
-    assert gpu_problems(H100, "horovod", 4) == []  # 4 Spark tasks: placed by the cluster, not this host
-    assert gpu_problems(CPU, "horovod", -4) == []  # CPU ranks: no GPU to share
+    assert gpu_problems(H100, -1) == []
+    assert gpu_problems(H100, 4) == []  # 4 Spark tasks: placed by the cluster, not this host
+    assert gpu_problems(CPU, -4) == []  # CPU ranks: no GPU to share
 
 
 def test_ddp_checks_the_process_group_the_ranks_will_pick():
     # the ranks pick NCCL where they see CUDA, gloo elsewhere (devices.ddp_backend); there is no key to ask otherwise
-    assert gpu_problems(CPU, "ddp", -2) == []  # gloo on CPU
-    assert gpu_problems(GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0"), "ddp", -2) == []  # no device: gloo
-    assert gpu_problems(H100, "ddp", -1) == []  # NCCL on the GPU
+    assert backend_problems(CPU, GLOO_HVD, "ddp", -2) == []  # gloo on CPU
+    assert backend_problems(GpuFacts(torch="2.11.0+cu130", torch_cuda="13.0"), GLOO_HVD, "ddp", -2) == []  # gloo
+    assert backend_problems(H100, GLOO_HVD, "ddp", -1) == []  # NCCL on the GPU
     no_dist_nccl = GpuFacts(**{**H100.__dict__, "dist_nccl": False})
-    assert "has no NCCL" in gpu_problems(no_dist_nccl, "ddp", -1)[0]
+    assert "has no NCCL" in backend_problems(no_dist_nccl, GLOO_HVD, "ddp", -1)[0]
 
 
 def test_doctor_reads_no_key_the_config_does_not_have():

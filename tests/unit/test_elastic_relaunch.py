@@ -10,7 +10,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.data.convert import plan_data
 from pipeline.data.shards import ConvertedData
-from pipeline.distributed import launcher
+from pipeline.distributed import launcher, rank_failures, restart
 from pipeline.distributed.checkpoints.record import TRAINED_WITH
 from pipeline.distributed.checkpoints.restate import converted_position, restated
 
@@ -42,7 +42,7 @@ def _job(tmp_path, *overrides):
 
 
 def _lost():
-    return launcher.DistributedTrainingError("training failed on rank 1: " + launcher.SILENT_RANK)
+    return launcher.DistributedTrainingError("training failed on rank 1: " + rank_failures.SILENT_RANK)
 
 
 def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_path, monkeypatch):
@@ -62,9 +62,9 @@ def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_
             raise _lost()
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    monkeypatch.setattr(launcher, "cluster_slots", lambda: 1)
-    assert launcher.launch_with_restarts(job, on_world=lambda n, cause: worlds.append((n, cause))) == ["done"]
+    monkeypatch.setattr(restart, "launch", fake_launch)
+    monkeypatch.setattr(restart, "cluster_slots", lambda: 1)
+    assert restart.launch_with_restarts(job, on_world=lambda n, cause: worlds.append((n, cause))) == ["done"]
     assert [s[:4] for s in seen] == [(0, None, 2, 10), (1, 1, 1, 20)]
     assert worlds == [(1, f"DistributedTrainingError: {_lost()}")]
     name, ckpt = seen[1][4], seen[1][5]
@@ -96,9 +96,9 @@ def test_a_given_restore_point_is_restated_on_every_relaunch_by_the_world_size_i
             raise _lost()  # before this job wrote a checkpoint of its own
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    monkeypatch.setattr(launcher, "cluster_slots", lambda: 1)
-    assert launcher.launch_with_restarts(job) == ["done"]
+    monkeypatch.setattr(restart, "launch", fake_launch)
+    monkeypatch.setattr(restart, "cluster_slots", lambda: 1)
+    assert restart.launch_with_restarts(job) == ["done"]
     assert seen == [(0, 2, "last.ckpt", 13, pytest.approx(0.2)),
                     (1, 1, "last-batch32-np1.ckpt", 26, pytest.approx(0.1)),
                     (2, 1, "last-batch32-np1.ckpt", 26, pytest.approx(0.1))]
@@ -119,8 +119,8 @@ def test_the_first_launch_restates_a_given_checkpoint_recorded_at_another_world_
         seen.append((os.path.basename(restore), torch.load(restore, weights_only=True)))
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    assert launcher.launch_with_restarts(job) == ["done"]
+    monkeypatch.setattr(restart, "launch", fake_launch)
+    assert restart.launch_with_restarts(job) == ["done"]
     [(name, ckpt)] = seen
     assert name == "last-batch32-np2.ckpt"
     assert ckpt["global_step"] == converted_position(13, 3, 5, 128, 10, 64)[0] == 26
@@ -130,19 +130,19 @@ def test_the_first_launch_restates_a_given_checkpoint_recorded_at_another_world_
     # recorded at this launch's batch and world size: the checkpoint itself
     _checkpoint(str(given), 32, 2, 10, 13, 3, lr=0.2)
     seen.clear()
-    assert launcher.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
+    assert restart.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
     # one that records nothing (written before checkpoints recorded their batch) is resumed as it is
     torch.save({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, given)
     seen.clear()
-    assert launcher.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
+    assert restart.launch_with_restarts(job) == ["done"] and seen[0][0] == "last.ckpt"
 
 
 def test_fewer_slots_than_min_np_fail_saying_so(tmp_path, monkeypatch):
     job = _job(tmp_path, "train.np=3", "train.min_np=2")
-    monkeypatch.setattr(launcher, "launch", lambda job: (_ for _ in ()).throw(_lost()))
-    monkeypatch.setattr(launcher, "cluster_slots", lambda: 1)
+    monkeypatch.setattr(restart, "launch", lambda job: (_ for _ in ()).throw(_lost()))
+    monkeypatch.setattr(restart, "cluster_slots", lambda: 1)
     with pytest.raises(launcher.DistributedTrainingError, match=r"1 task slot\(s\) left .* train.min_np=2"):
-        launcher.launch_with_restarts(job)
+        restart.launch_with_restarts(job)
 
 
 def test_without_min_np_the_same_world_is_relaunched(tmp_path, monkeypatch):
@@ -155,9 +155,9 @@ def test_without_min_np_the_same_world_is_relaunched(tmp_path, monkeypatch):
             raise _lost()
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    monkeypatch.setattr(launcher, "cluster_slots", lambda: pytest.fail("slots counted without train.min_np"))
-    assert launcher.launch_with_restarts(job) == ["done"] and worlds == [2, 2]
+    monkeypatch.setattr(restart, "launch", fake_launch)
+    monkeypatch.setattr(restart, "cluster_slots", lambda: pytest.fail("slots counted without train.min_np"))
+    assert restart.launch_with_restarts(job) == ["done"] and worlds == [2, 2]
 
 
 def test_restated_for_the_same_batch_and_world_is_the_checkpoint_itself(tmp_path):
@@ -186,13 +186,13 @@ def test_two_jobs_resuming_one_given_checkpoint_at_once_each_resume_their_own_re
     def fake_launch(job):
         which = "a" if job.cfg.train.lr_scaling == "linear" else "b"
         if which == "a":  # the second job restates and starts while the first one's ranks are starting
-            launcher.launch_with_restarts(second)
+            restart.launch_with_restarts(second)
         restore = job.restore_point
         seen[which] = (restore, torch.load(restore, weights_only=True))
         return ["done"]
 
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    assert launcher.launch_with_restarts(first) == ["done"]
+    monkeypatch.setattr(restart, "launch", fake_launch)
+    assert restart.launch_with_restarts(first) == ["done"]
     assert seen["a"][1]["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1)  # linear: 0.2 x 64/128
     assert seen["b"][1]["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.2)  # none: as it was
     assert os.path.dirname(seen["a"][0]) == first.ckpt_dir and os.path.dirname(seen["b"][0]) == second.ckpt_dir

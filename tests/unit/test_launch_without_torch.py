@@ -9,14 +9,14 @@ import pytest
 from mlflow.tracking._tracking_service import utils as tracking_service
 
 from pipeline.config import ConfigError
-from pipeline.distributed import launcher
-from pipeline.distributed.rank_process import horovod_with_gloo
+from pipeline.distributed import restart
+from pipeline.distributed.backends.horovod import gloo_checked_by_the_ranks, horovod_with_gloo
 from pipeline.tracking.runs import use_tracking_uri
 from test_rank_start_and_exit import _modules_after
 
 
 def test_the_driver_modules_up_to_the_launch_import_no_torch_and_rank_zero_tracker_no_mlflow():
-    loaded = _modules_after("import pipeline.cli, pipeline.workflow, pipeline.distributed.launcher, "
+    loaded = _modules_after("import pipeline.cli, pipeline.workflow, pipeline.distributed.launcher, pipeline.distributed.restart, "
                             "pipeline.tracking.runs, pipeline.lakehouse.spark")
     assert "torch" not in loaded and "horovod" not in loaded
     # every rank unpickles the tracker's class with its job: only rank 0, which makes one, may pay for MLflow
@@ -32,7 +32,7 @@ def test_the_launch_skips_the_drivers_forked_gloo_check_and_restores_it(monkeypa
         raise AssertionError("the driver forked for Horovod's build check")
 
     monkeypatch.setattr(os, "fork", no_fork)
-    with launcher._gloo_checked_by_the_ranks():
+    with gloo_checked_by_the_ranks():
         assert horovod_launch.gloo_built(verbose=False) is True
     assert horovod_launch.gloo_built is original
 
@@ -56,7 +56,7 @@ def test_a_rank_where_horovod_torch_does_not_import_fails_with_a_config_error(mo
     with pytest.raises(ConfigError, match=r"train\.backend.*does not import in /opt/venv/bin/python"):
         horovod_with_gloo("/opt/venv/bin/python")
     # the launcher decides restartability from the class: a broken install is not retried
-    assert not launcher.is_restartable(ConfigError("x"))
+    assert not restart.is_restartable(ConfigError("x"))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT, available_readers
 from pipeline.data.shards import ConversionError
 from pipeline.distributed import rank_process as loop
+from pipeline.distributed.backends import horovod
 
 
 def _modules_after(code: str) -> set:
@@ -44,20 +45,20 @@ def test_a_failed_rank_process_prints_its_traceback_and_exits_at_once(monkeypatc
         exits.append(code)
         raise SystemExit(code)  # the real one ends the process without the interpreter's teardown
 
-    monkeypatch.setattr(loop, "horovod_worker", fail)
-    monkeypatch.setattr(loop, "exit_now", exit_now)
+    monkeypatch.setattr(horovod, "horovod_worker", fail)
+    monkeypatch.setattr(horovod, "exit_now", exit_now)
     with pytest.raises(SystemExit):
-        loop.horovod_rank_process(object())
+        horovod.horovod_rank_process(object())
     assert exits == [1]
     assert "RuntimeError: rank 1 broke" in capsys.readouterr().err
 
 
 def test_a_rank_process_that_succeeds_returns_its_result_and_ends_fast_only_after(monkeypatch):
     fast = []
-    monkeypatch.setattr(loop, "horovod_worker", lambda job: ("result", job))
-    monkeypatch.setattr(loop, "exit_now", lambda code: pytest.fail("a rank that succeeded must not exit early"))
-    monkeypatch.setattr(loop, "exit_fast_after_delivery", lambda: fast.append(True))  # not in pytest's own process
-    assert loop.horovod_rank_process("job") == ("result", "job")
+    monkeypatch.setattr(horovod, "horovod_worker", lambda job: ("result", job))
+    monkeypatch.setattr(horovod, "exit_now", lambda code: pytest.fail("a rank that succeeded must not exit early"))
+    monkeypatch.setattr(horovod, "exit_fast_after_delivery", lambda: fast.append(True))  # not in pytest's own process
+    assert horovod.horovod_rank_process("job") == ("result", "job")
     assert fast == [True]
 
 
@@ -110,7 +111,7 @@ def test_rank_record_leaves_started_then_done_or_the_error(tmp_path):
 
 def test_a_rank_that_ended_without_a_word_is_named_beside_the_ranks_errors(tmp_path):
     """Rank 1 SIGKILLed: it started and left nothing; rank 0 reported the collective's failure; rank 2 finished."""
-    from pipeline.distributed.launcher import SILENT_RANK, _failures
+    from pipeline.distributed.rank_failures import SILENT_RANK, failures as _failures
 
     job = _job(tmp_path)
     folder = tmp_path / "job"

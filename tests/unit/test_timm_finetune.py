@@ -112,12 +112,15 @@ def test_pretrained_needs_a_timm_arch():
 
 
 def test_doctor_says_where_fsdp_cannot_run():
-    from pipeline.distributed.devices import fsdp_problems
-    from pipeline.doctor import GpuFacts, gpu_problems
+    from pipeline.distributed.backends import MachineFacts, get
+    from pipeline.doctor import GpuFacts, backend_problems
+
+    def fsdp_problems(torch, devices, nccl, gloo, np_, backend="fsdp"):
+        return get(backend).problems(MachineFacts(torch=torch, device_count=devices, dist_nccl=nccl, gloo=gloo), np_)
 
     assert fsdp_problems("2.13.0", 0, False, True, -2) == []  # CPU ranks over gloo
     assert fsdp_problems("2.13.0", 0, False, True, -2, backend="ddp") == []
     assert any("no NCCL" in p for p in fsdp_problems("2.13.0", 2, False, True, -2))
     assert any("no gloo" in p for p in fsdp_problems("2.13.0", 0, False, False, -2))
     assert any("shards nothing" in p for p in fsdp_problems("2.13.0", 0, False, True, 1))
-    assert any("fsdp" in p for p in gpu_problems(GpuFacts(torch="2.13.0"), "fsdp", 1))
+    assert any("fsdp" in p for p in backend_problems(GpuFacts(torch="2.13.0"), None, "fsdp", 1))

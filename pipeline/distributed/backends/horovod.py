@@ -1,0 +1,160 @@
+"""`train.backend: horovod`: ranks started by horovod.run on this machine or horovod.spark.run as Spark tasks (gloo),
+each training with `HorovodStrategy` (pipeline/distributed/horovod_strategy.py)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator, List
+
+from pipeline.config import ConfigError
+from pipeline.distributed.backends.base import Backend, MachineFacts
+from pipeline.distributed.backends.spark_tasks import bounded
+from pipeline.distributed.executors import driver_nics
+from pipeline.distributed.loop import RankResult, TrainJob, train
+from pipeline.distributed.rank_env import executor_env
+from pipeline.distributed.rank_process import exit_fast_after_delivery, exit_now, rank_record, repair_horovod_env
+from pipeline.log import current_rank, get_logger, setup_logging
+
+log = get_logger(__name__)
+
+
+@contextmanager
+def _signals_left_to_the_driver() -> Iterator[None]:
+    """Horovod's Gloo launcher installs SIGINT/SIGTERM handlers, which only the main thread may do. Run off it (inside
+    `spark_tasks.bounded`), its launch leaves signals to the driver: `forward_sigterm` passes SIGTERM on to the
+    ranks."""
+    import horovod.runner.gloo_run as gloo_run
+
+    original = gloo_run.register_shutdown_event
+
+    def event_only() -> threading.Event:
+        return original() if threading.current_thread() is threading.main_thread() else threading.Event()
+
+    gloo_run.register_shutdown_event = event_only
+    try:
+        yield
+    finally:
+        gloo_run.register_shutdown_event = original
+
+
+@contextmanager
+def gloo_checked_by_the_ranks() -> Iterator[None]:
+    """horovod.run and horovod.spark.run first check that Horovod was built with Gloo, in a fork of the driver that
+    imports horovod.torch: the driver's build, not the ranks' (on a cluster they are other machines), and 0.9 s of
+    torch's import when the driver has not loaded it (measured), which it needs only for the promotion gate after
+    training. Each rank checks its own build before `hvd.init()` instead (`horovod_with_gloo`), so the launch inside
+    this block skips the driver's check (Horovod 0.28.1's `run_controller` reads it from horovod.runner.launch). The
+    driver then forks nothing: a thread still importing cannot hang the launch."""
+    import horovod.runner.launch as horovod_launch
+
+    original = horovod_launch.gloo_built
+
+    def checked_by_the_ranks(verbose: bool = False) -> bool:
+        return True
+
+    horovod_launch.gloo_built = checked_by_the_ranks
+    try:
+        yield
+    finally:
+        horovod_launch.gloo_built = original
+
+
+def horovod_with_gloo(python: str = sys.executable):
+    """horovod.torch, once this rank's own build is known to have Gloo (the launcher leaves that check to the ranks:
+    `gloo_checked_by_the_ranks`).
+
+    Raises:
+        ConfigError: horovod.torch does not import here, or was built without Gloo (names `train.backend`)."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise ConfigError(f"config key 'train.backend' = 'horovod': horovod.torch does not import in {python} "
+                          f"({exc}); reinstall Horovod against this torch (`make setup`), or use "
+                          f"train.backend=ddp") from exc
+    if not hvd.gloo_built():
+        raise ConfigError(f"config key 'train.backend' = 'horovod': the Horovod in {python} was built without Gloo, "
+                          f"which the launcher uses; reinstall it with HOROVOD_WITH_GLOO=1 (`make setup` does), or "
+                          f"use train.backend=ddp")
+    return hvd
+
+
+def horovod_worker(job: TrainJob) -> RankResult:
+    """The Horovod entry of the super train loop: init, shard = rank, LR × size, then the same `train()`. Recorded
+    from the start under the rank its launcher gave it (HOROVOD_RANK, which `hvd.init()` takes), so a build without
+    Gloo reaches the driver as this rank's ConfigError."""
+    setup_logging()
+    repair_horovod_env()
+    with rank_record(job, current_rank()):
+        hvd = horovod_with_gloo()
+        hvd.init()
+        return train(job, hvd.rank(), hvd.size(), HOROVOD.strategy(job), local_rank=hvd.local_rank(),
+                     local_world_size=hvd.local_size())
+
+
+def horovod_rank_process(job: TrainJob) -> RankResult:
+    """`horovod_worker` in a rank process of its own (horovod.run on this machine; on a Spark cluster each Horovod
+    task starts its rank as a process, horovod.spark.task.gloo_exec_fn): a rank that failed exits at once, its
+    error written (`rank_record`), its traceback printed and its output flushed, without the interpreter's
+    teardown of torch, Horovod and reader threads. That teardown kept a failed rank alive ~1 s after its error
+    (measured with timestamps: the error, atexit done 3 ms later, the process still there 0.4 s later with no Python
+    frame), while the launcher waited to stop the other ranks and relaunch them (`train.max_restarts`)."""
+    try:
+        result = horovod_worker(job)
+    except BaseException:
+        traceback.print_exc()
+        exit_now(1)
+        raise  # only where exit_now is replaced (tests)
+    # Horovod's own shutdown (a normal exit's handler, which the fast exit skips), agreed by every rank's background
+    # loop: a rank that left without it resets its peers' connections while rank 0 still logs the model
+    import horovod.torch as hvd
+
+    hvd.shutdown()
+    exit_fast_after_delivery()
+    return result
+
+
+class Horovod(Backend):
+    name = "horovod"
+
+    def launch(self, job: TrainJob) -> List[RankResult]:
+        cfg = job.cfg
+        # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
+        np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np
+        if cfg.train.np == 1:
+            return [horovod_worker(job)]
+        if np_ < 0:
+            import horovod
+
+            log.info("launching %d Horovod processes on this machine (gloo)", -np_)
+            with gloo_checked_by_the_ranks():
+                return list(horovod.run(horovod_rank_process, args=(job,), num_proc=-np_, use_gloo=True,
+                                        start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
+                                        verbose=0))
+        import horovod.spark
+
+        log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
+        with _signals_left_to_the_driver(), gloo_checked_by_the_ranks():
+            return list(bounded(job, lambda: horovod.spark.run(
+                horovod_rank_process, args=(job,), num_proc=np_, use_gloo=True,
+                start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ), cfg.mlflow.tracking_uri),
+                verbose=0,
+                nics=driver_nics() if np_ == 1 else None)))
+
+    def worker(self, job: TrainJob) -> RankResult:
+        return horovod_worker(job)
+
+    def strategy(self, job: TrainJob) -> Any:
+        from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+        return HorovodStrategy()
+
+    def problems(self, facts: MachineFacts, np_: int) -> List[str]:
+        if facts.horovod_installed is False:
+            return ["config train.backend=horovod but horovod is missing"]
+        return []
+
+
+HOROVOD = Horovod()

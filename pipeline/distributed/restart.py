@@ -1,0 +1,167 @@
+"""The restart policy: when a launch fails, whether and how every rank is relaunched (a restart from the last
+checkpoint, an OOM back-off with half the per-rank batch, an elastic relaunch on the task slots left), and the
+checkpoint each relaunch resumes from, restated for its batch and world size."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, List, Optional
+
+from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
+from pipeline.distributed.executors import cluster_slots
+from pipeline.distributed.launcher import launch
+from pipeline.distributed.loop import RankResult, TrainJob
+from pipeline.distributed.rank_failures import DistributedTrainingError
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _not_restartable() -> tuple:
+    """The classes of failures a relaunch cannot get past: errors in the job's own inputs (configuration, data, plan,
+    checkpoint), SIGTERM, Ctrl-C."""
+    from pipeline.config import ConfigError
+    from pipeline.data.shards import ConversionError
+    from pipeline.distributed.checkpoints.io import CheckpointError
+    from pipeline.lakehouse.partition import PlanError
+    from pipeline.errors import Terminated
+
+    return Terminated, ConfigError, ConversionError, PlanError, CheckpointError, KeyboardInterrupt
+
+
+def is_restartable(exc: BaseException) -> bool:
+    """Whether a relaunch from the last checkpoint can get past `exc`: a rank died, a collective timed out, a rank ran
+    out of memory. Not when `exc`, or the exception any rank recorded (`DistributedTrainingError.rank_classes`: each
+    rank's class and bases, so a rank's ConfigError counts as one), is of a `_not_restartable` class."""
+    classes = _not_restartable()
+    if isinstance(exc, classes):
+        return False
+    names = {f"{c.__module__}.{c.__qualname__}" for c in classes}
+    return not any(names.intersection(found) for found in getattr(exc, "rank_classes", {}).values())
+
+
+def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
+    """The ranks a relaunch after `exc` gets: `world`, or with `train.min_np` set (ranks as Spark tasks) and fewer
+    task slots left on the cluster, the slots left.
+
+    Raises:
+        DistributedTrainingError: fewer slots left than `train.min_np`."""
+    min_np = job.cfg.train.min_np
+    if not min_np or job.cfg.train.np <= 1:
+        return world
+    slots = cluster_slots()
+    if slots >= world:
+        return world
+    if slots < min_np:
+        raise DistributedTrainingError(f"{exc}; the cluster has {slots} task slot(s) left for the ranks, fewer than "
+                                       f"train.min_np={min_np}", getattr(exc, "rank_classes", None)) from exc
+    log.warning("elastic: %d task slot(s) left of the %d ranks; going on with %d (train.min_np=%d)", slots, world,
+                slots, min_np)
+    return slots
+
+
+def _restated(job: TrainJob, path: str, data: Any, batch: int, first: tuple) -> str:
+    """Checkpoint `path` for a launch of `data`'s plan with `batch` per rank: itself when it records that batch and
+    world size, else restated from what it records (`restate.restated`) into the job's own checkpoint folder (never
+    beside another run's checkpoint); one that records neither is taken as trained like the job's first launch
+    (`first`: its per-rank batch and world size)."""
+    from pipeline.distributed.checkpoints.restate import restated
+
+    plan = data.plan.train
+    return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first,
+                    folder=job.ckpt_dir)
+
+
+def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
+                         on_batch: Optional[Callable[[int, Any, str], None]] = None,
+                         on_world: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
+    """`launch`, and when it fails, stop every rank and relaunch all of them (same run, pinned version and data):
+
+    - a rank died or a collective timed out: from the last checkpoint this job wrote, up to `train.max_restarts`
+      times;
+    - a rank ran out of memory with `data.batch_size: auto` or `train.oom_backoff: true` (pipeline/distributed/
+      backoff.py): with half the per-rank batch, the plan re-made for equal steps, from where the job started when it
+      had written no checkpoint yet (not a restart), else from the last checkpoint (a restart, within
+      `train.max_restarts`);
+    - elastic, with `train.min_np` (ranks as Spark tasks): a restart when fewer task slots are left than ranks (a host
+      lost) goes on with the slots left, down to `train.min_np`: the plan re-made for the new world size (equal
+      steps), the checkpoint restated for the smaller global batch (steps, schedule, rates).
+
+    Every launch, the first included, resumes its checkpoint (the given one, or the job's own last one) restated
+    when it records another per-rank batch or world size than that launch's (`restate.restated`).
+    `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
+    shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow).
+
+    Raises:
+        DistributedTrainingError: the failure that spent the last restart (with how many were made).
+        ConfigError: out of memory at 1 sample per rank (`data.batch_size`).
+    """
+    import dataclasses
+
+    from pipeline.data.convert import plan_data
+    from pipeline.data.plan import backs_off, halved
+    from pipeline.distributed.backoff import is_out_of_memory
+
+    limit = max(0, job.cfg.train.max_restarts)
+    last = last_checkpoint(job.ckpt_dir)
+    started = time.time()
+    attempt = restarts = backoffs = 0
+    batch = job.data.plan.train.batch_size
+    first = (batch, job.data.plan.train.world_size)  # taken for a given checkpoint that records neither
+    # the checkpoint the first launch resumes from, as a path and settled; one that does not exist is left to the
+    # ranks, which refuse it naming the key
+    restore_first = resolve_restore_point(job.restore_point, job.ckpt_dir, job.cfg.train.checkpoint_dir,
+                                          required=False)
+    if restore_first and os.path.exists(restore_first):  # restated when it records another batch or world size
+        job = dataclasses.replace(job, restore_from=_restated(job, restore_first, job.data, batch, first))
+    while True:
+        try:
+            return launch(job)
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            settle(last)  # a swap of FSDP's last checkpoint a killed rank interrupted is finished first
+            # only a checkpoint this job wrote; an older last one in the folder belongs to another job
+            fresh = os.path.exists(last) and os.path.getmtime(last) >= started
+            oom = is_restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
+            if oom:
+                smaller = halved(batch, cause)  # ConfigError at 1 per rank
+            if fresh or not oom:  # a relaunch from a checkpoint (or after a non-OOM failure) is a restart
+                if restarts >= limit or not is_restartable(exc):
+                    if restarts:
+                        raise DistributedTrainingError(f"{exc} (after {restarts} restart(s) of train.max_restarts="
+                                                       f"{limit})", getattr(exc, "rank_classes", None)) from exc
+                    if oom:
+                        raise DistributedTrainingError(
+                            f"{exc} (out of memory after this job's first checkpoint: restarting from it with half "
+                            f"the batch is a restart, and train.max_restarts={limit})",
+                            getattr(exc, "rank_classes", None)) from exc
+                    raise
+                restarts += 1
+                if on_restart is not None:
+                    on_restart(restarts, cause)
+            attempt += 1
+            restore = last if fresh else restore_first
+            data, was = job.data, batch
+            world = data.plan.train.world_size
+            new_world = world if oom else _elastic_world(job, world, exc)
+            if oom:
+                backoffs += 1
+                batch = smaller
+            if oom or new_world != world:
+                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, new_world, batch))
+            if new_world != world:
+                job = dataclasses.replace(job, world_size=new_world)
+                if on_world is not None:
+                    on_world(new_world, cause)
+            if restore and os.path.exists(restore):  # by the batch and world size IT records, not the last launch's
+                restore = _restated(job, restore, data, batch, first)
+            if oom:
+                log.warning("out of memory: relaunching every rank with %d samples per rank (was %d) from %s: %s",
+                            batch, was, restore or "the start", cause)
+                if on_batch is not None:
+                    on_batch(backoffs, data.plan, cause)
+            else:
+                log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
+                            restore or "the start", cause)
+            # the user's config stays as it is; the job carries what this relaunch resumes from
+            job = dataclasses.replace(job, restore_from=restore or "", data=data, attempt=attempt)
