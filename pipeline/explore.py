@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 
 from pipeline.config import Config, load_config
+from pipeline.images import decode_image
+from pipeline.lakehouse.delta import get_engine
 from pipeline.log import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -83,8 +85,6 @@ def history_frame(entries: Sequence[Dict[str, Any]], rows: Optional[Dict[int, Op
 
 def _rows_at(spark, cfg: Config, version: int) -> Optional[int]:
     """Rows of the table at `version`: from the Delta log's statistics when present, else a Spark count."""
-    from pipeline.lakehouse.delta import get_engine
-
     try:
         df, pinned = get_engine(cfg.delta.engine).read(spark, cfg.delta.table, version)
     except Exception as exc:  # a version whose files or log entries were cleaned up
@@ -95,8 +95,6 @@ def _rows_at(spark, cfg: Config, version: int) -> Optional[int]:
 
 def table_history(spark, cfg: Config) -> pd.DataFrame:
     """Every version of `delta.table`: version, timestamp, operation and the rows it holds."""
-    from pipeline.lakehouse.delta import get_engine
-
     entries = get_engine(cfg.delta.engine).history(spark, cfg.delta.table)
     versions = sorted({int(e["version"]) for e in entries if e.get("version") is not None})
     return history_frame(entries, {v: _rows_at(spark, cfg, v) for v in versions})
@@ -111,8 +109,6 @@ def balance_frame(counts: Sequence[Dict[str, Any]]) -> pd.DataFrame:
 
 
 def _pinned_frame(spark, cfg: Config, version: Optional[int]):
-    from pipeline.lakehouse.delta import get_engine
-
     pinned_version = cfg.delta.version if version is None else version
     return get_engine(cfg.delta.engine).read(spark, cfg.delta.table, pinned_version)
 
@@ -166,8 +162,6 @@ def grid_figure(images: Sequence[np.ndarray], titles: Sequence[str], cols: int =
 
 def image_grid(spark, cfg: Config, n: int = 16, version: Optional[int] = None, cols: int = 8):
     """A grid of `n` images from the table with their labels, decoded as training decodes them."""
-    from pipeline.images import decode_image
-
     rows = sample_rows(spark, cfg, n, version, columns=("label", "content"))
     images = [decode_image(c, cfg.data.image_size, cfg.data.channels) for c in rows["content"]]
     return grid_figure(images, list(rows["label"]), cols)
@@ -176,7 +170,7 @@ def image_grid(spark, cfg: Config, n: int = 16, version: Optional[int] = None, c
 # ---------------------------------------------------------------- MLflow runs and the registry
 
 def _client(cfg: Config):
-    from pipeline.tracking.runs import configure
+    from pipeline.tracking.runs import configure  # local: mlflow, out of the notebook's table views
 
     return configure(cfg.mlflow)
 
@@ -268,7 +262,7 @@ def predictions_frame(rows: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFra
 def predict_rows(spark, cfg: Config, n: int = 8, alias: str = "champion",
                  version: Optional[int] = None) -> pd.DataFrame:
     """Load `models:/<registered_model>@<alias>` with mlflow.pyfunc and predict on `n` rows of the table."""
-    from pipeline.tracking.pyfunc import load_pyfunc
+    from pipeline.tracking.pyfunc import load_pyfunc  # local: mlflow and torch, out of the table views
 
     _client(cfg)  # also points this process's MLflow (and registry) at `mlflow.tracking_uri`
     uri = f"models:/{cfg.mlflow.registered_model}@{alias}"

@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from pipeline.data.crops import VAL_CROP, center_crop_decode
+from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
+from pipeline.tracking.pyfunc import check_meta
 from pipeline.images import ImageDecodeError, decode_image
 
 CONTRACT_FILE = "contract.json"
@@ -21,9 +23,6 @@ def preprocessing_contract(meta: Dict[str, Any], model: Optional[Dict[str, Any]]
     The numbers are those the training loader and the pyfunc use (pipeline.data.transforms), written out
     so that a runtime without Python's `pipeline` (ONNX Runtime, libtorch) can reproduce them.
     """
-    from pipeline.data.transforms import PIXEL_MEAN, PIXEL_STD
-    from pipeline.tracking.pyfunc import check_meta
-
     meta = check_meta(meta)
     channels, size = meta["channels"], meta["image_size"]
     return {

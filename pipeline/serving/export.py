@@ -14,6 +14,8 @@ import torch
 
 from pipeline.log import get_logger
 from pipeline.serving.contract import CONTRACT_FILE, INPUT_NAME, OUTPUT_NAME, preprocessing_contract
+from pipeline.serving.models import load_network, resolve
+from pipeline.tracking.runs import configure
 
 log = get_logger(__name__)
 
@@ -122,9 +124,6 @@ def export_model(cfg, model_uri: str, fmt: str, out_dir: Optional[str] = None) -
     Returns what the CLI prints: model name/version/run, the local files, the artifact URI, the parity figure.
     """
     from mlflow.exceptions import MlflowException
-
-    from pipeline.serving.models import load_network, resolve
-    from pipeline.tracking.runs import configure
 
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")

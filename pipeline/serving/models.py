@@ -8,6 +8,8 @@ from typing import Any, Dict, Tuple
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from pipeline.tracking.pyfunc import load_pyfunc
+
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[^/@]+))$")
 
 
@@ -80,10 +82,6 @@ def _known(client: MlflowClient, name: str) -> str:
 
 def load_network(pinned: PinnedModel) -> Tuple[Any, Dict[str, Any]]:
     """The version's eval-mode torch network and its meta, loaded through the logged pyfunc."""
-    import mlflow.pyfunc
-
-    from pipeline.tracking.pyfunc import load_pyfunc
-
     model = load_pyfunc(pinned.uri).unwrap_python_model()
     if not hasattr(model, "network") or not hasattr(model, "meta"):
         raise ModelNotFound(f"model {pinned.name!r} version {pinned.version} is not an image classifier logged by "

@@ -7,6 +7,8 @@ import json
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
+from pipeline.lakehouse.delta import (ConcurrentWriteError, commit_files, get_engine, same_table, table_location,
+                                      table_uri)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -59,8 +61,6 @@ def job_identity(pinned_model, input_table: str, input_version: int, mode: str, 
     """What makes two predict runs the same job: the model version (and the run that made it: the same name and
     version in another registry is another model), the input table and version, the mode and the run key. A
     scheduler's retry repeats all of them; a second, wanted run of the same job gives another run key."""
-    from pipeline.lakehouse.delta import table_uri
-
     return {"model_name": pinned_model.name, "model_version": str(pinned_model.version),
             "model_run_id": pinned_model.run_id, "input_table": table_uri(input_table),
             "input_version": int(input_version), "mode": mode, "run_key": run_key or ""}
@@ -76,8 +76,6 @@ def count_commit(table: str, version: int) -> Optional[Dict[str, int]]:
     """Rows and error rows in the files that commit `version` of `table` added: this job's own output, whatever
     other writers added meanwhile (local tables; None elsewhere)."""
     import pyarrow.parquet as pq
-
-    from pipeline.lakehouse.delta import commit_files
 
     files = commit_files(table, version)
     if files is None:
@@ -150,8 +148,6 @@ def refuse_output_onto_input(table: str, out: str) -> None:
     Raises:
         PredictError: naming both as typed and the location they share.
     """
-    from pipeline.lakehouse.delta import same_table, table_location
-
     if same_table(table, out):
         raise PredictError(f"--out {out!r} is the input table {table!r} (both are {table_location(table)}); write "
                            f"predictions to another table")
@@ -170,9 +166,8 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing and reports
     that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same table).
     """
-    from pipeline.lakehouse.delta import ConcurrentWriteError, get_engine
-    from pipeline.serving.models import resolve
-    from pipeline.tracking.runs import configure
+    from pipeline.serving.models import resolve  # local: mlflow and torch, preloaded on a thread
+    from pipeline.tracking.runs import configure  # local: mlflow, preloaded on a thread
 
     if mode not in ("append", "overwrite"):
         raise PredictError(f"--mode {mode!r} is not append or overwrite")

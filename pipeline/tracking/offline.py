@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from pipeline.config import load_config
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -44,7 +46,7 @@ def left_offline(job_dir: str) -> Optional["OfflineRun"]:
 
 def server_back(client, run_id: str, wait_s: float, retry_wait_s: float) -> bool:
     """Whether the server answers for `run_id` within `wait_s` seconds (probed every `retry_wait_s`)."""
-    from pipeline.tracking.runs import temporary_env
+    from pipeline.tracking.runs import temporary_env  # local: mlflow, in rank 0 alone (all ranks import this)
 
     deadline = time.monotonic() + max(0.0, float(wait_s))
     while True:
@@ -266,10 +268,8 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     """
     from mlflow.entities import Metric, RunTag
 
-    from pipeline.config import load_config
-    from pipeline.redact import redact_url
-    from pipeline.tracking.lineage import log_config, log_lineage
-    from pipeline.tracking.runs import _connect
+    from pipeline.tracking.lineage import log_config, log_lineage  # local: mlflow (a sync-run's alone)
+    from pipeline.tracking.runs import _connect  # local: mlflow (a sync-run's alone)
 
     off = OfflineRun(folder)
     info = off.read()
@@ -366,8 +366,8 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
 def _log_offline_model(off: OfflineRun, run_id: str) -> str:
     import torch
 
-    from pipeline.model.nets import build_network
-    from pipeline.tracking.pyfunc import log_model
+    from pipeline.model.nets import build_network  # local: torch (a sync-run's alone)
+    from pipeline.tracking.pyfunc import log_model  # local: mlflow and torch (a sync-run's alone)
 
     with open(os.path.join(off.folder, "model", "meta.json")) as fh:
         saved = json.load(fh)
@@ -382,8 +382,7 @@ def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Di
                run_name: Optional[str] = None, register: bool = True) -> Dict[str, Any]:
     """The driver's part of a run left offline: the config, lineage, tags, gate metrics and the true end status
     (FINISHED: training ended normally), and whether the job would have registered the model."""
-    from pipeline.redact import redact_url
-    from pipeline.tracking.lineage import config_yaml
+    from pipeline.tracking.lineage import config_yaml  # local: mlflow, out of the ranks (all import this)
 
     off.log_text(run.run_id, config_yaml(cfg), "config.yaml")  # secrets redacted (pipeline.redact)
     shutil.move(off._path("artifacts", "config.yaml"), off._path("config.yaml"))

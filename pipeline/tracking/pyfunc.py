@@ -21,7 +21,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipeline.data.transforms import decode_batch
+from pipeline.images import ImageDecodeError
 from pipeline.log import get_logger
+from pipeline.model.nets import build_network
 
 log = get_logger(__name__)
 
@@ -165,8 +168,6 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: Any) -> None:
         """Rebuild the network from the `meta` artifact and load the `weights` state_dict; read the row limit."""
-        from pipeline.model.nets import build_network
-
         self.max_rows = row_limit(context.model_config)
         with open(context.artifacts["meta"]) as fh:
             self.meta = check_meta(json.load(fh))
@@ -179,9 +180,6 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
         """Return one row per input row: label, label_index, probability, probabilities (+ error when on_error=null)."""
-        from pipeline.data.transforms import decode_batch
-        from pipeline.images import ImageDecodeError
-
         on_error = (params or {}).get("on_error") or "raise"
         if on_error not in ON_ERROR_MODES:
             raise InvalidModelInput(f"param 'on_error': {on_error!r} is not one of {', '.join(ON_ERROR_MODES)}")
@@ -350,8 +348,6 @@ set_model(ImageClassifierModel())
 
 def _check_weights_fit(state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
     """Fail at logging time, not at serving time, when the weights do not fit the network `meta` describes."""
-    from pipeline.model.nets import build_network
-
     net = build_network(meta["arch"], meta["channels"], len(meta["class_names"]), meta["width"])
     try:
         net.load_state_dict(state, strict=True)

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.log import get_logger, is_rank_zero
 from pipeline.redact import redact_url
+from pipeline.tracking.offline import OfflineRun, offline_folder, server_back
 from pipeline.tracking.telemetry import SystemTelemetry
 
 log = get_logger(__name__)
@@ -34,7 +35,7 @@ class RankZeroTracker:
         from mlflow.tracking import MlflowClient
 
         # MLflow, with pipeline.tracking.runs, loads only in rank 0: every rank unpickles this class with its job
-        from pipeline.tracking.runs import use_tracking_uri
+        from pipeline.tracking.runs import use_tracking_uri  # local: mlflow, in rank 0 alone
 
         if tracking_uri:
             use_tracking_uri(tracking_uri)
@@ -61,7 +62,7 @@ class RankZeroTracker:
         in the background (checked in `finish`, sent again there if it did not arrive)."""
         if not is_rank_zero():
             return
-        from pipeline.tracking.sending import Sending
+        from pipeline.tracking.sending import Sending  # local: mlflow, in rank 0 alone
 
         self.tags[key] = value
         try:
@@ -98,7 +99,7 @@ class RankZeroTracker:
 
     def _send(self) -> None:
         """Hand every pending epoch to MLflow's asynchronous logging, as one batch in flight."""
-        from pipeline.tracking.sending import Sending, epoch_metrics, send_metrics
+        from pipeline.tracking.sending import Sending, epoch_metrics, send_metrics  # local: mlflow, in rank 0 alone
 
         if not self.pending:
             return
@@ -130,7 +131,7 @@ class RankZeroTracker:
         """Send what waits and wait for the answer, at most `timeout_s` seconds (default: one MLflow call's bound,
         pipeline.tracking.sending.http_call_bound_s); True when the server took everything. False, with a warning naming
         how many metric values it did not take, when it refused them or did not answer in time (they stay pending)."""
-        from pipeline.tracking.sending import http_call_bound_s
+        from pipeline.tracking.sending import http_call_bound_s  # local: mlflow, in rank 0 alone
 
         bound = http_call_bound_s() if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + bound
@@ -196,8 +197,6 @@ class RankZeroTracker:
         """
         if not is_rank_zero():
             return None
-        from pipeline.tracking.offline import server_back
-
         wait_s, retry_s = job.cfg.mlflow.reconnect_wait_s, job.cfg.mlflow.retry_wait_s
         if self.pending and server_back(self.client, self.run_id, wait_s, retry_s) and self.flush():
             self._drop_local_file()
@@ -224,8 +223,6 @@ class RankZeroTracker:
             log.info("the buffered metrics reached MLflow after all; %s removed", path)
 
     def _go_offline(self, job) -> None:
-        from pipeline.tracking.offline import OfflineRun, offline_folder
-
         self.offline = OfflineRun(offline_folder(job.job_dir))
         self.offline.write_metrics((step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs)
         unsent = sum(len(metrics) for _, metrics in self.pending)
@@ -236,7 +233,7 @@ class RankZeroTracker:
                     self.run_id, unsent, self.offline.folder, self.offline.folder)
 
     def _plots(self, model, job, history, target) -> None:
-        from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png
+        from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png  # local: numpy, rank 0 alone
 
         with tempfile.TemporaryDirectory() as tmp:
             if history:
@@ -248,28 +245,30 @@ class RankZeroTracker:
                 target.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
 
     def _finish_offline(self, model, job, history, result) -> Optional[str]:
-        from pipeline.model.module import network_meta
-
         self._plots(model, job, history, self.offline)
-        meta = network_meta(job.cfg.model, job.data.channels, job.data.image_size, job.data.class_names,
-                            center_crop=job.cfg.data.decode != "convert")
+        meta = _network_meta(job)
         model.eval()
         self.offline.save_model(model.network.cpu(), meta, result.epochs)
         log.info("kept the model of run %s in %s", self.run_id, self.offline.folder)
         return None
 
     def _finish_online(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
-        from pipeline.model.module import network_meta
-        from pipeline.tracking.pyfunc import log_model
+        from pipeline.tracking.pyfunc import log_model  # local: mlflow, in rank 0 alone
 
-        cfg = job.cfg
         self._plots(model, job, history, self.client)
-        meta = network_meta(cfg.model, job.data.channels, job.data.image_size, job.data.class_names,
-                            center_crop=cfg.data.decode != "convert")
+        meta = _network_meta(job)
         model.eval()
         uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)
         log.info("logged the model to run %s as %s", self.run_id, uri)
         return uri
+
+
+def _network_meta(job) -> Dict[str, Any]:
+    """What rebuilds the job's network for serving (pipeline.model.module.network_meta), online or offline."""
+    from pipeline.model.module import network_meta  # local: torch and Lightning, kept out of the driver's import
+
+    return network_meta(job.cfg.model, job.data.channels, job.data.image_size, job.data.class_names,
+                        center_crop=job.cfg.data.decode != "convert")
 
 
 def _steps(batch: List) -> str:

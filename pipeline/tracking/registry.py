@@ -9,6 +9,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from pipeline.config import ConfigError
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -163,8 +164,6 @@ def _wait_ready(client: MlflowClient, name: str, mv: ModelVersion, wait_s: float
 
 def latest_version(client: MlflowClient, name: str) -> str:
     """The highest version number of registered model `name`; a ConfigError names the key when it has none."""
-    from pipeline.config import ConfigError
-
     versions = client.search_model_versions(f"name='{name}'")
     if not versions:
         raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")

@@ -26,7 +26,7 @@ class RunRecord:
               restore_from: Optional[str]) -> None:
         """Before the ranks start: the config, the table's lineage (`tags` beside it), the shard plan and the batch it
         starts with, the run's checkpoint folder and, when resuming, the restore point."""
-        from pipeline.tracking.lineage import log_config, log_lineage
+        from pipeline.tracking.lineage import log_config, log_lineage  # local: mlflow, out of `import workflow`
 
         log_config(self.client, self.run_id, cfg)
         log_lineage(self.client, self.run_id, pinned.table, pinned.version, rows, extra_tags=tags)

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from pipeline.config import Config
 from pipeline.log import get_logger
+from pipeline.tune.study import ATTR_PARENT_RUN, ATTR_RUN_ID, failure_reason
 
 log = get_logger(__name__)
 
@@ -29,9 +30,8 @@ def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any]) -> I
     """
     from mlflow.entities import Param
 
-    from pipeline.tracking.lineage import BATCH_LIMIT, log_config
-    from pipeline.tracking.runs import configure, tracked_run
-    from pipeline.tune.study import ATTR_PARENT_RUN
+    from pipeline.tracking.lineage import BATCH_LIMIT, log_config  # local: mlflow, preloaded on a thread
+    from pipeline.tracking.runs import configure, tracked_run  # local: mlflow, preloaded on a thread
 
     run_id = study.user_attrs.get(ATTR_PARENT_RUN)
     if run_id and _status_of(configure(cfg.mlflow), run_id) is None:
@@ -111,8 +111,6 @@ def save_plots(study, folder: str) -> List[str]:
 
 def trial_rows(study) -> List[Dict[str, Any]]:
     from optuna.trial import TrialState
-
-    from pipeline.tune.study import ATTR_RUN_ID, failure_reason
 
     rows = []
     for t in study.get_trials(deepcopy=False):

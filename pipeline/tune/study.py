@@ -47,7 +47,7 @@ HEARTBEAT_GRACE = 3  # a running trial is stale once its heartbeat is older than
 
 def storage_url(cfg: Config) -> str:
     """`tune.storage`, or SQLite `optuna.db` beside the MLflow SQLite store (else under work/); paths made absolute."""
-    from pipeline.tracking.runs import resolve_tracking_uri
+    from pipeline.tracking.runs import resolve_tracking_uri  # local: mlflow, preloaded on a thread
 
     if cfg.tune.storage:
         return resolve_tracking_uri(cfg.tune.storage)

@@ -10,7 +10,10 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError
+from pipeline.data.leases import JobLeases
+from pipeline.errors import Terminated
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 from pipeline.tune.report import log_best, log_study_artifacts, parent_run, progress_line
 from pipeline.tune.space import load_space, space_from_text
 from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_METRICS, ATTR_MODEL_URI, ATTR_N_TRIALS, ATTR_REGISTERED,
@@ -18,6 +21,7 @@ from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_METRICS, ATTR_MODEL_UR
                                  check_metric, counted, create_study, default_name, describe_pruner, fail_stale,
                                  failure_reason, load_study, make_storage, quiet_optuna, running, storage_url)
 from pipeline.tune.trial import SharedData, TrialOutcome, record_error, run_trial
+from pipeline.workflow import prepare_data, register_and_promote
 
 log = get_logger(__name__)
 
@@ -118,8 +122,6 @@ def _pin_version(study, shared: SharedData) -> None:
 
 def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
     """Register the best trial's model once (a resumed sweep does not register it again), then the gate."""
-    from pipeline.workflow import register_and_promote
-
     done = study.user_attrs.get(ATTR_REGISTERED) or {}
     if done.get("trial") == best.number:
         log.info("trial %d's model is already registered as version %s", best.number, done.get("version"))
@@ -149,8 +151,6 @@ def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
     heartbeat is recorded, tell the study, log the progress line and the best so far. Returns the trial's outcome
     (a failure is an outcome; Ctrl-C and SIGTERM propagate)."""
     from optuna.trial import TrialState
-
-    from pipeline.errors import Terminated
 
     study, space, total = op.study, op.space, op.total
     name = study.study_name
@@ -208,10 +208,7 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     """
     from optuna.trial import TrialState
 
-    from pipeline.data.leases import JobLeases
-    from pipeline.redact import redact_url
-    from pipeline.tracking.runs import configure
-    from pipeline.workflow import prepare_data
+    from pipeline.tracking.runs import configure  # local: mlflow, preloaded on a thread
 
     quiet_optuna()
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
