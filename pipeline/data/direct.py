@@ -83,10 +83,25 @@ def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, va
     return np.asarray(train, np.int64), np.asarray(val, np.int64)
 
 
+def check_columns(pinned: DeltaFiles) -> None:
+    """Refuse a table whose files lack a column the ranks read (a partition column is not in the files).
+
+    Raises:
+        ConversionError: naming the table, its version and the columns.
+    """
+    lacking = [c for c in READ_COLUMNS if c not in pinned.columns or c in pinned.partition_columns]
+    if lacking:
+        raise ConversionError(f"Delta table {pinned.table} version {pinned.version}: the direct path reads columns "
+                              f"{', '.join(READ_COLUMNS)} from its data files, and {', '.join(lacking)} "
+                              f"{'is' if len(lacking) == 1 else 'are'} not in them (missing, or a partition column); "
+                              f"use data.source=converted")
+
+
 def split_index(pinned: DeltaFiles, val_fraction: float, split_key: str, threads: int = INDEX_THREADS) -> SplitIndex:
     """Each file's rows in train and val by the split rule of `data.split_key` (the converted path's rule, so the same
     validation rows): reads that one column of every file (`path`; `content` to hash), on `threads` threads."""
     split_rule(split_key)  # a key that is not one of partition.SPLIT_KEYS is refused, naming the config key
+    check_columns(pinned)
     uris = [f.uri for f in pinned.files]
     with ThreadPoolExecutor(max(1, min(threads, len(uris) or 1))) as pool:
         parts = list(pool.map(lambda u: _file_split(u, pinned.storage_options, split_key, val_fraction), uris))

@@ -177,3 +177,13 @@ def test_data_source_is_validated_naming_the_key():
         load_config(overrides=["data.source=copy"])
     with pytest.raises(ConfigError, match="'data.source'.*data.decode"):
         load_config(overrides=["data.source=direct", "data.decode=convert"])
+
+
+def test_a_table_without_a_column_the_ranks_read_is_refused_naming_it():
+    from pipeline.data.direct import split_index
+    from pipeline.data.shards import ConversionError
+
+    pinned = DeltaFiles(table="/t", version=2, files=(), digest="d", min_reader_version=1,
+                        columns=("path", "label", "label_index", "content"), partition_columns=("label_index",))
+    with pytest.raises(ConversionError, match="/t version 2.*label_index"):
+        split_index(pinned, 0.2, "path")
