@@ -3,8 +3,8 @@ the ranks at the row level, and read per rank with pyarrow into the arrow reader
 
 Three steps, each a function:
 
-- `split_index`: the rows of each file in each split, by the one split rule (`partition.row_key` and
-  `partition.is_validation`, as the converted path's Spark filter): it reads the `data.split_key` column (`path`, or
+- `split_index`: the rows of each file in each split, by the one split rule (`split.row_key` and
+  `split.is_validation`, as the converted path's Spark filter): it reads the `data.split_key` column (`path`, or
   `content` to hash), nothing else.
 - `plan_ranges` / `plan_direct`: metadata only. The split's rows, file after file, are cut into one contiguous run per
   rank: train into equal shares (the total a multiple of the world size; fewer than world-size rows left out, logged),
@@ -30,7 +30,8 @@ import numpy as np
 from pipeline.data.readers import ArrowShardReader, RowGroup, pass_order
 from pipeline.data.shards import CONTENT, LABEL, PATH, ConversionError
 from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem
-from pipeline.lakehouse.partition import PlanError, ShardPlan, is_validation, plan_shards, row_key, split_rule
+from pipeline.lakehouse.partition import PlanError, ShardPlan, plan_shards
+from pipeline.lakehouse.split import is_validation, row_key, split_rule
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -165,6 +166,12 @@ class DirectSplit:
     @property
     def rows(self) -> int:
         return sum(self.rows_per_rank)
+
+    @property
+    def row_group_rows(self) -> List[int]:
+        """Each rank's share as one group, in rank order: what `plan.derive_plan` and `partition.plan_shards` plan
+        over (group i on rank i mod world size), so they give this split's rows per rank back."""
+        return self.rows_per_rank
 
     def rank_rows(self, rank: int) -> List[Tuple[int, np.ndarray]]:
         """(file index, row numbers in the file) of each run of `rank`, in plan order."""

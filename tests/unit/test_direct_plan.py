@@ -187,3 +187,17 @@ def test_a_table_without_a_column_the_ranks_read_is_refused_naming_it():
                         columns=("path", "label", "label_index", "content"), partition_columns=("label_index",))
     with pytest.raises(ConversionError, match="/t version 2.*label_index"):
         split_index(pinned, 0.2, "path")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_run_plan_derived_from_a_direct_plan_keeps_its_shares(world):
+    from pipeline.data.plan import derive_plan
+
+    counts = [97, 3, 1, 400, 12]
+    data = plan_direct(_pinned(counts), _index(counts), world, batch_size=8)
+    cfg = load_config(overrides=["data.source=direct", "data.decode=cpu", "data.batch_size=8",
+                                 "data.min_steps_per_epoch=0"])
+    plan = derive_plan(cfg, data, world_size=world)
+    assert plan.shards.train.rows_per_rank == data.plan.train.rows_per_rank
+    assert plan.shards.val.rows_per_rank == data.plan.val.rows_per_rank
+    assert plan.steps_per_epoch == data.plan.train.steps_per_epoch
