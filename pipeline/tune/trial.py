@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from pipeline.config import Config, apply_overrides
 from pipeline.data.plan import derive_plan
+from pipeline.distributed.backends import name_of
 from pipeline.log import get_logger
 from pipeline.tune.space import conversion_settings
 from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
@@ -194,7 +195,7 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
     from pipeline.workflow import train_in_run
 
     job = TrialJob.of(cfg, study_name, trial.number)
-    tags = {"world_size": world_size_of(cfg), "backend": cfg.train.backend, "np": cfg.train.np,
+    tags = {"world_size": world_size_of(cfg), "backend": name_of(cfg), "np": cfg.train.np,
             "mlflow.parentRunId": parent_run_id, "optuna.study": study_name, "optuna.trial": trial.number,
             "optuna.params": json.dumps(overrides, sort_keys=True, default=str)}
     metric = cfg.tune.metric
