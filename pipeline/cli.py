@@ -8,7 +8,15 @@ import sys
 from typing import List, Optional
 
 from pipeline import preload
+from pipeline.config import ConfigError, load_config
+from pipeline.data.cache import clear, list_entries
+from pipeline.doctor import run_doctor
+from pipeline.errors import Terminated
+from pipeline.lakehouse.spark import spark_on_demand, spark_session
 from pipeline.log import flush_and_exit, get_logger, setup_logging
+from pipeline.serving.predict import predict_table
+from pipeline.tune.sweep import run_tune
+from pipeline.workflow import ingest, promote_version, sync_run, train
 
 log = get_logger("lakehouse")
 
@@ -134,39 +142,29 @@ def end_process(rc: int) -> None:
 def _main(argv: Optional[List[str]] = None) -> int:
     setup_logging()
     args = build_parser().parse_args(argv)
-    from pipeline.config import ConfigError, load_config
-
     try:
         if args.command == "sample-data":
-            from pipeline.lakehouse.sample_data import render_sample
+            from pipeline.lakehouse.sample_data import render_sample  # local: numpy, out of the other commands
 
             out, counts = render_sample(args.kind, args.out, args.count, size=args.size, classes=args.classes,
                                         seed=args.seed)
             print(json.dumps({"out": out, "kind": args.kind, "images": sum(counts.values()), "classes": counts}))
             return 0
         if args.command == "sync-run":
-            from pipeline.workflow import sync_run
-
             print(json.dumps(sync_run(args.folder, args.overrides)))
             return 0
         cfg = load_config(args.conf, args.overrides)
         if args.command == "doctor":
-            from pipeline.doctor import run_doctor
-
             return run_doctor(cfg)
         if args.command == "promote":
-            from pipeline.workflow import promote_version
-
             print(json.dumps(promote_version(cfg, args.version)))
             return 0
         if args.command == "export":
-            from pipeline.serving.export import export_model
+            from pipeline.serving.export import export_model  # local: torch and mlflow, out of the other commands
 
             print(json.dumps(export_model(cfg, args.model, args.format, args.out)))
             return 0
         if args.command == "cache":
-            from pipeline.data.cache import clear, list_entries
-
             if args.action == "ls":
                 print(json.dumps({"cache_dir": cfg.data.cache_dir, "entries": list_entries(cfg.data.cache_dir)}))
             else:
@@ -197,18 +195,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
             # MLflow loads on a thread while this one pins the table and looks up the converted data; the JVM starts
             # only if Spark has work to do (a conversion, or a launch that needs the session). torch is not needed
             # here before the ranks return (workflow.train_in_run loads it then, for the promotion gate)
-            from pipeline.lakehouse.spark import spark_on_demand
-
             preload.start(("mlflow",))
             with spark_on_demand(cfg) as spark:
                 if args.command == "tune":
-                    from pipeline.tune.sweep import run_tune
-
                     print(json.dumps(run_tune(spark, cfg, args.space, args.trials, args.timeout, args.resume)),
                           flush=True)
                     return 0
-                from pipeline.workflow import train
-
                 summary = train(spark, cfg, run_name=args.run_name)
                 print(json.dumps(summary), flush=True)
                 if summary.get("offline_run"):  # trained, but MLflow never came back: nothing registered yet
@@ -216,19 +208,13 @@ def _main(argv: Optional[List[str]] = None) -> int:
                               summary["offline_run"], summary["offline_run"])
                     return 3
                 return 0
-        from pipeline.lakehouse.spark import spark_session
-
         with spark_session(cfg) as spark:
             if args.command == "ingest":
-                from pipeline.workflow import ingest
-
                 result = ingest(spark, cfg, args.source, args.mode)
                 log.info("Delta table %s is now at version %d", result["delta_table"], result["delta_version"])
                 print(json.dumps(result))
                 return 0
             if args.command == "predict":
-                from pipeline.serving.predict import predict_table
-
                 print(json.dumps(predict_table(spark, cfg, args.model, args.table, args.out, args.version, args.mode,
                                                run_key=args.run_key)))
                 return 0
@@ -239,8 +225,6 @@ def _main(argv: Optional[List[str]] = None) -> int:
         log.error("interrupted")
         return 130
     except Exception as exc:
-        from pipeline.errors import Terminated
-
         if isinstance(exc, Terminated):
             log.error("terminated: %s", exc)
             return 143
@@ -272,11 +256,10 @@ def _exit_past_abandoned_launches(rc: int) -> int:
     """`rc`, or exit the process with it now when a launch given up on left threads waiting on a lost host (the
     interpreter would wait for them at exit, for minutes): the job's outcome is already printed and recorded, an
     elastic relaunch's success too."""
-    if "pipeline.distributed.backends.spark_tasks" not in sys.modules:  # no launch in this process
+    spark_tasks = sys.modules.get("pipeline.distributed.backends.spark_tasks")  # loaded by a launch in this process
+    if spark_tasks is None:  # no launch: nothing to import
         return rc
-    from pipeline.distributed.backends.spark_tasks import abandoned_threads
-
-    left = abandoned_threads()
+    left = spark_tasks.abandoned_threads()
     if not left:
         return rc
     log.warning("exiting without %d launcher thread(s) still waiting on a lost host", len(left))

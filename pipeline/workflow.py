@@ -7,9 +7,24 @@ from typing import Any, Dict, List, Optional
 
 from pipeline import preload
 from pipeline.config import Config, world_size_of
+from pipeline.data.convert import convert_for_training
+from pipeline.data.leases import JobLeases
+from pipeline.distributed.backends import name_of
+from pipeline.distributed.backoff import start_batch_size
 from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
 from pipeline.distributed.job_folder import JobFolder
+from pipeline.distributed.launcher import launch_needs_spark
+from pipeline.distributed.loop import TrainJob
+from pipeline.distributed.restart import launch_with_restarts
+from pipeline.errors import Terminated
+from pipeline.lakehouse.cluster import require_reachable
+from pipeline.lakehouse.delta import PinnedTable, get_engine, table_location
+from pipeline.lakehouse.spark import SparkOnDemand, session_of
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
+from pipeline.tracking.offline import left_offline, record_job, upload
+from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
+from pipeline.tracking.run_record import RunRecord
 
 log = get_logger(__name__)
 
@@ -20,7 +35,7 @@ class TrainingStopped(RuntimeError):
 
 def ingest(spark, cfg: Config, source: str, mode: str = "append") -> Dict[str, Any]:
     """Image folder -> one Delta commit; returns the summary (version, rows, skipped files)."""
-    from pipeline.lakehouse.ingest import ingest_folder
+    from pipeline.lakehouse.ingest import ingest_folder  # local: pandas and pyarrow, an ingest's alone
 
     return ingest_folder(spark, cfg, source, mode).summary()
 
@@ -28,9 +43,6 @@ def ingest(spark, cfg: Config, source: str, mode: str = "append") -> Dict[str, A
 def read_pinned(spark, cfg: Config, version: Optional[int] = None):
     """The Delta table at `version` (None: `delta.version`, latest when unset) and the version it is pinned to.
     `spark`: a session, or a `SparkOnDemand` (started here)."""
-    from pipeline.lakehouse.delta import get_engine
-    from pipeline.lakehouse.spark import session_of
-
     return get_engine(cfg.delta.engine).read(session_of(spark), cfg.delta.table,
                                              cfg.delta.version if version is None else version)
 
@@ -46,13 +58,7 @@ def prepare_data(spark, cfg: Config, leases: Any = None, version: Optional[int] 
     other job evicts or clears it until the job releases it (when its training ends).
 
     `version`: the Delta version to pin (a sweep's, which every trial reads); None: `delta.version`."""
-    from pipeline.data.convert import convert_for_training
-    from pipeline.data.readers import require_reader
-    from pipeline.distributed.backoff import start_batch_size
-    from pipeline.distributed.launcher import launch_needs_spark
-    from pipeline.lakehouse.cluster import require_reachable
-    from pipeline.lakehouse.delta import get_engine
-    from pipeline.lakehouse.spark import SparkOnDemand, session_of
+    from pipeline.data.readers import require_reader  # local: numpy, out of `import pipeline.workflow`
 
     require_reachable(cfg)  # on a cluster: every path and address a rank or executor uses is on cluster storage
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
@@ -97,12 +103,6 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
         Terminated: SIGTERM reached the ranks.
         TrainingStopped: a non-finite loss stopped training.
     """
-    from pipeline.distributed.restart import launch_with_restarts
-    from pipeline.distributed.loop import TrainJob
-    from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
-    from pipeline.errors import Terminated
-    from pipeline.tracking.run_record import RunRecord
-
     rows_train, rows_val = data.rows
     record = RunRecord(run.client, run.run_id)
     job_dir = job_dir_of(cfg, run.run_id, checkpoint_root)
@@ -128,8 +128,6 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext(), torch_for_the_gate:
         results = launch_with_restarts(job, on_restart=record.restart, on_batch=record.batch, on_world=record.world)
     log.info("training finished in %.1f s", time.time() - t0)
-    from pipeline.tracking.offline import left_offline
-
     log_rank_hosts(left_offline(job_dir) or run.client, run.run_id, results)  # the server gone: into the folder
     r0 = next(r for r in results if r.rank == 0)
     if r0.stop_reason and r0.stop_reason.startswith("SIGTERM"):
@@ -155,12 +153,11 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
                      extra_tags: Optional[Dict[str, Any]] = None) -> str:
     """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
     lineage, world size, backend and logged gate metric. Returns the version."""
-    from pipeline.lakehouse.delta import table_location
-    from pipeline.tracking.registry import register_model
+    from pipeline.tracking.registry import register_model  # local: mlflow, out of `import pipeline.workflow`
 
     metric = cfg.mlflow.gate_metric  # the table by its location: the gate finds it from any working directory
     tags = {"run_id": run_id, "delta_table": table_location(pinned.table), "delta_version": str(pinned.version),
-            metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": cfg.train.backend}
+            metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": name_of(cfg)}
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
     return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags, metrics=metrics)
 
@@ -168,8 +165,8 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
 def gate_version(client, cfg: Config, version: str):
     """The promotion gate (`gate`) on a registered `version` if `mlflow.promote`, else None. A gate that cannot judge
     the version (RegistryError) is logged as an error: the version stays unpromoted. Returns the PromotionDecision."""
-    from pipeline.tracking.gate import PromotionDecision
-    from pipeline.tracking.registry import RegistryError
+    from pipeline.tracking.gate import PromotionDecision  # local: mlflow, out of `import pipeline.workflow`
+    from pipeline.tracking.registry import RegistryError  # local: mlflow, out of `import pipeline.workflow`
 
     if not cfg.mlflow.promote:
         return None
@@ -187,7 +184,7 @@ def gate(client, cfg: Config, version: str):
     """The promotion gate on `version` with the config's metric, mode, margin and margin over chance
     (pipeline.tracking.gate.promote): the challenger and the champion scored on the rows both held out, of the
     challenger's pinned Delta version."""
-    from pipeline.tracking.gate import promote
+    from pipeline.tracking.gate import promote  # local: mlflow, out of `import pipeline.workflow`
 
     return promote(client, cfg.mlflow.registered_model, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode,
                    margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction,
@@ -200,16 +197,12 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
     The cache entry it trains from is leased from its choice until the job ends (`cache clear` and other jobs' size
     bound keep it). Returns the summary that `lakehouse train` prints as its last line of JSON.
     """
-    from pipeline.data.leases import JobLeases
-
     with JobLeases("train" + (f" {run_name}" if run_name else "")) as leases:
         return _train(spark, cfg, run_name, leases)
 
 
 def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str, Any]:
-    from pipeline.redact import redact_url
-    from pipeline.tracking.offline import left_offline, record_job
-    from pipeline.tracking.runs import configure, tracked_run
+    from pipeline.tracking.runs import configure, tracked_run  # local: mlflow, out of `import pipeline.workflow`
 
     marks = {"train_called": time.time()}  # the job's timeline (wall clock), summed up in the summary's `phases`
     client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
@@ -219,7 +212,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
     world = world_size_of(cfg)
     summary: Dict[str, Any] = {}
     # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
-    tags = {"world_size": world, "backend": cfg.train.backend, "np": cfg.train.np}
+    tags = {"world_size": world, "backend": name_of(cfg), "np": cfg.train.np}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
         r0 = train_in_run(run, cfg, data, pinned, tags, marks=marks)
         marks["ranks_returned"] = time.time()
@@ -244,7 +237,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
             "rows_val": rows_val,
             "world_size": world,
             "world_size_used": r0.world_size,  # fewer after an elastic relaunch (train.min_np)
-            "backend": cfg.train.backend,
+            "backend": name_of(cfg),
             "val_loss": r0.metrics.get("val_loss"),
             "val_acc": r0.metrics.get("val_acc"),
             "epochs": r0.epochs,
@@ -272,9 +265,8 @@ def phases(marks: Dict[str, float]) -> Dict[str, Any]:
 
 def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
     """Gate a registered version (latest when None) against the current champion, on the same held-out rows."""
-    from pipeline.tracking.runs import configure
-
-    from pipeline.tracking.registry import latest_version
+    from pipeline.tracking.registry import latest_version  # local: mlflow, out of `import pipeline.workflow`
+    from pipeline.tracking.runs import configure  # local: mlflow, out of `import pipeline.workflow`
 
     client = configure(cfg.mlflow)
     version = version or latest_version(client, cfg.mlflow.registered_model)
@@ -294,9 +286,6 @@ def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, An
         SyncError: the folder is not a run left offline, or was uploaded already; the run an earlier sync-run of
             the folder created is no longer on the server.
     """
-    from pipeline.lakehouse.delta import PinnedTable
-    from pipeline.tracking.offline import upload
-
     up = upload(folder, overrides)
     if up.info.get("register") and up.summary["status"] == "FINISHED":  # nothing registered from a failed run
         name = up.cfg.mlflow.registered_model

@@ -118,19 +118,18 @@ def test_train_holds_its_entry_while_the_ranks_run_and_releases_it(spark, digits
     clear` beside it keeps the entry; when the job ends the lease is gone."""
     from pipeline import workflow
     from pipeline.data import cache
-    from pipeline.distributed import restart
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.batch_size=16", "train.max_epochs=1",
                       "train.warmup_epochs=0", "train.backend=single", "train.np=1", "train.threads_per_rank=1",
                       "mlflow.promote=false")
-    real, seen = restart.launch_with_restarts, {}
+    real, seen = workflow.launch_with_restarts, {}
 
     def launch(job, **kw):
         seen["held"] = {e["key"]: e["held_by"] for e in cache.list_entries(cfg.data.cache_dir)}
         seen["clear"] = cache.clear(cfg.data.cache_dir)  # beside the running job, from this process
         return real(job, **kw)
 
-    monkeypatch.setattr(restart, "launch_with_restarts", launch)
+    monkeypatch.setattr(workflow, "launch_with_restarts", launch)  # the name workflow.train_in_run calls
     summary = workflow.train(spark, cfg)
     assert summary["epochs"] == 1 and summary["rows_train"] + summary["rows_val"] == 600
     [(key, held_by)] = seen["held"].items()
