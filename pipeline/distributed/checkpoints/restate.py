@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from pipeline.distributed.backoff import lr_batch_factor
+from pipeline.data.plan import lr_batch_factor
 from pipeline.distributed.checkpoints.io import CheckpointError, read_checkpoint, write_atomically
 from pipeline.distributed.checkpoints.layout import is_sharded_checkpoint, restated_path
 from pipeline.distributed.checkpoints.record import TRAINED_WITH, recorded_training, trained_with
