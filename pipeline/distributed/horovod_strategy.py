@@ -1,16 +1,13 @@
 """Horovod strategy for Lightning 2: ranks, gradient averaging, broadcasts and reductions over Horovod."""
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from typing import Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins import CheckpointIO
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
@@ -19,6 +16,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from pipeline.distributed.devices import rank_device_index
+from pipeline.distributed.horovod_ops import (HorovodEnvironment, disarm, ensure_initialized, horovod_op,
+                                             is_horovod_optimizer, require_horovod, route_to_wrapped, unwrap)
 from pipeline.log import get_logger
 
 try:  # Horovod is built from source into the venv (scripts/build_horovod.sh); keep this module importable without it.
@@ -33,95 +32,6 @@ STRATEGY_NAME = "horovod_lakehouse"
 # the named gradient allreduces, so after a step in which the ranks ran different numbers of ops the names differ and
 # the ranks wait on each other forever. Fixed names also let Horovod's response cache skip the negotiation.
 _NAME = "HorovodStrategy."
-
-
-def _require_horovod() -> None:
-    if hvd is None:
-        raise ImportError("horovod.torch is not importable; build it into the venv with `bash scripts/build_horovod.sh`.")
-
-
-def _ensure_initialized() -> None:
-    _require_horovod()
-    if not hvd.is_initialized():
-        log.info("hvd.init() had not been called; initialising Horovod now")
-        hvd.init()
-
-
-def _is_horovod_optimizer(optimizer: Any) -> bool:
-    return hvd is not None and isinstance(optimizer, Optimizer) and hasattr(optimizer, "skip_synchronize")
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-# Methods of Horovod's optimizer that must run on the wrapped optimizer itself when called through Lightning's
-# LightningOptimizer (what `self.optimizers()` returns). LightningOptimizer subclasses the optimizer's class, and
-# Horovod's methods call `super(self.__class__, self)`, so `self.optimizers().zero_grad()` recursed until
-# "RecursionError: maximum recursion depth exceeded"; skip_synchronize() would set its flag on the wrong object.
-_HOROVOD_METHODS = ("zero_grad", "load_state_dict", "synchronize", "skip_synchronize", "set_backward_passes_per_step")
-
-
-def _route_to_wrapped(lightning_optimizer: LightningOptimizer) -> None:
-    wrapped = lightning_optimizer._optimizer
-    if _is_horovod_optimizer(wrapped):
-        for name in _HOROVOD_METHODS:
-            setattr(lightning_optimizer, name, getattr(wrapped, name))
-
-
-def _disarm(wrapped: Optimizer) -> None:
-    """Make a finished DistributedOptimizer's gradient hooks inert.
-
-    Horovod registers hooks on the parameters' gradient accumulators and never hands back their handles, so they
-    outlive the optimizer. Left armed, a later fit on the same model would run two allreduces under the same parameter
-    name per backward pass. With an infinite delay the hooks only count, and never communicate again.
-    """
-    delay = getattr(wrapped, "_allreduce_delay", None)
-    if isinstance(delay, dict):
-        for p in delay:
-            delay[p] = math.inf
-    if isinstance(getattr(wrapped, "_handles", None), dict):
-        wrapped._handles.clear()
-    wrapped._requires_update = set()
-    wrapped.state = defaultdict(dict)  # the state now lives in the original optimizer; do not keep a second reference
-
-
-class _HorovodEnvironment(ClusterEnvironment):
-    """Cluster environment whose ranks come from Horovod (processes are started by horovodrun / horovod.run / Spark)."""
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return "127.0.0.1"  # Horovod does its own rendezvous; nothing in Lightning should need this
-
-    @property
-    def main_port(self) -> int:
-        return -1
-
-    @staticmethod
-    def detect() -> bool:
-        return hvd is not None and hvd.is_initialized()
-
-    def world_size(self) -> int:
-        return hvd.size()
-
-    def set_world_size(self, size: int) -> None:
-        pass  # owned by Horovod
-
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    def set_global_rank(self, rank: int) -> None:
-        pass  # owned by Horovod
-
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
 
 
 class HorovodStrategy(ParallelStrategy):
@@ -166,11 +76,11 @@ class HorovodStrategy(ParallelStrategy):
         compression: Any = None,
         skip_steps_without_gradients: bool = False,
     ) -> None:
-        _require_horovod()
+        require_horovod()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=_HorovodEnvironment(),
+            cluster_environment=HorovodEnvironment(),
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
@@ -187,7 +97,7 @@ class HorovodStrategy(ParallelStrategy):
     def optimizers(self, optimizers: list[Optimizer]) -> None:
         ParallelStrategy.optimizers.fset(self, optimizers)  # builds the LightningOptimizer wrappers
         for lightning_optimizer in self._lightning_optimizers:
-            _route_to_wrapped(lightning_optimizer)
+            route_to_wrapped(lightning_optimizer)
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -249,11 +159,11 @@ class HorovodStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """Called by the Trainer's constructor: make rank-zero-only utilities see Horovod's rank."""
-        _ensure_initialized()
+        ensure_initialized()
         rank_zero_only.rank = utils_rank_zero_only.rank = hvd.rank()
 
     def setup_environment(self) -> None:
-        _ensure_initialized()
+        ensure_initialized()
         self.set_world_ranks()
         if self._uses_cuda():
             torch.cuda.set_device(self.root_device)
@@ -283,8 +193,8 @@ class HorovodStrategy(ParallelStrategy):
         self.optimizers = [self._wrap_optimizer(opt, trainer.accumulate_grad_batches) for opt in self.optimizers]
 
     def _wrap_optimizer(self, optimizer: Optimizer, backward_passes_per_step: int) -> Optimizer:
-        optimizer = _unwrap(optimizer)
-        if _is_horovod_optimizer(optimizer):
+        optimizer = unwrap(optimizer)
+        if is_horovod_optimizer(optimizer):
             return optimizer
         assert self.lightning_module is not None
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -307,7 +217,7 @@ class HorovodStrategy(ParallelStrategy):
         if self.alone:
             return
         for optimizer in self.optimizers:
-            optimizer = _unwrap(optimizer)
+            optimizer = unwrap(optimizer)
             self._broadcast_optimizer_state(optimizer)
             self._share_param_groups(optimizer)
 
@@ -346,8 +256,8 @@ class HorovodStrategy(ParallelStrategy):
             return
         passes = max(1, int(trainer.accumulate_grad_batches))
         for optimizer in self.optimizers:
-            optimizer = _unwrap(optimizer)
-            if (_is_horovod_optimizer(optimizer) and optimizer.backward_passes_per_step != passes
+            optimizer = unwrap(optimizer)
+            if (is_horovod_optimizer(optimizer) and optimizer.backward_passes_per_step != passes
                     and not optimizer._handles):
                 optimizer.set_backward_passes_per_step(passes)
 
@@ -358,8 +268,8 @@ class HorovodStrategy(ParallelStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        optimizer = _unwrap(optimizer)
-        if not _is_horovod_optimizer(optimizer):
+        optimizer = unwrap(optimizer)
+        if not is_horovod_optimizer(optimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_synchronize() -> Any:
@@ -397,13 +307,13 @@ class HorovodStrategy(ParallelStrategy):
         # fit on the same model cannot allreduce twice. hvd.shutdown() is the caller's business.
         restored = []
         for optimizer in self.optimizers:
-            optimizer = _unwrap(optimizer)
+            optimizer = unwrap(optimizer)
             original = self._original_optimizers.pop(id(optimizer), None)
             if original is None:
                 restored.append(optimizer)
                 continue
             original.state = optimizer.state
-            _disarm(optimizer)
+            disarm(optimizer)
             restored.append(original)
         if restored:
             self.optimizers = restored
@@ -432,7 +342,7 @@ class HorovodStrategy(ParallelStrategy):
             return tensor
         if group is not None:
             raise ValueError("Horovod reduces over all ranks only; pass group=None.")
-        op = _horovod_op(reduce_op)
+        op = horovod_op(reduce_op)
         if op == hvd.Average and not (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.to(torch.get_default_dtype())  # Horovod averages integers with integer division
         if self.alone:  # every op over one rank gives its own values (a new tensor, as an allreduce would)
@@ -469,23 +379,6 @@ class HorovodStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="Horovod data parallel (pipeline)")
-
-
-def _horovod_op(reduce_op: Optional[Union[ReduceOp, str]]) -> Any:
-    if reduce_op is None:
-        return hvd.Average
-    if isinstance(reduce_op, str):
-        ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min,
-               "product": hvd.Product, "prod": hvd.Product}
-        key = reduce_op.lower()
-        if key in ops:
-            return ops[key]
-    else:
-        for name, op in (("AVG", hvd.Average), ("SUM", hvd.Sum), ("MAX", hvd.Max), ("MIN", hvd.Min),
-                         ("PRODUCT", hvd.Product)):
-            if hasattr(ReduceOp, name) and reduce_op == getattr(ReduceOp, name):
-                return op
-    raise ValueError(f"unsupported reduce_op for Horovod: {reduce_op!r}")
 
 
 if hvd is not None:
