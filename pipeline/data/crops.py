@@ -125,10 +125,12 @@ def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_in
 
 
 def decode_chunk(contents: Sequence[Any], paths: Sequence[Any], draws: Optional[np.ndarray], size: int, channels: int,
-                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
+                 max_pixels: int = MAX_PIXELS, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Rows of one batch -> uint8 (k, channels, size, size), headers, boxes and decodes here (a decode worker's whole
-    task). `draws`: those rows' crop_draws (training), None: the central crop. Raises RowDecodeError naming a row."""
-    out = np.empty((len(contents), channels, size, size), dtype=np.uint8)
+    task), into `out` when given. `draws`: those rows' crop_draws (training), None: the central crop. Raises
+    RowDecodeError naming a row."""
+    if out is None:
+        out = np.empty((len(contents), channels, size, size), dtype=np.uint8)
     for i, (content, path) in enumerate(zip(contents, paths)):
         width, height, _ = header(content, path, max_pixels)
         box = train_box(width, height, draws[i]) if draws is not None else val_box(width, height)

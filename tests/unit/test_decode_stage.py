@@ -366,3 +366,18 @@ def test_decode_workers_end_with_a_rank_that_ends_without_its_teardown(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
+
+
+def test_a_decode_workers_share_travels_back_as_a_handle_not_as_pickled_pixels():
+    from multiprocessing.reduction import ForkingPickler
+
+    from pipeline.data.crops import decode_chunk
+    from pipeline.data.decode import _shared_chunk
+
+    contents = [_photo(i) for i in range(4)]
+    paths = [f"/photos/{i}.jpg" for i in range(4)]
+    out = _shared_chunk(contents, paths, None, 224, 3, 10 ** 8)
+    assert out.is_shared() and out.shape == (4, 3, 224, 224)
+    assert np.array_equal(out.numpy(), decode_chunk(contents, paths, None, 224, 3, 10 ** 8))
+    # what the pool's result pipe carries: a file descriptor's handle, not 4 x 150 KB of pixels
+    assert len(bytes(ForkingPickler.dumps(out))) < 10_000 < out.numel()
