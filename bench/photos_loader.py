@@ -1,0 +1,61 @@
+"""The photo loader's figures alone, for a short device call: the loader of rank 0 of 1 with data.decode=gpu and =cpu
+(`photos_gpu.loader_alone`, each in a fresh process) and the one-core Pillow reference, on the same ImageNet-shaped
+JPEG rows as `lakehouse bench --gpu --only photos`, without its trainings (no Horovod build needed).
+
+    python -m bench.photos_loader [--rows 4096] [--batches 16] [--workers 1,16] [--out photos_loader.json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from typing import Any, Dict
+
+from bench.photos_data import photos_without_spark, pillow_images_per_s, train_contents
+from bench.photos_gpu import FULL, loader_alone, photo_config
+from pipeline.config import load_config
+from pipeline.data.decode import gpu_decode_problem
+from pipeline.log import get_logger, setup_logging
+
+log = get_logger(__name__)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=FULL.train_rows)
+    ap.add_argument("--batches", type=int, default=FULL.loader_batches)
+    ap.add_argument("--workers", default="0", help="data.decode_workers values for decode=cpu (0: one per core)")
+    ap.add_argument("--out", default="photos_loader.json")
+    args = ap.parse_args(argv)
+    setup_logging()
+    cfg = load_config(None, ["data.reader=arrow"])
+    data = photos_without_spark(tempfile.mkdtemp(prefix="photos_loader_"), args.rows, FULL.val_rows,
+                                FULL.image_size, FULL.batch_size)
+    rows = train_contents(data, FULL.reference_images)
+    out: Dict[str, Any] = {"rows": args.rows, "batch_size": FULL.batch_size,
+                           "pillow_one_core_images_per_s": pillow_images_per_s([r[0] for r in rows])}
+    problem = gpu_decode_problem()
+    if problem is None:
+        out["gpu"] = loader_alone(data, photo_config(cfg, FULL, "cnn", "gpu"), "gpu", args.batches)
+    else:
+        out["gpu"] = {"skipped": problem}
+    for workers in (int(w) for w in args.workers.split(",")):
+        pcfg = _with_workers(photo_config(cfg, FULL, "cnn", "cpu"), workers)
+        out[f"cpu_workers_{workers}"] = loader_alone(data, pcfg, "cpu", args.batches)
+    for key, fig in out.items():
+        if isinstance(fig, dict) and "images_per_s" in fig and key.startswith("cpu_"):
+            fig["per_core_over_pillow"] = fig["images_per_s"] / fig["workers"] / out["pillow_one_core_images_per_s"]
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    log.info("photos loader: %s", json.dumps(out))
+    return 0
+
+
+def _with_workers(cfg, workers: int):
+    """`cfg` with data.decode_workers = `workers`."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, decode_workers=workers))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
