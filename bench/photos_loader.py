@@ -35,19 +35,24 @@ def main(argv=None) -> int:
     rows = train_contents(data, FULL.reference_images)
     out: Dict[str, Any] = {"rows": args.rows, "batch_size": FULL.batch_size,
                            "pillow_one_core_images_per_s": pillow_images_per_s([r[0] for r in rows])}
+
+    def save() -> None:  # after every figure: a call cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    save()
     problem = gpu_decode_problem()
     if problem is None:
         out["gpu"] = loader_alone(data, photo_config(cfg, FULL, "cnn", "gpu"), "gpu", args.batches)
     else:
         out["gpu"] = {"skipped": problem}
+    save()
     for workers in (int(w) for w in args.workers.split(",")):
         pcfg = _with_workers(photo_config(cfg, FULL, "cnn", "cpu"), workers)
-        out[f"cpu_workers_{workers}"] = loader_alone(data, pcfg, "cpu", args.batches)
-    for key, fig in out.items():
-        if isinstance(fig, dict) and "images_per_s" in fig and key.startswith("cpu_"):
+        fig = out[f"cpu_workers_{workers}"] = loader_alone(data, pcfg, "cpu", args.batches)
+        if "images_per_s" in fig:
             fig["per_core_over_pillow"] = fig["images_per_s"] / fig["workers"] / out["pillow_one_core_images_per_s"]
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+        save()
     log.info("photos loader: %s", json.dumps(out))
     return 0
 
