@@ -89,6 +89,11 @@ def horovod_worker(job: TrainJob) -> RankResult:
     repair_horovod_env()
     with rank_record(job, current_rank()):
         hvd = horovod_with_gloo()
+        # the strategy's module (Lightning, torch: ~2 s) is imported before hvd.init(), whose rendezvous then lines
+        # the ranks up: after it, a rank that fails and exits at once no longer cuts off a peer still importing,
+        # its own error unrecorded (test_a_config_error_in_the_ranks_ends_the_job_after_one_launch)
+        import pipeline.distributed.horovod_strategy  # noqa: F401
+
         hvd.init()
         return train(job, hvd.rank(), hvd.size(), HOROVOD.strategy(job), local_rank=hvd.local_rank(),
                      local_world_size=hvd.local_size())
