@@ -4,10 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-# The split rule lives in pipeline.lakehouse.split; its names stay importable from here for callers written before
-# it had a module of its own (the gate, tests).
-from pipeline.lakehouse.split import (LEGACY_SPLIT_KEY, SPLIT_BUCKETS, SPLIT_KEYS, HoldOut,  # noqa: F401
-                                      held_out_by_all, in_split, is_validation, row_key, split_bucket, split_rule)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)

@@ -29,7 +29,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from pipeline.config import MlflowConfig
-from pipeline.lakehouse.partition import held_out_by_all
+from pipeline.lakehouse.split import held_out_by_all
 from pipeline.log import get_logger
 from pipeline.tracking.heldout import (HeldOutRows, Scorer, chance_level, chance_what, comparable, held_out_rows,
                                        holdout_of, pinned_data, score_on_rows, split_of)

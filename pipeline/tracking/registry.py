@@ -87,7 +87,7 @@ def version_description(name: str, version: str, tags: Dict[str, str], metrics: 
     lines = [f"Image classifier `{uri}`."]
     if tags.get("delta_table"):
         lines += ["", f"**Data**: Delta table `{tags['delta_table']}` pinned at version {tags.get('delta_version', '?')}"
-                      f" (validation rows: the run's data.val_fraction and data.split_key, pipeline.lakehouse.partition)."]
+                      f" (validation rows: the run's data.val_fraction and data.split_key, pipeline.lakehouse.split)."]
     shown = {k: metrics[k] for k in DESCRIBED_METRICS if k in metrics}
     if shown:
         lines += ["", "**Metrics** (its training run): " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items())

@@ -233,7 +233,7 @@ def _val_fraction_for(table: Path, val_rows: int) -> float:
     from deltalake import DeltaTable
 
     from pipeline.config import Config
-    from pipeline.lakehouse.partition import SPLIT_BUCKETS, row_key, split_bucket
+    from pipeline.lakehouse.split import SPLIT_BUCKETS, row_key, split_bucket
 
     rows = DeltaTable(str(table)).to_pyarrow_table(columns=["path", "content"]).to_pylist()
     key = Config().data.split_key

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.tracking.pyfunc import log_model
-from pipeline.lakehouse.partition import LEGACY_SPLIT_KEY, HoldOut
+from pipeline.lakehouse.split import LEGACY_SPLIT_KEY, HoldOut
 from pipeline.tracking.heldout import chance_level, held_out_rows
 from pipeline.tracking.registry import register_model
 from pipeline.tracking.runs import configure, tracked_run

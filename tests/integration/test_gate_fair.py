@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from pipeline.lakehouse.partition import HoldOut, in_split
+from pipeline.lakehouse.split import HoldOut, in_split
 from pipeline.tracking.gate import promote
 from pipeline.tracking.pyfunc import log_model
 from pipeline.tracking.registry import register_model

@@ -178,7 +178,7 @@ def test_deleted_data_file_is_named_before_training(spark, digits_table, tmp_pat
 
 def test_spark_split_matches_python_rule(spark, digits_table, tmp_path):
     from pipeline.data.convert import split_frame
-    from pipeline.lakehouse.partition import is_validation
+    from pipeline.lakehouse.split import is_validation
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}")
     df, _ = _read(spark, cfg)

@@ -495,7 +495,7 @@ def test_gate_scores_both_on_the_same_val_rows_and_a_tie_keeps_the_champion(regi
 
     from mlflow.types import DataType
 
-    from pipeline.lakehouse.partition import is_validation
+    from pipeline.lakehouse.split import is_validation
     from pipeline.model.nets import build_network
     from pipeline.serving.models import load_network
     from pipeline.workflow import promote_version

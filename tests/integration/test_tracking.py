@@ -93,7 +93,7 @@ def _always(cls: int):
 def _val_share(table: str, label: str) -> float:
     from deltalake import DeltaTable
 
-    from pipeline.lakehouse.partition import is_validation
+    from pipeline.lakehouse.split import is_validation
 
     rows = DeltaTable(table).to_pyarrow_table(columns=["path", "label"]).to_pylist()
     val = [r["label"] for r in rows if is_validation(r["path"], 0.2)]
