@@ -99,5 +99,7 @@ def test_a_config_error_in_the_ranks_ends_the_job_after_one_launch(spark, digits
                        match=r"ConfigError: config key 'train.ckpt_restore': checkpoint .*gone/last.ckpt") as err:
         restart.launch_with_restarts(job)
     assert launches == [0]
-    assert sorted(err.value.rank_classes) == [0, 1]
+    # Every rank that recorded its failure names a ConfigError. Not every rank need have recorded one: both fail the
+    # same check ~10 ms apart, and the launcher ends the peers of the first rank that exits (seen: [0] alone)
+    assert err.value.rank_classes and set(err.value.rank_classes) <= {0, 1}
     assert all(any(c.endswith(".ConfigError") for c in classes) for classes in err.value.rank_classes.values())
