@@ -270,7 +270,7 @@ def measure_photos(cfg: Config, work: str, quick: bool = False, save: Callable[[
     from bench.jobs import launch
     from bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
                                    train_contents)
-    from pipeline.data.decode import gpu_decode_problem
+    from pipeline.data.gpu_decode import gpu_decode_problem
 
     cuda = torch.cuda.is_available()
     sizes = photo_sizes(quick, cuda)

@@ -15,7 +15,7 @@ from typing import Any, Dict
 from bench.photos_data import photos_without_spark, pillow_images_per_s, train_contents
 from bench.photos_gpu import FULL, loader_alone, photo_config
 from pipeline.config import load_config
-from pipeline.data.decode import gpu_decode_problem
+from pipeline.data.gpu_decode import gpu_decode_problem
 from pipeline.log import get_logger, setup_logging
 
 log = get_logger(__name__)

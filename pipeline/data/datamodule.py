@@ -6,7 +6,7 @@ from typing import List, Optional
 import pytorch_lightning as pl
 
 from pipeline.config import DataConfig
-from pipeline.data.decode import make_decoder
+from pipeline.data.gpu_decode import make_decoder
 from pipeline.data.loader import ShardLoader
 from pipeline.data.readers import load_reader
 from pipeline.data.shards import ConvertedData
@@ -69,7 +69,7 @@ def decode_in_rank(data: ConvertedData, c: DataConfig, rank: int) -> str:
     Raises:
         ValueError: the converted data was made for the other setting of data.decode (naming the key).
     """
-    from pipeline.data.decode import resolve_decode
+    from pipeline.data.gpu_decode import resolve_decode
 
     encoded = data.layout == "encoded"
     if encoded != (c.decode != "convert"):

@@ -25,7 +25,7 @@ def tv_io():
     ok, why = cuda_state()
     if not ok:
         pytest.skip(f"data.decode=gpu needs a CUDA device: {why}")
-    from pipeline.data.decode import import_decode_jpeg
+    from pipeline.data.gpu_decode import import_decode_jpeg
 
     try:
         return import_decode_jpeg()
@@ -118,7 +118,9 @@ def test_gpu_decode_gives_the_cpu_paths_rows_labels_and_pixels_within_tolerance(
 def test_a_corrupt_jpeg_is_handled_by_the_gpu_path_as_by_the_cpu_path(tv_io):
     import numpy as np
 
-    from pipeline.data.decode import Decoder, EncodedBatch, GpuDecoder, RowDecodeError
+    from pipeline.data.decode import Decoder, EncodedBatch, RowDecodeError
+
+    from pipeline.data.gpu_decode import GpuDecoder
 
     contents, _ = _photos(8)
     good = contents[0]
@@ -140,7 +142,9 @@ def test_gpu_decoder_throughput_is_reported(tv_io):
     import numpy as np
     import torch
 
-    from pipeline.data.decode import EncodedBatch, GpuDecoder
+    from pipeline.data.decode import EncodedBatch
+
+    from pipeline.data.gpu_decode import GpuDecoder
 
     contents, _ = _photos(256)
     rows = np.empty((256, 2), dtype=object)

@@ -1,9 +1,9 @@
-"""The GPU decode path's batched resize (pipeline.data.decode.resized_crops): each row's crop, scale and flip as two
+"""The GPU decode path's batched resize (pipeline.data.gpu_decode.resized_crops): each row's crop, scale and flip as two
 matrix products must give what resizing that crop alone gives (torch's antialiased bilinear, Pillow's filter)."""
 import torch
 import torch.nn.functional as F
 
-from pipeline.data.decode import resample_weights, resized_crops
+from pipeline.data.gpu_decode import resample_weights, resized_crops
 
 
 def _one(img, box, size):

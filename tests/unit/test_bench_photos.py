@@ -146,7 +146,7 @@ def test_figures_that_cannot_run_here_are_skipped_with_the_reason_not_failed():
 def test_without_cuda_the_photos_skip_gpu_decode_with_the_reason_and_a_failed_job_does_not_stop_the_next(
         tmp_path, monkeypatch):
     from bench import jobs
-    from pipeline.data.decode import gpu_decode_problem
+    from pipeline.data.gpu_decode import gpu_decode_problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(photos_gpu, "photo_sizes", lambda quick, cuda: TINY)

@@ -16,7 +16,8 @@ import torch
 
 from pipeline.data.batches import BatchAssembler
 from pipeline.data.decode import (CROP_RATIO, DRAWS, Decoder, EncodedBatch, EncodedRows, RowDecodeError, boxes_for,
-                                  crop_draws, decode_crop, default_workers, resolve_decode, train_box, val_box)
+                                  crop_draws, decode_crop, default_workers, train_box, val_box)
+from pipeline.data.gpu_decode import resolve_decode
 
 SIZE = 32
 Group = namedtuple("Group", ["pixels", "label_index", "row_id", "path"])
@@ -264,7 +265,7 @@ def test_a_corrupt_row_in_the_table_stops_training_naming_its_path(tmp_path):
 
 # ------------------------------------------------------------------------ the GPU path's code on torchvision's CPU
 def _torchvision():
-    from pipeline.data.decode import import_decode_jpeg
+    from pipeline.data.gpu_decode import import_decode_jpeg
 
     try:
         return import_decode_jpeg()
@@ -276,7 +277,7 @@ def test_the_gpu_path_on_torchvision_cpu_decoder_matches_the_cpu_path_within_tol
     _torchvision()
     from PIL import Image
 
-    from pipeline.data.decode import GpuDecoder
+    from pipeline.data.gpu_decode import GpuDecoder
 
     png = io.BytesIO()
     Image.new("RGB", (70, 50), (5, 200, 90)).save(png, format="PNG")
@@ -294,7 +295,7 @@ def test_the_gpu_path_on_torchvision_cpu_decoder_matches_the_cpu_path_within_tol
 
 def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
     _torchvision()
-    from pipeline.data.decode import GpuDecoder
+    from pipeline.data.gpu_decode import GpuDecoder
 
     good = _photo(2)
     for bad in (good[: len(good) // 3], good[:600] + bytes(len(good) - 600)):
@@ -309,7 +310,7 @@ def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
 def test_only_a_jpeg_whole_to_its_end_marker_goes_to_the_gpu_decoder():
     """nvJPEG decodes a truncated or zero-padded JPEG without a word (seen on an H100), where Pillow refuses it: such
     rows, and a JPEG with bytes after its end marker, take the CPU path, which names them or decodes them."""
-    from pipeline.data.decode import is_jpeg
+    from pipeline.data.gpu_decode import is_jpeg
 
     good = _photo(3)
     assert good.endswith(b"\xff\xd9") and is_jpeg(good) and is_jpeg(bytearray(good))
@@ -320,7 +321,7 @@ def test_only_a_jpeg_whole_to_its_end_marker_goes_to_the_gpu_decoder():
 
 def test_a_jpeg_with_bytes_after_its_end_marker_decodes_on_the_cpu_path_within_a_gpu_batch():
     _torchvision()
-    from pipeline.data.decode import GpuDecoder
+    from pipeline.data.gpu_decode import GpuDecoder
 
     contents = [_photo(4), _photo(5) + b"\x00camera trailer"]
     batch = _batch(contents, index=1)

@@ -1,0 +1,208 @@
+"""The rank's GPU decode and the choice of decoder: JPEG rows decoded by nvJPEG (torchvision) on the rank's device
+and resized there as one batch (`GpuDecoder`, the CPU path of pipeline.data.decode for the other rows), and
+`make_decoder`, which gives a rank the decoder data.decode=cpu|gpu|auto resolves to on it."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from pipeline.data.crops import RowDecodeError, boxes_for, header
+from pipeline.data.decode import Decoder, EncodedBatch, default_workers
+from pipeline.images import MAX_PIXELS
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
+
+
+def is_jpeg(content: Any) -> bool:
+    """A JPEG whole from its start (SOI) to its end (EOI), what the GPU decoder is given. nvJPEG decodes a truncated
+    or zero-padded stream without a word (seen on an H100: gray where the data stopped), where Pillow refuses it; so a
+    row whose last marker is not EOI goes to the CPU path, which decodes it or names it, as the CPU decoder would."""
+    return (isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
+            and content[-2:] == b"\xff\xd9")
+
+
+# threads that decode batches on the device at once, each on its own stream: one batch's host work (headers, nvJPEG's
+# Huffman stage, the padding copies) overlaps the next one's kernels; on an H100 one thread left the GPU 55-69 % busy
+GPU_DECODE_THREADS = 2
+RESIZE_CHUNK = 64  # images resized in one batched product on the device: bounds the padded float copy (~200 MB)
+
+
+def resample_weights(start: torch.Tensor, length: torch.Tensor, size: int, total: int) -> torch.Tensor:
+    """(n, size, total) weights that take each row's source span [start, start + length) along one axis to `size`
+    outputs: bilinear with antialiasing, the triangle filter widened by the scale when shrinking, each output's window
+    cut to the span and renormalised. Pillow's and torch's antialiased bilinear resize of the cropped span, as one
+    matrix per row."""
+    scale = length / size  # (n,)
+    width = scale.clamp(min=1.0)
+    centre = start[:, None] + (torch.arange(size, device=start.device, dtype=start.dtype) + 0.5) * scale[:, None]
+    src = torch.arange(total, device=start.device, dtype=start.dtype) + 0.5  # pixel centres
+    w = (1.0 - ((src[None, None, :] - centre[:, :, None]) / width[:, None, None]).abs()).clamp_(min=0.0)
+    inside = (src[None, :] >= start[:, None]) & (src[None, :] < (start + length)[:, None])  # (n, total)
+    w = w * inside[:, None, :]
+    return w / w.sum(-1, keepdim=True).clamp_(min=1e-12)
+
+
+def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Tuple], size: int) -> torch.Tensor:
+    """Each decoded (C, h, w) uint8 image's box (left, top, width, height, flip) resized to a (C, size, size) uint8
+    square, flipped where its box says: the images padded into one batch and resized by two batched matrix products
+    (rows, then columns), a handful of kernels for the whole batch instead of several per image."""
+    device, channels = images[0].device, images[0].shape[0]
+    height, width = max(int(i.shape[1]) for i in images), max(int(i.shape[2]) for i in images)
+    padded = torch.zeros((len(images), channels, height, width), dtype=torch.uint8, device=device)
+    for k, img in enumerate(images):
+        padded[k, :, :img.shape[1], :img.shape[2]] = img
+    box = torch.tensor([b[:4] for b in boxes], dtype=torch.float32).to(device)
+    rows = resample_weights(box[:, 1], box[:, 3], size, height)  # (n, size, height)
+    cols = resample_weights(box[:, 0], box[:, 2], size, width)  # (n, size, width)
+    flip = torch.tensor([bool(b[4]) for b in boxes]).to(device)
+    cols = torch.where(flip[:, None, None], cols.flip(1), cols)  # a flipped box reads its columns right to left
+    out = rows[:, None] @ padded.to(torch.float32) @ cols[:, None].transpose(-1, -2)  # (n, C, size, size)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class GpuDecoder(Decoder):
+    """JPEG rows decoded by nvJPEG on `device` (one batched torchvision.io.decode_jpeg call per batch), cropped,
+    resized and flipped there; the other rows on the CPU path (Decoder) within the same batch. The tensor comes back
+    on `device`. `device` may be the CPU (torchvision's libjpeg-turbo decoder): the same code, for tests."""
+
+    name = "gpu"
+
+    def __init__(self, size: int, channels: int, train: bool, seed: int, device: Any, workers: int = 1,
+                 channels_last: bool = False, max_pixels: int = MAX_PIXELS, threads: int = GPU_DECODE_THREADS) -> None:
+        super().__init__(size, channels, train, seed, workers, pin=False, channels_last=channels_last,
+                         max_pixels=max_pixels)
+        self.device = torch.device(device)
+        self.tv_io = import_decode_jpeg()
+        self.threads = max(1, int(threads))
+        self._streams = threading.local()  # each decode thread's own side stream
+        self._gpu_pool: Optional[ThreadPoolExecutor] = None
+
+    def _decode_on_device(self, batch: EncodedBatch) -> torch.Tensor:
+        rows = batch.rows
+        n = len(rows)
+        headers = [header(c, p, self.max_pixels) for c, p in rows]
+        boxes = boxes_for([h[:2] for h in headers], self.train, self.seed, batch.index)
+        jpeg = [i for i in range(n) if headers[i][2] == "JPEG" and is_jpeg(rows[i, 0])]
+        other = sorted(set(range(n)) - set(jpeg))
+        out = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8, device=self.device)
+        decoded: List[Optional[torch.Tensor]] = [None] * n
+        if jpeg:
+            mode = self.tv_io.ImageReadMode.GRAY if self.channels == 1 else self.tv_io.ImageReadMode.RGB
+            data = [torch.frombuffer(bytearray(rows[i, 0]), dtype=torch.uint8) for i in jpeg]
+            try:
+                images = self.tv_io.decode_jpeg(data, mode=mode, device=self.device)
+            except RuntimeError as exc:  # one bad row fails the batched call: these rows go to the CPU path, which
+                log.debug("nvJPEG refused a batch (%s); its JPEG rows are decoded on the CPU", exc)  # names it
+                other, images = sorted(other + jpeg), []
+            for i, img in zip(jpeg, images):
+                decoded[i] = img
+        done = [i for i in range(n) if decoded[i] is not None]
+        for i in done:
+            if decoded[i].shape[-2:] != (headers[i][1], headers[i][0]):  # the header and the decoder disagree
+                raise RowDecodeError(f"row {rows[i, 1]}: decoded {tuple(decoded[i].shape[-2:])}, its header says "
+                                     f"{headers[i][1]}x{headers[i][0]}")
+        for lo in range(0, len(done), RESIZE_CHUNK):
+            part = done[lo:lo + RESIZE_CHUNK]
+            out[part] = resized_crops([decoded[i] for i in part], [boxes[i] for i in part], self.size)
+        if other:
+            host = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8)
+            self._decode_rows(host, rows, boxes, other)
+            idx = torch.tensor(other, device=self.device)
+            out[idx] = host[other].to(self.device, non_blocking=False)
+        return out
+
+    def _run(self, batch: EncodedBatch) -> Tuple[torch.Tensor, Any]:
+        if self.device.type != "cuda":
+            return self._decode_on_device(batch), None
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(device=self.device)
+        # a new thread's current device is cuda:0: the rank's device and this thread's stream are made current here
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            out = self._decode_on_device(batch)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return out, event
+
+    def submit(self, batch: EncodedBatch) -> Any:
+        with self._lock:
+            if self._gpu_pool is None:  # batches are handed over in the order submitted, whichever thread ends first
+                self._gpu_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="decode-gpu")
+            pool = self._gpu_pool
+        return pool.submit(self._run, batch)
+
+    def cancel(self, handle: Any) -> None:
+        handle.cancel()
+
+    def result(self, handle: Any) -> torch.Tensor:
+        out, event = handle.result()
+        if event is not None:  # the consumer's stream waits for the decode, and owns the memory from here
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            out.record_stream(current)
+        return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            if self._gpu_pool is not None:
+                self._gpu_pool.shutdown(wait=False, cancel_futures=True)
+                self._gpu_pool = None
+
+
+def import_decode_jpeg():
+    """torchvision.io (decode_jpeg and ImageReadMode), or an ImportError saying what data.decode=gpu needs."""
+    try:
+        import torchvision.io as tv_io
+
+        tv_io.decode_jpeg, tv_io.ImageReadMode  # noqa: B018  (present in torchvision >= 0.19's batched form)
+    except Exception as exc:  # ImportError, or torchvision's RuntimeError when its build does not match torch
+        raise ImportError(f"config key 'data.decode': gpu needs torchvision (torchvision.io.decode_jpeg) built for "
+                          f"torch {torch.__version__}; importing it failed with {type(exc).__name__}: {exc}") from None
+    return tv_io
+
+
+def gpu_decode_problem() -> Optional[str]:
+    """Why this process cannot decode on its GPU (no CUDA device, no usable torchvision), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to this rank"
+    try:
+        import_decode_jpeg()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def resolve_decode(mode: str) -> str:
+    """The decode this rank uses: data.decode, with auto made gpu on a CUDA rank that has torchvision, else cpu.
+
+    Raises:
+        ValueError: data.decode=gpu where the rank cannot (naming the key and why).
+    """
+    if mode not in ("cpu", "gpu", "auto"):
+        raise ValueError(f"config key 'data.decode': {mode!r} is not cpu, gpu or auto for rows the ranks decode")
+    if mode == "cpu":
+        return "cpu"
+    problem = gpu_decode_problem()
+    if problem is None:
+        return "gpu"
+    if mode == "gpu":
+        raise ValueError(f"config key 'data.decode' is gpu but {problem}; use data.decode=auto (gpu where it can) "
+                         f"or cpu")
+    return "cpu"
+
+
+def make_decoder(mode: str, size: int, channels: int, train: bool, seed: int, world_size: int, workers: int = 0,
+                 pin: bool = False, channels_last: bool = False) -> Decoder:
+    """The rank's decoder for data.decode=`mode` (cpu | gpu | auto, resolved here: `resolve_decode`); gpu on the
+    current CUDA device. `workers` 0: `default_workers`."""
+    used = resolve_decode(mode)
+    threads = workers or default_workers(world_size)
+    if used == "gpu":
+        return GpuDecoder(size, channels, train, seed, torch.device("cuda", torch.cuda.current_device()),
+                          workers=threads, channels_last=channels_last)
+    return Decoder(size, channels, train, seed, workers=threads, pin=pin, channels_last=channels_last)
