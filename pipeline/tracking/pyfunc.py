@@ -10,9 +10,8 @@ import os
 import re
 import tempfile
 import threading
-from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlflow
 import mlflow.pyfunc
@@ -25,6 +24,8 @@ from pipeline.data.transforms import decode_batch
 from pipeline.images import ImageDecodeError
 from pipeline.log import get_logger
 from pipeline.model.nets import build_network
+from pipeline.tracking.served_code import (MODEL_CODE, SERVED_MODULES, copy_served_code,  # noqa: F401
+                                          pip_requirements, served_package_name)
 
 log = get_logger(__name__)
 
@@ -62,20 +63,6 @@ PREDICT_BATCH_SIZE = 256
 # so one request's time is bounded (every row's pixels are bounded by pipeline.images). Batch scoring and the gate
 # call with PREDICT_BATCH_SIZE rows or fewer, so a logged limit is at least that.
 MAX_ROWS_PER_CALL, MAX_ROWS_CONFIG_KEY, MAX_ROWS_ENV = 10_000, "max_rows_per_call", "LAKEHOUSE_SERVING_MAX_ROWS"
-
-# The modules the served model imports. Only these travel with the model (code_paths), so that it
-# loads in a process that has mlflow, torch and pillow but neither the rest of `pipeline` nor its
-# heavy dependencies (Spark, Petastorm, Horovod). Package __init__ files are shipped empty.
-SERVED_MODULES = (
-    "pipeline/log.py",
-    "pipeline/data/transforms.py",
-    "pipeline/data/crops.py",  # the center crop of a model whose ranks decoded its rows (meta center_crop)
-    "pipeline/images.py",
-    "pipeline/model/nets.py",
-    "pipeline/model/timm_backbone.py",  # nets.build_network imports it (timm itself only for a timm/<name> arch)
-    "pipeline/tracking/pyfunc.py",
-)
-
 
 class InvalidModelInput(MlflowException, ValueError):
     """A request the model cannot score (bad row, missing column, bad param); the message names it.
@@ -275,75 +262,6 @@ def blank_png(size: int, channels: int) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
-
-
-def _package_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def served_package_name(modules: Sequence[str] = SERVED_MODULES) -> str:
-    """The top-level name the served code travels under: `lakehouse_model_` and a digest of its files. Not `pipeline`:
-    a process that loads the model (a Spark Python worker scoring with spark_udf, the gate) may also run, or later
-    run, the installed package, and MLflow puts the code folder first on its sys.path; a partial `pipeline` there
-    would hide the rest of the package from it (seen: a worker that had scored then failed a training conversion with
-    "No module named 'pipeline.data.convert'"). Named by content, two models whose code differs never share modules
-    in one process, and a model always runs the code it was logged with."""
-    import hashlib
-
-    root, digest = _package_root(), hashlib.sha256()
-    for rel in modules:
-        digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
-    return f"lakehouse_model_{digest.hexdigest()[:12]}"
-
-
-_PIPELINE_IMPORT = re.compile(r"^(\s*(?:from|import)\s+)pipeline(?=[.\s])", re.MULTILINE)
-
-
-def copy_served_code(dest: Path, modules: Sequence[str] = SERVED_MODULES) -> Path:
-    """Copy the modules the served model needs into `dest/<served_package_name()>/...` (their `pipeline` imports
-    renamed to it, empty package __init__s). Returns the package folder."""
-    root, name = _package_root(), served_package_name(modules)
-    pkg = dest / name
-    for rel in modules:
-        src = root / rel
-        if not src.is_file():
-            raise FileNotFoundError(f"served module {rel} not found under {root}")
-        target = pkg / Path(rel).relative_to("pipeline")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(_PIPELINE_IMPORT.sub(lambda m: m.group(1) + name, src.read_text()))
-    for folder in [pkg, *[p for p in pkg.rglob("*") if p.is_dir()]]:
-        init = folder / "__init__.py"
-        if not init.exists():
-            init.write_text(f'"""Package {folder.relative_to(dest).as_posix().replace("/", ".")} (served subset)."""\n')
-    return pkg
-
-
-def _requirement(dist: str, fallback: str) -> str:
-    try:
-        version = importlib_metadata.version(dist)
-    except importlib_metadata.PackageNotFoundError:
-        return fallback
-    return f"{dist}=={version.split('+')[0]}"
-
-
-def pip_requirements() -> List[str]:
-    """What a serving environment needs: mlflow, torch (CPU or CUDA build of the same version), pillow."""
-    return [
-        _requirement("mlflow", "mlflow"),
-        _requirement("torch", "torch"),
-        _requirement("pillow", "pillow"),
-        _requirement("numpy", "numpy<2"),
-        _requirement("pandas", "pandas"),
-    ]
-
-
-MODEL_CODE = '''"""The served model's entry point (MLflow models-from-code): the ImageClassifierModel shipped in code/."""
-from mlflow.models import set_model
-
-from {package}.tracking.pyfunc import ImageClassifierModel
-
-set_model(ImageClassifierModel())
-'''
 
 
 def _check_weights_fit(state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
