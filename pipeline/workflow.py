@@ -9,12 +9,12 @@ from pipeline import preload
 from pipeline.config import Config, world_size_of
 from pipeline.data.convert import convert_for_training
 from pipeline.data.leases import JobLeases
+from pipeline.data.plan import start_batch_size
 from pipeline.distributed.backends import name_of
-from pipeline.distributed.backoff import start_batch_size
 from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.distributed.launcher import launch_needs_spark
-from pipeline.distributed.loop import TrainJob
+from pipeline.distributed.loop import TrainJob, job_plan
 from pipeline.distributed.restart import launch_with_restarts
 from pipeline.errors import Terminated
 from pipeline.lakehouse.cluster import require_reachable
@@ -115,7 +115,7 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     record.start(cfg, pinned, {"train": rows_train, "val": rows_val}, tags, data.plan, checkpoint_dir, restore_from)
     job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
                    run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker,
-                   checkpoint_dir=checkpoint_dir, restore_from=restore_from or "")
+                   checkpoint_dir=checkpoint_dir, plan=job_plan(cfg, data, restore_from))
     if epoch_gate is not None:
         job.epoch_gate_dir = epoch_gate.folder
         job.epoch_gate_timeout_s = cfg.tune.verdict_timeout_s

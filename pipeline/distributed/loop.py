@@ -7,11 +7,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pipeline.config import Config
+from pipeline.data.plan import RunPlan, derive_plan, plan_lr
 from pipeline.data.shards import ConvertedData
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger, quiet_third_party_warnings
 
 log = get_logger(__name__)
+
+
+def job_plan(cfg: Config, data: ConvertedData, restore_from: Optional[str], attempt: int = 0) -> RunPlan:
+    """The plan of a job over `data` as converted (its shards, its per-rank batch as planned: `derive_plan` with no
+    further lowering), resuming from `restore_from` (a resolved path, or a train.ckpt_restore value the ranks
+    resolve; None or "": the start)."""
+    train = data.plan.train
+    return derive_plan(cfg, data.plan, train.world_size, train.batch_size, restore_from or None, attempt, min_steps=0)
 
 
 @dataclass
@@ -30,18 +39,20 @@ class TrainJob:
     # a folder where rank 0 hands each epoch's metrics to the driver and reads its verdict (callbacks.DriverVerdict)
     epoch_gate_dir: Optional[str] = None
     epoch_gate_timeout_s: float = 30.0
-    attempt: int = 0  # 0 = the first launch; n = the n-th relaunch (train.max_restarts, OOM back-off)
     # rank 0's tracker, made as tracker(tracking_uri, run_id, local_dir=job_dir) when run_id is set: the driver passes
     # the tracking layer's class (pipeline.tracking.rank_zero.RankZeroTracker), so this layer never imports it
     tracker: Optional[Callable[..., Any]] = None
     # where this job's checkpoints go (the driver: the run's own folder, <train.checkpoint_dir>/<run_id>); None: the
     # configured train.checkpoint_dir itself (a job without an MLflow run)
     checkpoint_dir: Optional[str] = None
-    # the checkpoint this launch resumes from, as a path (the driver resolves train.ckpt_restore; a relaunch sets the
-    # job's own last checkpoint); None: train.ckpt_restore as configured
-    restore_from: Optional[str] = None
-    # the ranks of this launch when an elastic relaunch went on with fewer (train.min_np); None: train.np
-    world_size: Optional[int] = None
+    # what this launch trains with (pipeline.data.plan: ranks, per-rank batch, rate, steps, shards, the checkpoint it
+    # resumes from, the attempt): the driver derives it, the restart policy re-derives it for each relaunch; a job
+    # made without one (a test's, the bench's) gets `job_plan`'s, resuming from train.ckpt_restore as configured
+    plan: Optional[RunPlan] = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None and self.data is not None:  # (a job with no data has no plan: some unit tests')
+            self.plan = job_plan(self.cfg, self.data, self.cfg.train.ckpt_restore)
 
     @property
     def folder(self) -> JobFolder:
@@ -51,10 +62,6 @@ class TrainJob:
     @property
     def ckpt_dir(self) -> str:
         return self.checkpoint_dir or self.cfg.train.checkpoint_dir
-
-    @property
-    def restore_point(self) -> Optional[str]:
-        return self.restore_from if self.restore_from is not None else self.cfg.train.ckpt_restore
 
     @property
     def lineage(self) -> Dict[str, Any]:
@@ -114,7 +121,6 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     import torch
     from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
-    from pipeline.distributed.backoff import lr_batch_factor, start_batch_size
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
                                                 MinEpochsEarlyStopping, StopSignals, host_and_pid, min_epochs_of,
                                                 progress_bar, quiet_profiler, skip_idle_step_hooks)
@@ -126,7 +132,6 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                                               trainer_strategy)
     from pipeline.distributed.faults import InjectedFaults, wanted
     from pipeline.distributed.telemetry import RankResources
-    from pipeline.model.module import scaled_lr
 
     quiet_third_party_warnings()
     cfg = job.cfg
@@ -143,17 +148,17 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     precision = resolve_precision(cfg.train.precision, cuda, capability)
     pl.seed_everything(cfg.train.seed, workers=True, verbose=False)
     is_zero = rank == 0
+    run = job.plan
     plan = job.data.plan
-    # model.lr is for the configured per-rank batch (data.batch_size, or data.auto_batch_start); a smaller batch in use
-    # (an OOM back-off, a small table's data.min_steps_per_epoch) scales it by the same rule
-    batch = plan.train.batch_size
-    start = start_batch_size(cfg.data)
-    lr = scaled_lr(cfg.model.lr, world_size, cfg.train.lr_scaling) * lr_batch_factor(batch, start, cfg.train.lr_scaling)
+    batch, start, lr = run.batch_size, run.start_batch, run.lr  # the plan's rate: model.lr scaled to its global batch
+    if run.world_size != world_size:  # a rank started outside the plan (a test's one process over a 2-rank plan)
+        lr = plan_lr(run.base_lr, run.lr_scaling, world_size, batch, start)
     if is_zero:
         log.info("training on %d rank(s), batch %d per rank%s, lr %.4g (%s scaling of %.4g), %s, precision %s, "
-                 "%s torch threads per rank", world_size, batch, "" if batch == start else f" (backed off from {start})",
-                 lr, cfg.train.lr_scaling, cfg.model.lr, f"GPU (capability {capability})" if cuda else "CPU",
-                 precision, threads if threads is not None else f"{torch.get_num_threads()} (torch's default)")
+                 "%s torch threads per rank, attempt %d", world_size, batch,
+                 "" if batch == start else f" (backed off from {start})", lr, run.lr_scaling, run.base_lr,
+                 f"GPU (capability {capability})" if cuda else "CPU", precision,
+                 threads if threads is not None else f"{torch.get_num_threads()} (torch's default)", run.attempt)
 
     dm = _make_datamodule(job, rank, world_size, normalize_on_device=cuda)
     model = model_for(job, lr)
@@ -166,7 +171,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         tracker.record_precision(precision)
         tracker.record_tag("decode", dm.decode_used)  # where this run decodes: data.decode, auto resolved
         # this machine sampled into the run in the background; a relaunch continues the same run's series
-        tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=job.attempt > 0)
+        tracker.start_telemetry(cfg.mlflow.system_metrics_interval_s, resume=run.attempt > 0)
 
     ckpt_dir = job.ckpt_dir
     es = cfg.train.early_stopping
@@ -188,7 +193,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
                                          enable_version_counter=False))
     if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
-        callbacks.append(InjectedFaults(cfg.debug, first_attempt=job.attempt == 0))
+        callbacks.append(InjectedFaults(cfg.debug, first_attempt=run.attempt == 0))
     gate = DriverVerdict(job.epoch_gate_dir, job.epoch_gate_timeout_s) if job.epoch_gate_dir else None
     if gate is not None:
         callbacks.append(gate)
@@ -209,7 +214,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         use_distributed_sampler=False, log_every_n_steps=max(1, plan.train.steps_per_epoch))
     skip_idle_step_hooks(trainer.callbacks)  # Lightning's per-step calls of hooks that do nothing (callbacks.py)
 
-    ckpt_path = resolve_restore_point(job.restore_point, ckpt_dir, cfg.train.checkpoint_dir)
+    ckpt_path = resolve_restore_point(run.restore_from, ckpt_dir, cfg.train.checkpoint_dir)
     if ckpt_path:
         trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
         dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped

@@ -3,10 +3,12 @@ checkpoint, an OOM back-off with half the per-rank batch, an elastic relaunch on
 checkpoint each relaunch resumes from, restated for its batch and world size."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable, List, Optional
 
+from pipeline.data.plan import RunPlan, halved
 from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
 from pipeline.distributed.executors import cluster_slots
 from pipeline.distributed.launcher import launch
@@ -60,15 +62,14 @@ def _elastic_world(job: TrainJob, world: int, exc: BaseException) -> int:
     return slots
 
 
-def _restated(job: TrainJob, path: str, data: Any, batch: int, first: tuple) -> str:
-    """Checkpoint `path` for a launch of `data`'s plan with `batch` per rank: itself when it records that batch and
-    world size, else restated from what it records (`restate.restated`) into the job's own checkpoint folder (never
-    beside another run's checkpoint); one that records neither is taken as trained like the job's first launch
-    (`first`: its per-rank batch and world size)."""
+def _restated(job: TrainJob, path: str, plan: RunPlan, first: tuple) -> str:
+    """Checkpoint `path` for a launch of `plan`: itself when it records that plan's per-rank batch and world size,
+    else restated from what it records (`restate.restated`) into the job's own checkpoint folder (never beside another
+    run's checkpoint); one that records neither is taken as trained like the job's first launch (`first`: its
+    per-rank batch and world size)."""
     from pipeline.distributed.checkpoints.restate import restated
 
-    plan = data.plan.train
-    return restated(path, plan.steps_per_epoch, batch, plan.world_size, job.cfg.train.lr_scaling, unrecorded=first,
+    return restated(path, plan.steps_per_epoch, plan.batch_size, plan.world_size, plan.lr_scaling, unrecorded=first,
                     folder=job.ckpt_dir)
 
 
@@ -96,24 +97,20 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
         DistributedTrainingError: the failure that spent the last restart (with how many were made).
         ConfigError: out of memory at 1 sample per rank (`data.batch_size`).
     """
-    import dataclasses
-
-    from pipeline.data.convert import plan_data
-    from pipeline.data.plan import backs_off, halved
     from pipeline.distributed.backoff import is_out_of_memory
 
     limit = max(0, job.cfg.train.max_restarts)
     last = last_checkpoint(job.ckpt_dir)
     started = time.time()
-    attempt = restarts = backoffs = 0
-    batch = job.data.plan.train.batch_size
-    first = (batch, job.data.plan.train.world_size)  # taken for a given checkpoint that records neither
+    restarts = backoffs = 0
+    first = (job.plan.batch_size, job.plan.world_size)  # taken for a given checkpoint that records neither
     # the checkpoint the first launch resumes from, as a path and settled; one that does not exist is left to the
     # ranks, which refuse it naming the key
-    restore_first = resolve_restore_point(job.restore_point, job.ckpt_dir, job.cfg.train.checkpoint_dir,
+    restore_first = resolve_restore_point(job.plan.restore_from, job.ckpt_dir, job.cfg.train.checkpoint_dir,
                                           required=False)
     if restore_first and os.path.exists(restore_first):  # restated when it records another batch or world size
-        job = dataclasses.replace(job, restore_from=_restated(job, restore_first, job.data, batch, first))
+        job = dataclasses.replace(job, plan=dataclasses.replace(
+            job.plan, restore_from=_restated(job, restore_first, job.plan, first)))
     while True:
         try:
             return launch(job)
@@ -122,9 +119,9 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             settle(last)  # a swap of FSDP's last checkpoint a killed rank interrupted is finished first
             # only a checkpoint this job wrote; an older last one in the folder belongs to another job
             fresh = os.path.exists(last) and os.path.getmtime(last) >= started
-            oom = is_restartable(exc) and is_out_of_memory(exc) and backs_off(job.cfg.data, job.cfg.train.oom_backoff)
+            oom = is_restartable(exc) and is_out_of_memory(exc) and job.plan.backs_off
             if oom:
-                smaller = halved(batch, cause)  # ConfigError at 1 per rank
+                halved(job.plan.batch_size, cause)  # ConfigError at 1 per rank, before the restart limit is looked at
             if fresh or not oom:  # a relaunch from a checkpoint (or after a non-OOM failure) is a restart
                 if restarts >= limit or not is_restartable(exc):
                     if restarts:
@@ -139,29 +136,23 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
                 restarts += 1
                 if on_restart is not None:
                     on_restart(restarts, cause)
-            attempt += 1
             restore = last if fresh else restore_first
-            data, was = job.data, batch
-            world = data.plan.train.world_size
-            new_world = world if oom else _elastic_world(job, world, exc)
+            was = job.plan
+            new_world = was.world_size if oom else _elastic_world(job, was.world_size, exc)
+            plan = was.relaunched(restore_from=None, out_of_memory=oom, world_size=new_world, cause=cause)
+            if new_world != was.world_size and on_world is not None:
+                on_world(new_world, cause)
+            if restore and os.path.exists(restore):  # by the batch and world size IT records, not the last launch's
+                restore = _restated(job, restore, plan, first)
             if oom:
                 backoffs += 1
-                batch = smaller
-            if oom or new_world != world:
-                data = dataclasses.replace(data, plan=plan_data(data.train, data.val, new_world, batch))
-            if new_world != world:
-                job = dataclasses.replace(job, world_size=new_world)
-                if on_world is not None:
-                    on_world(new_world, cause)
-            if restore and os.path.exists(restore):  # by the batch and world size IT records, not the last launch's
-                restore = _restated(job, restore, data, batch, first)
-            if oom:
                 log.warning("out of memory: relaunching every rank with %d samples per rank (was %d) from %s: %s",
-                            batch, was, restore or "the start", cause)
+                            plan.batch_size, was.batch_size, restore or "the start", cause)
                 if on_batch is not None:
-                    on_batch(backoffs, data.plan, cause)
+                    on_batch(backoffs, plan.shards, cause)
             else:
                 log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
                             restore or "the start", cause)
-            # the user's config stays as it is; the job carries what this relaunch resumes from
-            job = dataclasses.replace(job, restore_from=restore or "", data=data, attempt=attempt)
+            # the user's config stays as it is; the job carries the re-derived plan and what it resumes from
+            data = job.data if plan.shards is was.shards else dataclasses.replace(job.data, plan=plan.shards)
+            job = dataclasses.replace(job, plan=dataclasses.replace(plan, restore_from=restore or None), data=data)

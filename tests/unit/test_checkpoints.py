@@ -68,17 +68,17 @@ def test_two_backoffs_then_a_kill_restate_from_the_batch_each_checkpoint_records
     def fake_launch(job):
         assert job.cfg is users_config  # a relaunch changes the job, never the user's config
         batch, steps = job.data.plan.train.batch_size, job.data.plan.train.steps_per_epoch
-        restore = job.restore_point
-        seen.append((job.attempt, batch, steps, restore and os.path.basename(restore),
+        restore = job.plan.restore_from
+        seen.append((job.plan.attempt, batch, steps, restore and os.path.basename(restore),
                      restore and torch.load(restore, weights_only=True)))
         time.sleep(0.05)  # the checkpoint's mtime after the job's start, whatever the file system's clock
-        if job.attempt == 0:  # 7 steps of 64 (1 epoch of 5, then 2), then an out-of-memory
+        if job.plan.attempt == 0:  # 7 steps of 64 (1 epoch of 5, then 2), then an out-of-memory
             _checkpoint(last, 64, 5, 7, 2, lr=0.4)
             raise _oom()
-        if job.attempt == 1:  # resumed at 32 from step 14, 3 more steps (17: epoch 1, step 7 of 10), then OOM
+        if job.plan.attempt == 1:  # resumed at 32 from step 14, 3 more steps (17: epoch 1, step 7 of 10), then OOM
             _checkpoint(last, 32, 10, 17, 7, lr=0.2)
             raise _oom()
-        if job.attempt == 2:  # resumed at 16 from step 34, 2 more steps, then rank 1 killed
+        if job.plan.attempt == 2:  # resumed at 16 from step 34, 2 more steps, then rank 1 killed
             _checkpoint(last, 16, 20, 36, 16, lr=0.1)
             raise launcher.DistributedTrainingError("training failed on rank 1: " + rank_failures.SILENT_RANK)
         return ["done"]
@@ -357,7 +357,7 @@ def _ranks_failing(job_dir_errors):
     launches = []
 
     def fake_launch(job):
-        launches.append(job.attempt)
+        launches.append(job.plan.attempt)
         for rank, exc in job_dir_errors.items():
             with pytest.raises(type(exc)):
                 with rank_record(job, rank):

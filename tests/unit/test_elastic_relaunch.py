@@ -53,11 +53,11 @@ def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_
 
     def fake_launch(job):
         plan = job.data.plan.train
-        restore = job.restore_point
-        seen.append((job.attempt, job.world_size, plan.world_size, plan.steps_per_epoch,
+        restore = job.plan.restore_from
+        seen.append((job.plan.attempt, job.plan.world_size, plan.world_size, plan.steps_per_epoch,
                      restore and os.path.basename(restore), restore and torch.load(restore, weights_only=True)))
         time.sleep(0.05)
-        if job.attempt == 0:  # 13 steps on 2 ranks (epoch 1, step 3 of 10), then a host lost
+        if job.plan.attempt == 0:  # 13 steps on 2 ranks (epoch 1, step 3 of 10), then a host lost
             _checkpoint(last, 32, 2, 10, 13, 3, lr=0.2)
             raise _lost()
         return ["done"]
@@ -65,7 +65,7 @@ def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_
     monkeypatch.setattr(restart, "launch", fake_launch)
     monkeypatch.setattr(restart, "cluster_slots", lambda: 1)
     assert restart.launch_with_restarts(job, on_world=lambda n, cause: worlds.append((n, cause))) == ["done"]
-    assert [s[:4] for s in seen] == [(0, None, 2, 10), (1, 1, 1, 20)]
+    assert [s[:4] for s in seen] == [(0, 2, 2, 10), (1, 1, 1, 20)]  # the plan says its ranks on every launch
     assert worlds == [(1, f"DistributedTrainingError: {_lost()}")]
     name, ckpt = seen[1][4], seen[1][5]
     assert name == "last-batch32-np1.ckpt"
@@ -88,11 +88,11 @@ def test_a_given_restore_point_is_restated_on_every_relaunch_by_the_world_size_i
     seen = []
 
     def fake_launch(job):
-        restore = job.restore_point
+        restore = job.plan.restore_from
         ckpt = torch.load(restore, weights_only=True)
-        seen.append((job.attempt, job.data.plan.train.world_size, os.path.basename(restore), ckpt["global_step"],
+        seen.append((job.plan.attempt, job.data.plan.train.world_size, os.path.basename(restore), ckpt["global_step"],
                      ckpt["optimizer_states"][0]["param_groups"][0]["lr"]))
-        if job.attempt < 2:
+        if job.plan.attempt < 2:
             raise _lost()  # before this job wrote a checkpoint of its own
         return ["done"]
 
@@ -115,7 +115,7 @@ def test_the_first_launch_restates_a_given_checkpoint_recorded_at_another_world_
     seen = []
 
     def fake_launch(job):
-        restore = job.restore_point
+        restore = job.plan.restore_from
         seen.append((os.path.basename(restore), torch.load(restore, weights_only=True)))
         return ["done"]
 
@@ -187,7 +187,7 @@ def test_two_jobs_resuming_one_given_checkpoint_at_once_each_resume_their_own_re
         which = "a" if job.cfg.train.lr_scaling == "linear" else "b"
         if which == "a":  # the second job restates and starts while the first one's ranks are starting
             restart.launch_with_restarts(second)
-        restore = job.restore_point
+        restore = job.plan.restore_from
         seen[which] = (restore, torch.load(restore, weights_only=True))
         return ["done"]
 

@@ -127,7 +127,7 @@ class Horovod(Backend):
     def launch(self, job: TrainJob) -> List[RankResult]:
         cfg = job.cfg
         # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
-        np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np
+        np_ = job.plan.world_size if cfg.train.np > 1 else cfg.train.np
         if cfg.train.np == 1:
             return [horovod_worker(job)]
         if np_ < 0:

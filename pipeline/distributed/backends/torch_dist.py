@@ -76,7 +76,7 @@ class TorchDistributed(Backend):
         from pyspark.ml.torch.distributor import TorchDistributor
 
         # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
-        np_ = job.world_size if job.world_size and cfg.train.np > 1 else cfg.train.np
+        np_ = job.plan.world_size if cfg.train.np > 1 else cfg.train.np
         log.info("launching %d %s processes (%s) with TorchDistributor", abs(np_), self.name.upper(),
                  "on this machine" if np_ < 0 else "on the Spark cluster")
         # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
