@@ -1,4 +1,5 @@
-"""The LightningDataModule: the train and val reader loops of one rank (shard = rank) over converted Delta data."""
+"""The LightningDataModule: the train and val reader loops of one rank (shard = rank) over converted Delta data or
+the table's own files (data.source=direct: a DirectData, read by the same loaders)."""
 from __future__ import annotations
 
 from typing import List, Optional

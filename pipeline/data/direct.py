@@ -197,6 +197,11 @@ class DirectData:
     split_key: str
     val_fraction: float
     left_out: int = 0  # train rows in no share this plan (fewer than the world size)
+    # what the model and the ranks' data module need, as on ConvertedData (the driver sets them from its config)
+    class_names: List[str] = field(default_factory=list)
+    image_size: int = 0
+    channels: int = 0
+    layout: str = "encoded"  # the files hold encoded images: the ranks always decode them (data.decode != convert)
 
     @property
     def rows(self) -> Tuple[int, int]:

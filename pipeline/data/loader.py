@@ -9,6 +9,7 @@ import torch
 
 from pipeline.data.batches import BatchAssembler, PixelsToTensor, normalize_uint8
 from pipeline.data.decode import Decoder, EncodedRows
+from pipeline.data.direct import DirectShardReader, DirectSplit
 from pipeline.data.readers import ArrowShardReader, open_petastorm, pass_order, require_reader
 from pipeline.data.shards import ConvertedSplit
 from pipeline.lakehouse.partition import SplitPlan
@@ -38,6 +39,9 @@ class ShardLoader:
 
     With a `decoder` (pipeline.data.decode: data.decode=cpu|gpu|auto) the split holds encoded rows: they are shuffled
     and batched as pixel rows are, then decoded and cropped batch by batch, ahead of the step, by the decoder.
+
+    A `DirectSplit` (data.source=direct: the table's own files, no conversion) is read by `direct.DirectShardReader`
+    in the arrow reader's place: always the arrow reader's stream (exact resume), always encoded rows and a decoder.
     """
 
     def __init__(self, split: ConvertedSplit, plan: SplitPlan, rank: int, world_size: int, channels: int,
@@ -45,6 +49,12 @@ class ShardLoader:
                  memory_cache_mb: int = 0, reader: str = "petastorm", track_ids: bool = False,
                  normalize_on_device: bool = False, decoder: Optional[Decoder] = None) -> None:
         require_reader(reader)
+        self.direct = isinstance(split, DirectSplit)
+        if self.direct:
+            if decoder is None:
+                raise ValueError(f"the {split.name} split of the direct path (data.source=direct) holds encoded "
+                                 f"images: its loader needs a decoder (data.decode=cpu|gpu|auto)")
+            reader = "arrow"  # the direct reader is an arrow reader: the stream is a pure function of the seed
         self.split = split
         self.plan = plan
         self.rank = rank
@@ -52,7 +62,8 @@ class ShardLoader:
         self.endless = endless
         self.reader = reader
         self.decoder = decoder
-        self.transform = (EncodedRows(encoded_row_bytes(split)) if decoder is not None
+        self.transform = (EncodedRows(split.encoded_row_bytes() if self.direct else encoded_row_bytes(split))
+                          if decoder is not None
                           else PixelsToTensor(channels, image_size))
         self.workers = workers
         self.shuffle_buffer = shuffle_buffer if endless else 0
@@ -108,7 +119,8 @@ class ShardLoader:
             self._check_pass(rows, planned)
 
     def _arrow_row_groups(self, passes: Optional[int]) -> Iterator:
-        reader = ArrowShardReader(self.split, self.rank, self.world_size, self.workers)
+        make = DirectShardReader if self.direct else ArrowShardReader
+        reader = make(self.split, self.rank, self.world_size, self.workers)
         planned = self.plan.rows_per_rank[self.rank]
         if not self.keeps_in_memory:  # every pass from the files, through one read-ahead that spans the passes
             tagged = ((p, i) for p in (itertools.count() if passes is None else range(passes))

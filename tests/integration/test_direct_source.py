@@ -210,16 +210,13 @@ def test_file_uri_and_a_missing_file_named(uneven_table, tmp_path):
 
 
 def _direct_loader(monkeypatch, data, rank, world, memory_cache_mb):
-    """The loader as it is, reading a DirectSplit: its arrow reader swapped for the direct one (what the wiring of
-    data.source=direct does), a real CPU decoder."""
+    """The loader as it is, given a DirectSplit (it reads it with the direct reader, as data.source=direct does), a
+    real CPU decoder. reader="petastorm" is asked for: a DirectSplit is always read as the arrow reader reads."""
     from pipeline.data import loader
     from pipeline.data.decode import Decoder
-    from pipeline.data.direct import DirectShardReader
 
-    monkeypatch.setattr(loader, "ArrowShardReader", DirectShardReader)
-    monkeypatch.setattr(loader, "encoded_row_bytes", lambda split: split.encoded_row_bytes())
     return loader.ShardLoader(data.train, data.plan.train, rank, world, channels=1, image_size=16, endless=True,
-                              workers=2, shuffle_buffer=64, seed=7, memory_cache_mb=memory_cache_mb, reader="arrow",
+                              workers=2, shuffle_buffer=64, seed=7, memory_cache_mb=memory_cache_mb, reader="petastorm",
                               track_ids=True, decoder=Decoder(16, 1, True, 7, workers=1))
 
 
@@ -250,3 +247,34 @@ def test_the_loader_trains_epochs_and_resumes_mid_epoch_at_the_same_row(monkeypa
         resumed.close()
     assert len(rest) == data.plan.train.steps_per_epoch - taken
     assert resumed.ids_read == epochs[1][taken * data.plan.train.batch_size:]  # the same rows, in the same order
+
+
+def test_the_loader_refuses_a_direct_split_without_a_decoder(uneven_table):
+    from pipeline.data import loader
+
+    _, data = _direct(uneven_table, 1)
+    with pytest.raises(ValueError, match="data.decode"):
+        loader.ShardLoader(data.train, data.plan.train, 0, 1, channels=1, image_size=16, endless=True, workers=1,
+                           shuffle_buffer=0, seed=7, reader="arrow", decoder=None)
+
+
+def test_the_data_module_reads_direct_data_with_the_direct_reader(uneven_table):
+    """The ranks' data module takes a DirectData as it takes ConvertedData: both loaders read the direct shares
+    (decoded on the CPU), every validation row of the rank's share once."""
+    import dataclasses
+
+    from pipeline.config import DataConfig
+    from pipeline.data.datamodule import make_datamodule
+    from pipeline.data.direct import direct_row_ids
+
+    _, data = _direct(uneven_table, 2)
+    data = dataclasses.replace(data, class_names=["a", "b"], image_size=16, channels=1)
+    dm = make_datamodule(data, 1, 2, DataConfig(decode="cpu", decode_workers=1, reader="petastorm"), track_ids=True)
+    try:
+        assert dm.decode_used == "cpu" and dm.train_loader.direct and dm.train_loader.reader == "arrow"
+        batches = list(dm.val_dataloader())
+        dm.val_loader.check_rows()
+        assert batches[0][0].shape[1:] == (1, 16, 16)
+        assert sorted(dm.val_loader.ids_read) == sorted(direct_row_ids(data.val, 1, 2))
+    finally:
+        dm.teardown("fit")
