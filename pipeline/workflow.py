@@ -61,6 +61,13 @@ def prepare_data(spark, cfg: Config, leases: Any = None, version: Optional[int] 
     from pipeline.data.readers import require_reader  # local: numpy, out of `import pipeline.workflow`
 
     require_reachable(cfg)  # on a cluster: every path and address a rank or executor uses is on cluster storage
+    if cfg.data.source == "direct":  # the table's own files, read by the ranks: no conversion, no cache entry
+        from pipeline.data.source import prepare_direct  # local: numpy, out of `import pipeline.workflow`
+
+        data, pinned = prepare_direct(cfg, version)
+        if launch_needs_spark(cfg):
+            session_of(spark)  # the launch itself needs one (its ranks as Spark tasks); the data needed none
+        return data, pinned
     require_reader(cfg.data.reader)  # before any Spark work: the ranks could not read with it
     if isinstance(spark, SparkOnDemand) and launch_needs_spark(cfg) and not spark.started:
         spark.start_soon()  # the JVM starts while the table is pinned and the cache looked up
@@ -212,7 +219,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
     world = world_size_of(cfg)
     summary: Dict[str, Any] = {}
     # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
-    tags = {"world_size": world, "backend": name_of(cfg), "np": cfg.train.np}
+    tags = {"world_size": world, "backend": name_of(cfg), "np": cfg.train.np, "data_source": cfg.data.source}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
         r0 = train_in_run(run, cfg, data, pinned, tags, marks=marks)
         marks["ranks_returned"] = time.time()
@@ -225,7 +232,8 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
                     "tracking_uri": redact_url(run.tracking_uri)}
         if not r0.model_uri:
             raise RuntimeError("rank 0 returned no model; nothing registered")
-        version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics)
+        version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics,
+                                                 {"data_source": cfg.data.source})
         marks["gated"] = time.time()
         summary = {
             "run_id": run.run_id,
@@ -238,6 +246,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
             "world_size": world,
             "world_size_used": r0.world_size,  # fewer after an elastic relaunch (train.min_np)
             "backend": name_of(cfg),
+            "data_source": cfg.data.source,  # converted (Spark, the cache) or direct (the table's own files)
             "val_loss": r0.metrics.get("val_loss"),
             "val_acc": r0.metrics.get("val_acc"),
             "epochs": r0.epochs,

@@ -23,7 +23,7 @@ import bisect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -202,6 +202,9 @@ class DirectData:
     image_size: int = 0
     channels: int = 0
     layout: str = "encoded"  # the files hold encoded images: the ranks always decode them (data.decode != convert)
+    # the pinned files and their split index, kept so a relaunch on fewer ranks is planned again without reading
+    pinned: Optional[DeltaFiles] = None
+    index: Optional[SplitIndex] = None
 
     @property
     def rows(self) -> Tuple[int, int]:
@@ -241,7 +244,7 @@ def plan_direct(pinned: DeltaFiles, index: SplitIndex, world_size: int, batch_si
              pinned.version, plan.describe())
     return DirectData(train=splits["train"], val=splits["val"], plan=plan, table=pinned.table, version=pinned.version,
                       files_digest=pinned.digest, split_key=index.split_key, val_fraction=index.val_fraction,
-                      left_out=left_out)
+                      left_out=left_out, pinned=pinned, index=index)
 
 
 class DirectShardReader(ArrowShardReader):

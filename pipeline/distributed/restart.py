@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, List, Optional
 
 from pipeline.data.plan import RunPlan, halved
+from pipeline.data.source import data_for_launch
 from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
 from pipeline.distributed.executors import cluster_slots
 from pipeline.distributed.launcher import launch
@@ -140,6 +141,9 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             was = job.plan
             new_world = was.world_size if oom else _elastic_world(job, was.world_size, exc)
             plan = was.relaunched(restore_from=None, out_of_memory=oom, world_size=new_world, cause=cause)
+            # the user's config stays as it is; the job carries the re-derived plan and the data it reads, planned
+            # again for it (direct data on fewer ranks: its pinned files shared out anew, data.source=direct)
+            data, plan = data_for_launch(job.data, was, plan)
             if new_world != was.world_size and on_world is not None:
                 on_world(new_world, cause)
             if restore and os.path.exists(restore):  # by the batch and world size IT records, not the last launch's
@@ -153,6 +157,4 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             else:
                 log.warning("restart %d of %d (train.max_restarts) from %s after: %s", restarts, limit,
                             restore or "the start", cause)
-            # the user's config stays as it is; the job carries the re-derived plan and what it resumes from
-            data = job.data if plan.shards is was.shards else dataclasses.replace(job.data, plan=plan.shards)
             job = dataclasses.replace(job, plan=dataclasses.replace(plan, restore_from=restore or None), data=data)
