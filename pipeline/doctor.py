@@ -231,6 +231,13 @@ def _profile_marker() -> Optional[str]:
         return None
 
 
+def direct_path(cfg: Config) -> Tuple[bool, str]:
+    """Whether data.source=direct can read the configured table (delta.table at delta.version), and why not."""
+    from pipeline.data.source import direct_readable  # local: numpy and pyarrow, out of `import pipeline.doctor`
+
+    return direct_readable(cfg.delta.table, cfg.delta.version)
+
+
 def run_doctor(cfg: Config) -> int:
     """Print the report; exit status 1 when this install cannot run the pipeline as configured."""
     from pipeline.lakehouse.delta import usable_engines
@@ -271,6 +278,9 @@ def run_doctor(cfg: Config) -> int:
         if cfg.delta.engine == "spark" and not any(k in cfg.spark.conf for k in ("spark.jars", "spark.jars.packages")):
             problems.append("config delta.engine=spark but spark.conf sets neither spark.jars nor spark.jars.packages "
                             "(the Delta jars); fine on Databricks, which ships them")
+    direct_ok, direct_why = direct_path(cfg)
+    if cfg.data.source == "direct" and not direct_ok:
+        problems.append(f"config data.source=direct but the direct path cannot read delta.table: {direct_why}")
     if cfg.model.arch.startswith("timm/"):  # a timm backbone needs timm and a torchvision built for this torch
         from pipeline.model.timm_backbone import timm_problems
 
@@ -296,6 +306,7 @@ def run_doctor(cfg: Config) -> int:
     print(f"  {'config':<18} train.backend={backend} train.np={cfg.train.np} data.reader={reader}")
     for name, state in engines.items():
         print(f"  delta engine {name:<6} {state}")
+    print(f"  {'direct path':<18} {'yes' if direct_ok else 'no'}: {direct_why}")
     for note in notes:
         print(f"  note: {note}")
     if problems:

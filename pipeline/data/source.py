@@ -91,3 +91,19 @@ def data_for_launch(data: Any, was: RunPlan, plan: RunPlan) -> Tuple[Any, RunPla
                                       steps_per_epoch=shards.train.steps_per_epoch,
                                       lr=plan_lr(plan.base_lr, plan.lr_scaling, plan.world_size, batch,
                                                  plan.start_batch))
+
+
+def direct_readable(table: str, version: Any = None) -> Tuple[bool, str]:
+    """Whether the direct path can read `table` at `version` (None: latest), and why not: pinned from its log with
+    delta-rs (a catalog name, a missing table or version, a reader feature, a file the log lists but storage lacks are
+    refused) and its files hold the columns the ranks read (`check_columns`). Reads the log and the footers only."""
+    from pipeline.config import ConfigError
+    from pipeline.data.direct import check_columns
+
+    try:
+        pinned = pin_files(table, version)
+        check_columns(pinned)
+    except (ConfigError, ConversionError, ImportError) as exc:
+        return False, " ".join(str(exc).split())  # one line: delta-rs's messages span several
+    return True, (f"{pinned.table}@{pinned.version}: {len(pinned.files)} file(s), {pinned.num_rows} row(s), "
+                  f"reader protocol {pinned.min_reader_version}")

@@ -111,3 +111,19 @@ def test_prepare_data_for_direct_starts_no_spark_session_and_writes_no_cache(dig
     assert pinned.files_digest == data.files_digest and pinned.num_files == len(data.pinned.files)
     assert data.class_names and data.plan.train.world_size == 2 and data.lineage()["source"] == "direct"
     assert not (tmp / "cache_prepare").exists()
+
+
+def test_the_doctor_says_whether_the_direct_path_reads_the_table_and_why_not(digits, tmp_path, capsys):
+    from pipeline.config import load_config
+    from pipeline.doctor import direct_path, run_doctor
+
+    tmp, conf = digits
+    ok, why = direct_path(load_config(str(ROOT / "conf/local.yaml"), conf[2:]))
+    assert ok and why.startswith(f"{tmp}/delta/digits@0: ") and "200 row(s)" in why
+    missing = load_config(str(ROOT / "conf/local.yaml"), conf[2:] + [f"delta.table={tmp_path}/none",
+                                                                      "data.source=direct", "data.decode=cpu"])
+    ok, why = direct_path(missing)
+    assert not ok and "delta.table" in why and "\n" not in why
+    assert run_doctor(missing) == 1
+    out = capsys.readouterr().out
+    assert "direct path        no: " in out and "config data.source=direct but the direct path cannot read" in out
