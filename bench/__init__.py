@@ -35,7 +35,7 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead")
+                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead", "direct_source")
 # what `--only` picks from; the conversion always runs (it prepares), unless only cross_host or step_overhead are asked
 # for: the first trains on the multi-host cluster's own table, the second on batches it makes (no Spark)
 STANDALONE = ("cross_host", "step_overhead")
@@ -59,7 +59,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
 
     local = [m for m in MEASUREMENTS if want(m) and m not in STANDALONE]  # the ones on this machine's sample
 
-    from bench import (conversion, cross_host, epoch_parity, gpu, input_bound, job_phases, loader,
+    from bench import (conversion, cross_host, direct_source, epoch_parity, gpu, input_bound, job_phases, loader,
                        overheads, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
                        tune_overhead)
     from bench.datasets import ensure_sample, ensure_synthetic
@@ -147,6 +147,9 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
                 if want("job_phases"):
                     results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir, quick=quick))
+                if want("direct_source"):
+                    results.extend(direct_source.measure_direct_source(bench_cfg, preps[0], sizes, work_dir,
+                                                                       quick=quick))
                 if want("epoch_parity"):
                     results.extend(epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
                                                                      quick=quick))

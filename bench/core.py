@@ -51,6 +51,14 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "job_fixed_cost": ("<=", 0.5, "seconds of a 2-rank `lakehouse train` of the sample (3 epochs, a new process as a "
                                   "user runs it) outside its epochs (interpreter and Spark start, data, run set-up, "
                                   "rank start, model logging, registration and gate, exit) / the job's wall time"),
+    "direct_wall": ("<=", 1.0, "wall time of a 2-rank `lakehouse train` with data.source=direct (the ranks read the "
+                               "table's own files) / the same with data.source=converted, no cache entry (vs_first) "
+                               "or a warm one (vs_warm); data.decode=cpu on both (bench/direct_source.py)"),
+    "direct_before_first_step": ("<=", 1.0, "the same jobs' time before the first step (process, data, run set-up, "
+                                            "rank start), direct / converted"),
+    "direct_reader_over_pyarrow": (">=", 0.9, "rows/s of the direct reader (DirectShardReader, one rank's whole train "
+                                              "share) / a plain pyarrow loop reading the same columns of the same "
+                                              "files"),
     "horovod_epoch_over_ddp": ("<=", 1.05, "steady epoch time (epochs after the first) of a 2-rank `lakehouse train` "
                                            "of the synthetic table (batch 32 per rank, 3 epochs) with "
                                            "train.backend=horovod / with ddp, same plan, batch and rows; jobs "

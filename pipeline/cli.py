@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="M[,M...]",
                    help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
                         "overheads, tune_overhead, restart_cost, scaling, gpu, job_phases, epoch_parity, cross_host, "
-                        "step_overhead); the conversion always runs, unless only cross_host or step_overhead are asked "
+                        "step_overhead, direct_source); the conversion always runs, unless only cross_host or step_overhead are asked "
                         "for. With --gpu: archs, photos")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU figures alone (images/s per GPU per architecture and precision, Lightning / plain "
