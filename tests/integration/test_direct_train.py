@@ -31,21 +31,23 @@ def digits(tmp_path_factory):
     return tmp, conf
 
 
-def test_train_direct_on_two_horovod_ranks_registers_and_says_direct(digits):
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_train_direct_on_two_ranks_registers_and_says_direct(digits, backend):
     from mlflow.tracking import MlflowClient
 
     tmp, conf = digits
     out = _run(tmp, "train", *conf, "data.source=direct", "data.decode=cpu", "data.decode_workers=1", "train.np=-2",
-               "train.max_epochs=1")
+               "train.max_epochs=1", f"train.backend={backend}", f"mlflow.registered_model=direct-{backend}",
+               f"train.checkpoint_dir={tmp}/ckpt-{backend}")
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["data_source"] == "direct" and summary["world_size"] == 2 and summary["backend"] == "horovod"
+    assert summary["data_source"] == "direct" and summary["world_size"] == 2 and summary["backend"] == backend
     assert summary["rows_train"] + summary["rows_val"] == 200 and summary["model_version"] == 1
     assert not (tmp / "cache").exists() or not any((tmp / "cache").iterdir())  # nothing converted, nothing cached
     client = MlflowClient(summary["tracking_uri"])
     run = client.get_run(summary["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["data_source"] == "direct"
     assert run.data.params["data.source"] == "direct"
-    version = client.get_model_version("direct", str(summary["model_version"]))
+    version = client.get_model_version(f"direct-{backend}", str(summary["model_version"]))
     assert version.tags["data_source"] == "direct"
 
 
