@@ -252,7 +252,8 @@ class DirectShardReader(ArrowShardReader):
     interface (`len`, `read`, `iter_groups`, `iter_tagged`), so the loader takes it in the arrow reader's place.
 
     A chunk is the rank's rows inside one row group of one file; `read` reads that row group's content, label and
-    path columns and takes the rows. Footers are read once, when the reader is made (metadata only).
+    path columns and takes the rows (a zero-copy slice where they are consecutive). Footers are read once, when the
+    reader is made (metadata only).
     """
 
     def __init__(self, split: DirectSplit, rank: int, world_size: int, workers: int = 2) -> None:
@@ -263,12 +264,14 @@ class DirectShardReader(ArrowShardReader):
         self.workers = max(1, workers)
         self._local = threading.local()
         self.groups: List[Tuple[int, int, np.ndarray]] = []  # (file index, row group, row numbers in the file)
+        self._first_row: List[int] = []  # of each chunk: its row group's first row in the file
         for f, rows in split.rank_rows(rank):
             bounds = self._group_bounds(f)
             cut = np.searchsorted(rows, bounds[1:-1], side="left")
             for g, part in enumerate(np.split(rows, cut)):
                 if len(part):
                     self.groups.append((f, g, part))
+                    self._first_row.append(int(bounds[g]))
 
     def _group_bounds(self, file_index: int) -> np.ndarray:
         meta = self._file(file_index).metadata
@@ -303,10 +306,12 @@ class DirectShardReader(ArrowShardReader):
 
         file_index, group, rows = self.groups[local_index]
         try:
-            pf = self._file(file_index)
-            offset = int(sum(pf.metadata.row_group(g).num_rows for g in range(group)))
-            table = pf.read_row_group(group, columns=list(READ_COLUMNS), use_threads=False)
-            table = table.take(pa.array(rows - offset))
+            table = self._file(file_index).read_row_group(group, columns=list(READ_COLUMNS), use_threads=False)
+            start = int(rows[0]) - self._first_row[local_index]
+            if int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # sorted and unique: a contiguous run, not copied
+                table = table.slice(start, len(rows))
+            else:
+                table = table.take(pa.array(rows - self._first_row[local_index]))
         except Exception as exc:
             url = self.split.file_urls[file_index]
             raise ConversionError(f"Delta table data file {url} row group {group} ({self.split.name} split, direct "

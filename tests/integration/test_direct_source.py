@@ -96,6 +96,29 @@ def test_every_planned_row_is_read_exactly_once_with_equal_train_rows(uneven_tab
         assert abs(data.plan.val.rows_per_rank[0] - data.plan.val.rows_per_rank[-1]) <= 1
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_the_reader_yields_the_files_rows_whether_a_chunk_is_a_run_or_has_holes(uneven_table, step):
+    """Every `step`-th row of each file, planned over 2 ranks (the cut falls inside the big file): a chunk of
+    consecutive rows (step 1, read as a slice of its row group) and one with holes (step 3, taken) both yield exactly
+    those rows of the files, in file order, with their row ids."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pipeline.data.direct import DirectSplit, decode_row_id, plan_ranges
+
+    pinned, _ = _direct(uneven_table, 1)
+    positions = [np.arange(0, f.rows, step, dtype=np.int64) for f in pinned.files]
+    split = DirectSplit("train", [f.uri for f in pinned.files], [f.size for f in pinned.files], positions,
+                        plan_ranges([len(p) for p in positions], 2, drop_remainder=False))
+    assert split.runs[0][-1][1:] != (0, len(positions[split.runs[0][-1][0]]))  # rank 0 ends inside a file
+    got = [row for rank in _read_split(split, 2) for row in rank]
+    want = []
+    for f, (file, rows) in enumerate(zip(pinned.files, positions)):
+        paths = pq.read_table(file.uri.replace("file://", ""), columns=["path"]).column("path").to_pylist()
+        want += [((f << 32) | int(r), paths[r]) for r in rows]
+    assert got == want and [decode_row_id(i)[0] for i, _ in got] == sorted(decode_row_id(i)[0] for i, _ in got)
+
+
 @pytest.mark.parametrize("split_key", ["content", "path"])
 def test_validation_rows_equal_the_converted_paths(spark, uneven_table, tmp_path, split_key):
     """A real conversion (Spark's split_frame, the encoded layout keeps each row's path) and the direct plan hold out
