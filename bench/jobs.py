@@ -113,7 +113,7 @@ def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, 
 
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
-    with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(rank_env(job)):
+    with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(rank_env(job.cfg)):
         results = horovod.run(rank_fn or rank_job, args=(cfg, data, runs, steps, windows), num_proc=np_, use_gloo=True,
                               hosts=f"localhost:{np_}", start_timeout=cfg.train.start_timeout_s, verbose=0)
     results = sorted(results, key=lambda r: r["rank"])

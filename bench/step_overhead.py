@@ -287,7 +287,7 @@ def launch(cfg: Config, data, backend: str, world: int, warmups: Tuple[int, int]
     from pipeline.distributed.rank_env import rank_env
     from pipeline.tracking.runs import temporary_env
 
-    env = rank_env(TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0))
+    env = rank_env(cfg)
     t0 = time.perf_counter()
     if backend == "horovod":
         import horovod

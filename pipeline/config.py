@@ -142,6 +142,9 @@ class TrainConfig:
     # Every rank must have started within this many seconds; with Horovod it is also Gloo's timeout for each
     # collective (one setting in Horovod), so a rank whose peer's host is lost fails after it (docs/multi-host.md)
     start_timeout_s: int = 120
+    # Start the local rank processes (train.np=-N), and their imports of torch, Lightning and the backend, while the
+    # driver pins, converts and plans the data; they take the job once it is made (off: they start after it)
+    early_start: bool = True
     # A rank that cannot finish a collective within this many seconds shuts the job down (Horovod's stall check;
     # on a Spark cluster the launcher also gives the other ranks this long to return after one failed).
     stall_timeout_s: int = 120

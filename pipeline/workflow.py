@@ -10,8 +10,9 @@ from pipeline.config import Config, world_size_of
 from pipeline.data.convert import convert_for_training
 from pipeline.data.leases import JobLeases
 from pipeline.data.plan import start_batch_size
-from pipeline.distributed.backends import name_of
+from pipeline.distributed.backends import backend_of, name_of
 from pipeline.distributed.checkpoints.layout import resolve_restore_point, run_checkpoint_dir
+from pipeline.distributed.early_start import ranks_started_early
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.distributed.launcher import launch_needs_spark
 from pipeline.distributed.loop import TrainJob, job_plan
@@ -97,13 +98,14 @@ def job_dir_of(cfg: Config, run_id: str, root: Optional[str] = None) -> str:
 
 
 def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gate: Any = None,
-                 marks: Optional[Dict[str, float]] = None, checkpoint_root: Optional[str] = None):
+                 marks: Optional[Dict[str, float]] = None, checkpoint_root: Optional[str] = None, early: Any = None):
     """One training inside the open MLflow run `run`: config, lineage and shard plan logged, the ranks launched.
 
     `epoch_gate` (optional) is a context manager with a `folder` attribute, entered while the ranks run: rank 0
     hands it each epoch's metrics there and obeys its verdict (`lakehouse tune` prunes this way). `marks` (optional):
     the job's timeline, which gets the launch's wall-clock time as `launch`. `checkpoint_root` (optional): the folder
     the run's checkpoint and job folders go under, instead of `train.checkpoint_dir` (a tune trial's own folder).
+    `early` (optional): the ranks started before the job was made (`ranks_started_early`), handed it at the launch.
     Returns rank 0's RankResult.
 
     Raises:
@@ -133,7 +135,8 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     # while rank 0 logs the model); before the launch it delayed the ranks' start, after their return it delays the gate
     torch_for_the_gate = preload.once(lambda: bool(job.folder.ranks_with("done")), ("torch",))
     with epoch_gate if epoch_gate is not None else contextlib.nullcontext(), torch_for_the_gate:
-        results = launch_with_restarts(job, on_restart=record.restart, on_batch=record.batch, on_world=record.world)
+        results = launch_with_restarts(job, on_restart=record.restart, on_batch=record.batch, on_world=record.world,
+                                       early=early)
     log.info("training finished in %.1f s", time.time() - t0)
     log_rank_hosts(left_offline(job_dir) or run.client, run.run_id, results)  # the server gone: into the folder
     r0 = next(r for r in results if r.rank == 0)
@@ -209,10 +212,21 @@ def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
 
 
 def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str, Any]:
-    from pipeline.tracking.runs import configure, tracked_run  # local: mlflow, out of `import pipeline.workflow`
+    from pipeline.tracking.runs import configure  # local: mlflow, out of `import pipeline.workflow`
 
     marks = {"train_called": time.time()}  # the job's timeline (wall clock), summed up in the summary's `phases`
-    client = configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
+    configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
+    # the local ranks start now and import while the data is prepared and the run opened (train.early_start)
+    backend = backend_of(cfg)
+    with ranks_started_early(cfg, backend.start_local if backend.local_processes else None, backend.launcher_forks,
+                             (lambda: session_of(spark)) if launch_needs_spark(cfg) else None) as early:
+        return _train_from(spark, cfg, run_name, leases, marks, early)
+
+
+def _train_from(spark, cfg: Config, run_name: Optional[str], leases: Any, marks: Dict[str, float],
+                early: Any) -> Dict[str, Any]:
+    from pipeline.tracking.runs import tracked_run  # local: mlflow, out of `import pipeline.workflow`
+
     data, pinned = prepare_data(spark, cfg, leases)
     marks["data_ready"] = time.time()
     rows_train, rows_val = data.rows
@@ -221,7 +235,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
     # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
     tags = {"world_size": world, "backend": name_of(cfg), "np": cfg.train.np, "data_source": cfg.data.source}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
-        r0 = train_in_run(run, cfg, data, pinned, tags, marks=marks)
+        r0 = train_in_run(run, cfg, data, pinned, tags, marks=marks, early=early)
         marks["ranks_returned"] = time.time()
         offline = left_offline(job_dir_of(cfg, run.run_id))
         if offline is not None:  # the server never came back: `lakehouse sync-run <folder>` uploads the run

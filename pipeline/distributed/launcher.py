@@ -3,11 +3,12 @@ meaning: -N local processes, N Spark tasks, 1 this process), and what the driver
 how a failed launch is relaunched is the restart policy's (pipeline/distributed/restart.py)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from pipeline import preload
 from pipeline.config import Config
 from pipeline.distributed.backends import backend_of
+from pipeline.distributed.early_start import EarlyRanks
 from pipeline.distributed.loop import RankResult, TrainJob
 from pipeline.distributed.rank_env import rank_environment
 from pipeline.distributed.rank_failures import DistributedTrainingError, failures
@@ -26,16 +27,17 @@ def launch_needs_spark(cfg: Config) -> bool:
     return backend_of(cfg).needs_spark(cfg)
 
 
-def launch(job: TrainJob) -> List[RankResult]:
-    """Run the super train loop on `train.np` ranks with `train.backend`; results ordered by rank.
+def launch(job: TrainJob, early: Optional[EarlyRanks] = None) -> List[RankResult]:
+    """Run the super train loop on `train.np` ranks with `train.backend`; results ordered by rank. `early`: the ranks
+    of this launch, started before the job was made (pipeline/distributed/early_start.py), handed it now.
 
     Raises:
         DistributedTrainingError: any rank failed, with the rank and its exception in the message.
     """
     job.folder.reset()
-    with rank_environment(job), forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
+    with rank_environment(job.cfg), forward_sigterm(grace_s=float(job.cfg.train.stall_timeout_s) / 2) as term:
         try:
-            return _launch(job)
+            return early.run(job) if early is not None else _launch(job)
         except DistributedTrainingError:
             raise  # already says what each rank reported (`backends.spark_tasks.bounded`)
         except Exception as exc:

@@ -86,6 +86,13 @@ class RankResult:
     batch_size: int = 0  # per rank, as trained (data.batch_size, or what an OOM back-off left)
 
 
+# What every rank's train() imports (its own imports, the model's and the data module's): a rank started early imports
+# them while the driver prepares its job (pipeline/distributed/early_start.py)
+RANK_IMPORTS = ("torch", "pytorch_lightning", "pipeline.distributed.callbacks", "pipeline.distributed.checkpoints.record",
+                "pipeline.distributed.devices", "pipeline.distributed.telemetry", "pipeline.data.datamodule",
+                "pipeline.model.module")
+
+
 def _digest(module) -> str:
     """SHA-256 of the trainable parameters (BatchNorm running statistics are per-rank by design)."""
     import hashlib

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
+from pipeline.config import Config
 from pipeline.log import get_logger
 from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key
-
-if TYPE_CHECKING:
-    from pipeline.distributed.loop import TrainJob
 
 log = get_logger(__name__)
 
 
-def rank_env(job: TrainJob) -> dict:
-    """The settings every rank of `job` runs with: threads, Horovod's stall and Gloo timeouts, progress output."""
-    cfg = job.cfg.train
+def rank_env(config: Config) -> dict:
+    """The settings every rank of a job with `config` runs with: threads, Horovod's stall and Gloo timeouts,
+    progress output."""
+    cfg = config.train
     env = {}
     # train.threads_per_rank, else 1 when several ranks share this machine (train.np < -1); otherwise each rank
     # picks its own in train() (threads_for_rank), since only it knows how many ranks share its host
@@ -38,14 +37,14 @@ def rank_env(job: TrainJob) -> dict:
 
 
 @contextmanager
-def rank_environment(job: TrainJob) -> Iterator[None]:
-    """The ranks' settings in this process's environment (inherited by local rank processes) while they run; the
-    driver's environment (a notebook's, say) is exactly as before afterwards."""
-    wanted = rank_env(job)
-    wanted.update(workspace_credentials(job.cfg.mlflow.tracking_uri, os.environ))
+def rank_environment(cfg: Config) -> Iterator[None]:
+    """The ranks' settings (a job with `cfg`) in this process's environment (inherited by local rank processes) while
+    they run; the driver's environment (a notebook's, say) is exactly as before afterwards."""
+    wanted = rank_env(cfg)
+    wanted.update(workspace_credentials(cfg.mlflow.tracking_uri, os.environ))
     # MLflow's own HTTP retries take minutes against a dead server; bound them by `mlflow.retries`
     # unless the user set them (rank 0 then fails at model logging and the run registers nothing).
-    for key, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(job.cfg.mlflow.retries)),
+    for key, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(cfg.mlflow.retries)),
                        ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")):
         wanted.setdefault(key, os.environ.get(key, value))
     saved = {key: os.environ.get(key) for key in wanted}

@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional
 from pipeline.data.plan import RunPlan, halved
 from pipeline.data.source import data_for_launch
 from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
+from pipeline.distributed.early_start import EarlyRanks
 from pipeline.distributed.executors import cluster_slots
 from pipeline.distributed.launcher import launch
 from pipeline.distributed.loop import RankResult, TrainJob
@@ -76,7 +77,8 @@ def _restated(job: TrainJob, path: str, plan: RunPlan, first: tuple) -> str:
 
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
                          on_batch: Optional[Callable[[int, Any, str], None]] = None,
-                         on_world: Optional[Callable[[int, str], None]] = None) -> List[RankResult]:
+                         on_world: Optional[Callable[[int, str], None]] = None,
+                         early: Optional[EarlyRanks] = None) -> List[RankResult]:
     """`launch`, and when it fails, stop every rank and relaunch all of them (same run, pinned version and data):
 
     - a rank died or a collective timed out: from the last checkpoint this job wrote, up to `train.max_restarts`
@@ -92,7 +94,9 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
     Every launch, the first included, resumes its checkpoint (the given one, or the job's own last one) restated
     when it records another per-rank batch or world size than that launch's (`restate.restated`).
     `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
-    shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow).
+    shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow). `early`: the
+    first launch's ranks, started before the job was made (pipeline/distributed/early_start.py); a relaunch starts its
+    own.
 
     Raises:
         DistributedTrainingError: the failure that spent the last restart (with how many were made).
@@ -114,7 +118,8 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
             job.plan, restore_from=_restated(job, restore_first, job.plan, first)))
     while True:
         try:
-            return launch(job)
+            started_early, early = early, None  # only the first launch's ranks were started ahead
+            return launch(job, started_early)
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             settle(last)  # a swap of FSDP's last checkpoint a killed rank interrupted is finished first

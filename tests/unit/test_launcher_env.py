@@ -4,7 +4,6 @@ import os
 
 from pipeline.config import load_config
 from pipeline.distributed.rank_env import executor_env, rank_environment
-from pipeline.distributed.loop import TrainJob
 
 
 def test_driver_environment_is_restored_after_the_ranks_ran(monkeypatch):
@@ -12,8 +11,7 @@ def test_driver_environment_is_restored_after_the_ranks_ran(monkeypatch):
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
     cfg = load_config("conf/local.yaml", ["train.np=-2", "train.stall_timeout_s=33"])
-    job = TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)
-    with rank_environment(job):
+    with rank_environment(cfg):
         assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
         assert os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "33"
     assert os.environ["OMP_NUM_THREADS"] == "7"

@@ -10,7 +10,6 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.distributed.rank_env import executor_env, rank_environment, workspace_credentials
-from pipeline.distributed.loop import TrainJob
 from pipeline.distributed.rank_process import with_env
 from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS
 
@@ -87,7 +86,7 @@ def test_the_launcher_puts_them_in_the_ranks_environment_only_while_they_run(mon
     monkeypatch.setattr(rank_env, "workspace_credentials",
                         lambda tracking_uri, environ: real(tracking_uri, environ, _resolver([])))
     cfg = load_config("conf/local.yaml", ["train.np=-2", f"mlflow.tracking_uri={uri}"])
-    with rank_environment(TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0)):
+    with rank_environment(cfg):
         assert (os.environ.get("DATABRICKS_TOKEN") == TOKEN) == forwarded
         assert set(executor_env(dict(os.environ), uri)) >= (set(WORKSPACE_CREDENTIALS) if forwarded else set())
     assert not any(name in os.environ for name in WORKSPACE_CREDENTIALS)  # the driver's environment as it was

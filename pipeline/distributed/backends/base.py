@@ -35,6 +35,16 @@ class Backend:
         """Start the ranks of `job` (`train.np` with HorovodRunner's meaning) and return their results by rank."""
         raise NotImplementedError
 
+    # whether `start_local` starts rank processes on this machine (what a start ahead of the job needs), and whether
+    # its launcher forks the driver's Python to do so (pipeline/distributed/early_start.py waits for those forks)
+    local_processes = False
+    launcher_forks = False
+
+    def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
+        """Start `-train.np` rank processes on this machine, each running this backend's entry on `arg`: the job, or,
+        for ranks started before it exists, their hand-off (pipeline/distributed/early_start.py). Results by rank."""
+        raise NotImplementedError
+
     def worker(self, job: TrainJob) -> RankResult:
         """The entry of one rank of this backend: its process group, then the super train loop."""
         raise NotImplementedError

@@ -7,11 +7,12 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional
 
-from pipeline.config import ConfigError
+from pipeline.config import Config, ConfigError
 from pipeline.distributed.backends.base import Backend, MachineFacts
 from pipeline.distributed.backends.spark_tasks import bounded
+from pipeline.distributed.early_start import importer, job_of
 from pipeline.distributed.executors import driver_nics
 from pipeline.distributed.loop import RankResult, TrainJob, train
 from pipeline.distributed.rank_env import executor_env
@@ -81,12 +82,16 @@ def horovod_with_gloo(python: str = sys.executable):
     return hvd
 
 
-def horovod_worker(job: TrainJob) -> RankResult:
+def horovod_worker(arg: Any) -> Optional[RankResult]:
     """The Horovod entry of the super train loop: init, shard = rank, LR × size, then the same `train()`. Recorded
     from the start under the rank its launcher gave it (HOROVOD_RANK, which `hvd.init()` takes), so a build without
-    Gloo reaches the driver as this rank's ConfigError."""
+    Gloo reaches the driver as this rank's ConfigError. `arg`: the job, or a rank started early's hand-off
+    (`early_start.job_of`; None: called off)."""
     setup_logging()
     repair_horovod_env()
+    job = job_of(arg, current_rank(), importer(("horovod.torch", "pipeline.distributed.horovod_strategy")))
+    if job is None:
+        return None
     with rank_record(job, current_rank()):
         hvd = horovod_with_gloo()
         # the strategy's module (Lightning, torch: ~2 s) is imported before hvd.init(), whose rendezvous then lines
@@ -99,7 +104,7 @@ def horovod_worker(job: TrainJob) -> RankResult:
                      local_world_size=hvd.local_size())
 
 
-def horovod_rank_process(job: TrainJob) -> RankResult:
+def horovod_rank_process(arg: Any) -> Optional[RankResult]:
     """`horovod_worker` in a rank process of its own (horovod.run on this machine; on a Spark cluster each Horovod
     task starts its rank as a process, horovod.spark.task.gloo_exec_fn): a rank that failed exits at once, its
     error written (`rank_record`), its traceback printed and its output flushed, without the interpreter's
@@ -107,11 +112,13 @@ def horovod_rank_process(job: TrainJob) -> RankResult:
     (measured with timestamps: the error, atexit done 3 ms later, the process still there 0.4 s later with no Python
     frame), while the launcher waited to stop the other ranks and relaunch them (`train.max_restarts`)."""
     try:
-        result = horovod_worker(job)
+        result = horovod_worker(arg)
     except BaseException:
         traceback.print_exc()
         exit_now(1)
         raise  # only where exit_now is replaced (tests)
+    if result is None:  # started early and called off: it never joined Horovod
+        return None
     # Horovod's own shutdown (a normal exit's handler, which the fast exit skips), agreed by every rank's background
     # loop: a rank that left without it resets its peers' connections while rank 0 still logs the model
     import horovod.torch as hvd
@@ -131,13 +138,7 @@ class Horovod(Backend):
         if cfg.train.np == 1:
             return [horovod_worker(job)]
         if np_ < 0:
-            import horovod
-
-            log.info("launching %d Horovod processes on this machine (gloo)", -np_)
-            with gloo_checked_by_the_ranks():
-                return list(horovod.run(horovod_rank_process, args=(job,), num_proc=-np_, use_gloo=True,
-                                        start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-np_}",
-                                        verbose=0))
+            return self.start_local(cfg, job)
         import horovod.spark
 
         log.info("launching %d Horovod tasks on the Spark cluster (gloo)", np_)
@@ -147,6 +148,19 @@ class Horovod(Backend):
                 start_timeout=cfg.train.start_timeout_s, env=executor_env(dict(os.environ), cfg.mlflow.tracking_uri),
                 verbose=0,
                 nics=driver_nics() if np_ == 1 else None)))
+
+    local_processes = True
+    launcher_forks = True  # horovod.run's middlemen (safe_shell_exec: multiprocessing, forked)
+
+    def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
+        import horovod
+
+        log.info("launching %d Horovod processes on this machine (gloo)", -cfg.train.np)
+        # off the main thread when the ranks start early (pipeline/distributed/early_start.py)
+        with _signals_left_to_the_driver(), gloo_checked_by_the_ranks():
+            return list(horovod.run(horovod_rank_process, args=(arg,), num_proc=-cfg.train.np, use_gloo=True,
+                                    start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-cfg.train.np}",
+                                    verbose=0))
 
     def worker(self, job: TrainJob) -> RankResult:
         return horovod_worker(job)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, List, Optional
 
 from pipeline.config import Config
 from pipeline.distributed.backends.base import Backend, MachineFacts
 from pipeline.distributed.backends.spark_tasks import bounded
 from pipeline.distributed.devices import ddp_backend
+from pipeline.distributed.early_start import importer, job_of
 from pipeline.distributed.loop import RankResult, TrainJob, train
 from pipeline.distributed.rank_env import executor_env
 from pipeline.distributed.rank_process import exit_fast_after_delivery, rank_record, with_env
@@ -36,12 +37,16 @@ def spark_schedules_gpus(local_mode: bool) -> bool:
         return False
 
 
-def _rank(job: TrainJob, backend: "TorchDistributed") -> RankResult:
+def _rank(arg: Any, backend: "TorchDistributed") -> Optional[RankResult]:
     """A TorchDistributor rank (torchrun's environment: RANK, WORLD_SIZE, LOCAL_*) training with `backend`'s
-    strategy; always a process of its own, which ends at once once its result is delivered."""
+    strategy; always a process of its own, which ends at once once its result is delivered. `arg`: the job, or a rank
+    started early's hand-off (`early_start.job_of`; None: called off)."""
     setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    job = job_of(arg, rank, importer(backend.strategy_modules))
+    if job is None:
+        return None
     with rank_record(job, rank):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
         result = train(job, rank, size, backend.strategy(job), devices=local,
@@ -51,20 +56,22 @@ def _rank(job: TrainJob, backend: "TorchDistributed") -> RankResult:
     return result
 
 
-def ddp_worker(job: TrainJob) -> RankResult:
+def ddp_worker(arg: Any) -> Optional[RankResult]:
     """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by TorchDistributor."""
-    return _rank(job, DDP)
+    return _rank(arg, DDP)
 
 
-def fsdp_worker(job: TrainJob) -> RankResult:
+def fsdp_worker(arg: Any) -> Optional[RankResult]:
     """The FSDP entry (train.backend=fsdp): launched like DDP, the model sharded over the ranks."""
-    return _rank(job, FSDP)
+    return _rank(arg, FSDP)
 
 
 class TorchDistributed(Backend):
     """Lightning's DDP over torch.distributed, launched by TorchDistributor."""
 
     name = "ddp"
+    local_processes = True
+    strategy_modules = ("pytorch_lightning.strategies",)  # what a rank started early imports for its strategy
 
     def needs_spark(self, cfg: Config) -> bool:
         return cfg.train.np != 1  # TorchDistributor runs through Spark on this machine too
@@ -73,20 +80,25 @@ class TorchDistributed(Backend):
         cfg = job.cfg
         if cfg.train.np == 1:
             return [train(job)]
+        if cfg.train.np < 0:
+            return self.start_local(cfg, job)
         from pyspark.ml.torch.distributor import TorchDistributor
 
         # an elastic relaunch (train.min_np) runs fewer Spark tasks, one too, never in this process
-        np_ = job.plan.world_size if cfg.train.np > 1 else cfg.train.np
-        log.info("launching %d %s processes (%s) with TorchDistributor", abs(np_), self.name.upper(),
-                 "on this machine" if np_ < 0 else "on the Spark cluster")
+        np_ = job.plan.world_size
+        log.info("launching %d %s processes on the Spark cluster with TorchDistributor", np_, self.name.upper())
         # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
-        dist = TorchDistributor(num_processes=abs(np_), local_mode=np_ < 0, use_gpu=spark_schedules_gpus(np_ < 0))
-        worker = self.entry()
+        dist = TorchDistributor(num_processes=np_, local_mode=False, use_gpu=spark_schedules_gpus(False))
         # on the cluster a task's rank gets no environment of the driver's: what executor_env allows goes with it
-        result = (dist.run(worker, job) if np_ < 0 else
-                  bounded(job, lambda: dist.run(with_env, worker, job,
-                                                executor_env(dict(os.environ), cfg.mlflow.tracking_uri))))
-        return [result]
+        return [bounded(job, lambda: dist.run(with_env, self.entry(), job,
+                                              executor_env(dict(os.environ), cfg.mlflow.tracking_uri)))]
+
+    def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        log.info("launching %d %s processes (on this machine) with TorchDistributor", -cfg.train.np, self.name.upper())
+        dist = TorchDistributor(num_processes=-cfg.train.np, local_mode=True, use_gpu=spark_schedules_gpus(True))
+        return [dist.run(self.entry(), arg)]
 
     def entry(self):
         """The module-level rank entry TorchDistributor pickles by reference."""
@@ -119,6 +131,7 @@ class FullySharded(TorchDistributed):
     """Launched like DDP; the ranks shard the model with `LakehouseFSDPStrategy`."""
 
     name = "fsdp"
+    strategy_modules = ("pipeline.distributed.fsdp",)
 
     def entry(self):
         return fsdp_worker

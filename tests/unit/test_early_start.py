@@ -1,0 +1,137 @@
+"""Ranks started early take their job through a hand-off folder: only a job signed with the launch's key is loaded,
+a start called off (or a folder removed) ends the wait with None, a driver that is gone ends it with an error, and the
+import ahead never decides the outcome."""
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.distributed.early_start import (CANCELLED, JOB_FILE, EarlyRanks, Handoff, HandoffError, job_of,
+                                              ranks_started_early)
+from pipeline.distributed.loop import TrainJob
+
+
+def _handoff(tmp_path, pid=None):
+    path = tmp_path / "start"
+    path.mkdir()
+    return Handoff(str(path), os.urandom(32), pid or os.getpid())
+
+
+def _job():
+    cfg = load_config("conf/local.yaml", ["train.np=-2"])
+    return TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=3, run_id="r1")
+
+
+def test_a_rank_takes_the_job_the_driver_delivers_after_it_started_waiting(tmp_path):
+    handoff = _handoff(tmp_path)
+    warmed = []
+    got = {}
+    rank = threading.Thread(target=lambda: got.update(job=handoff.take(1, lambda: warmed.append(True))))
+    rank.start()
+    time.sleep(0.2)
+    assert rank.is_alive(), "the rank must wait until a job is there"
+    handoff.deliver(_job())
+    rank.join(5)
+    assert not rank.is_alive()
+    assert warmed == [True]
+    assert got["job"].run_id == "r1" and got["job"].delta_version == 3
+    assert handoff.ranks_with("waiting") == 1 and handoff.ranks_with("taken") == 1
+
+
+def test_a_job_not_signed_with_the_launchs_key_is_never_unpickled(tmp_path):
+    handoff = _handoff(tmp_path)
+    other = Handoff(handoff.path, os.urandom(32), os.getpid())
+    other.deliver(_job())  # same folder, another key: what a stranger could write there
+    with pytest.raises(HandoffError, match="not signed with this launch's key"):
+        handoff.take(0, lambda: None)
+
+
+def test_a_tampered_job_is_refused(tmp_path):
+    handoff = _handoff(tmp_path)
+    handoff.deliver(_job())
+    path = os.path.join(handoff.path, JOB_FILE)
+    blob = open(path, "rb").read()
+    open(path, "wb").write(blob[:32] + pickle.dumps({"not": "the job"}))
+    with pytest.raises(HandoffError, match=JOB_FILE):
+        handoff.take(0, lambda: None)
+
+
+def test_a_start_called_off_or_cleaned_up_ends_the_wait_with_none(tmp_path):
+    handoff = _handoff(tmp_path)
+    handoff.cancel()
+    assert os.path.exists(os.path.join(handoff.path, CANCELLED))
+    assert handoff.take(0, lambda: None) is None
+    gone = Handoff(str(tmp_path / "removed"), os.urandom(32), os.getpid())
+    assert gone.take(0, lambda: None) is None
+
+
+def test_a_rank_whose_driver_is_gone_fails_naming_it(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    handoff = _handoff(tmp_path, pid=dead.pid)
+    t0 = time.monotonic()
+    with pytest.raises(HandoffError, match=f"driver \\(pid {dead.pid}\\) ended"):
+        handoff.take(0, lambda: None)
+    assert time.monotonic() - t0 < 2
+
+
+def test_a_failing_import_ahead_is_left_to_the_rank_and_the_key_stays_out_of_repr(tmp_path):
+    handoff = _handoff(tmp_path)
+    handoff.deliver(_job())
+
+    def broken():
+        raise ImportError("no module named horovod.torch")
+
+    assert handoff.take(0, broken).run_id == "r1"
+    assert handoff.key.hex() not in repr(handoff) and str(handoff.key) not in repr(handoff)
+
+
+def test_job_of_passes_a_job_through():
+    job = _job()
+    assert job_of(job, 0, lambda: None) is job
+
+
+def test_the_early_start_hands_the_job_to_the_launch_and_removes_its_folder():
+    cfg = load_config("conf/local.yaml", ["train.np=-2"])
+    seen = {}
+
+    def start_local(c, handoff):  # the launcher's part: each "rank" waits on the hand-off as a real one does
+        seen["env"] = os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+        return [handoff.take(r, lambda: None) for r in range(1)]
+
+    with ranks_started_early(cfg, start_local) as early:
+        assert isinstance(early, EarlyRanks)
+        folder = early.handoff.path
+        assert oct(os.stat(folder).st_mode & 0o777) == "0o700"
+        results = early.run(_job())
+    assert [r.run_id for r in results] == ["r1"]
+    assert seen["env"] == str(cfg.train.stall_timeout_s)  # the ranks' environment while they started
+    assert not os.path.exists(folder)
+
+
+def test_an_early_start_never_handed_a_job_is_called_off():
+    cfg = load_config("conf/local.yaml", ["train.np=-2"])
+    ended = {}
+
+    def start_local(c, handoff):
+        ended["result"] = handoff.take(0, lambda: None)
+        return []
+
+    with pytest.raises(RuntimeError, match="preparing failed"):
+        with ranks_started_early(cfg, start_local) as early:
+            thread = early._thread
+            raise RuntimeError("preparing failed")
+    thread.join(5)
+    assert ended == {"result": None}
+
+
+@pytest.mark.parametrize("overrides", [["train.early_start=false"], ["train.np=1"], ["train.np=2"]])
+def test_no_early_start_where_it_is_off_or_the_ranks_are_not_local(overrides):
+    cfg = load_config("conf/local.yaml", overrides)
+    with ranks_started_early(cfg, lambda c, h: []) as early:
+        assert early is None
