@@ -149,7 +149,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir, quick=quick))
                 if want("direct_source"):
                     results.extend(direct_source.measure_direct_source(bench_cfg, preps[0], sizes, work_dir,
-                                                                       quick=quick))
+                                                                       quick=quick, spark=spark))
                 if want("epoch_parity"):
                     results.extend(epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
                                                                      quick=quick))

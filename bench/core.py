@@ -56,9 +56,12 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                "or a warm one (vs_warm); data.decode=cpu on both (bench/direct_source.py)"),
     "direct_before_first_step": ("<=", 1.0, "the same jobs' time before the first step (process, data, run set-up, "
                                             "rank start), direct / converted"),
-    "direct_reader_over_pyarrow": (">=", 0.9, "rows/s of the direct reader (DirectShardReader, one rank's whole train "
-                                              "share) / a plain pyarrow loop reading the same columns of the same "
-                                              "files"),
+    "direct_reader_over_pyarrow": (">=", 0.9, "rows/s of the direct reader (DirectShardReader, one rank reading every "
+                                              "row of the synthetic table's files) / a plain pyarrow loop reading the "
+                                              "same columns of the same files' row groups"),
+    "direct_rank_memory": ("<=", 1.1, "peak RSS of the larger of the 2 ranks (ru_maxrss, logged per epoch as "
+                                      "peak_rss_mb_rank_<r>) of a data.source=direct job of the synthetic table / the "
+                                      "same of a converted job with no cache entry"),
     "horovod_epoch_over_ddp": ("<=", 1.05, "steady epoch time (epochs after the first) of a 2-rank `lakehouse train` "
                                            "of the synthetic table (batch 32 per rank, 3 epochs) with "
                                            "train.backend=horovod / with ddp, same plan, batch and rows; jobs "

@@ -20,7 +20,7 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
-          "direct_reader_over_pyarrow"]
+          "direct_reader_over_pyarrow", "direct_rank_memory"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
@@ -110,12 +110,25 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     assert parts["horovod_epoch_s"] > 0 and parts["ddp_epoch_s"] > 0 and parts["batch_per_rank"] == 32
     assert parity[0]["ratio"] == pytest.approx(parts["horovod_epoch_s"] / parts["ddp_epoch_s"], rel=0.01)
     assert not (tmp_path / "bench" / "epoch_parity").exists()
-    # data.source=direct beside converted, on the sample: against a first run and a warm cache; direct writes nothing
-    direct = {(r["name"], r["variant"]): r["parts"] for r in report["results"] if r["name"].startswith("direct_")}
-    assert set(direct) == {("direct_wall", "vs_first"), ("direct_wall", "vs_warm"), ("direct_before_first_step",
-                           "vs_first"), ("direct_before_first_step", "vs_warm"), ("direct_reader_over_pyarrow", "")}
-    first = direct[("direct_wall", "vs_first")]
-    assert first["direct_extra_disk_bytes"] == 0 < first["converted_first_extra_disk_bytes"], first
+    # data.source=direct beside converted: on the sample against a first run and a warm cache, on the synthetic table
+    # against a first run with the ranks' peak memory and the reader over every row; direct writes nothing
+    direct = {(r["name"], r["dataset"], r["variant"]): r["parts"] for r in report["results"]
+              if r["name"].startswith("direct_")}
+    assert set(direct) == {("direct_wall", "sample", "vs_first"), ("direct_wall", "sample", "vs_warm"),
+                           ("direct_before_first_step", "sample", "vs_first"),
+                           ("direct_before_first_step", "sample", "vs_warm"),
+                           ("direct_wall", "synthetic", "vs_first"),
+                           ("direct_before_first_step", "synthetic", "vs_first"),
+                           ("direct_rank_memory", "synthetic", "vs_first"),
+                           ("direct_reader_over_pyarrow", "synthetic", "")}
+    for dataset in ("sample", "synthetic"):
+        first = direct[("direct_wall", dataset, "vs_first")]
+        assert first["direct_extra_disk_bytes"] == 0 < first["converted_first_extra_disk_bytes"], first
+    assert direct[("direct_wall", "synthetic", "vs_first")]["rows"] == 2000  # --quick: the quick synthetic table
+    memory = direct[("direct_rank_memory", "synthetic", "vs_first")]
+    assert all(len(p) == 2 and min(p) > 0 for p in memory["direct_rank_peak_rss_mb"] +
+               memory["converted_first_rank_peak_rss_mb"]), memory
+    assert direct[("direct_reader_over_pyarrow", "synthetic", "")]["rows"] == 2000
 
     # everything it wrote stayed under tmp: the sample table was ingested there, the synthetic one beside it
     assert (tmp_path / "delta" / "digits" / "_delta_log").is_dir()
