@@ -51,6 +51,11 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "job_fixed_cost": ("<=", 0.5, "seconds of a 2-rank `lakehouse train` of the sample (3 epochs, a new process as a "
                                   "user runs it) outside its epochs (interpreter and Spark start, data, run set-up, "
                                   "rank start, model logging, registration and gate, exit) / the job's wall time"),
+    "early_start_before_first_step": ("<=", 0.9, "time before the first step (process, data, run set-up, rank start) "
+                                                 "of a 2-rank `lakehouse train` of the sample with train.early_start="
+                                                 "true (the ranks start while the driver prepares) / the same with "
+                                                 "false; per backend and data.source, jobs alternated "
+                                                 "(bench/job_phases.py)"),
     "direct_wall": ("<=", 1.0, "wall time of a 2-rank `lakehouse train` with data.source=direct (the ranks read the "
                                "table's own files) / the same with data.source=converted, no cache entry (vs_first) "
                                "or a warm one (vs_warm); data.decode=cpu on both (bench/direct_source.py)"),

@@ -117,13 +117,49 @@ def run_jobs(cfg: Config, prep, work_dir: str, name: str, epochs: int, rounds: i
     return runs
 
 
+def measure_early_start(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False) -> List[Result]:
+    """train.early_start on / off, side by side: per data.source (converted from a warm cache; direct, decode=cpu) and
+    round, one 2-rank job of the sample per backend with the ranks started while the driver prepares and one with them
+    started after, the two alternating which goes first. Result per backend and source: the median time before the
+    first step with / without (`early_start_before_first_step`), the phases of both in the parts. `quick`: one round
+    of the direct source, no warm-up."""
+    sources = {"converted": [], "direct": ["data.source=direct", "data.decode=cpu", "data.decode_workers=1"]}
+    rounds = 1 if quick else max(2, sizes.repeats - 2)
+    results = []
+    for source, extra in sources.items():
+        if quick and source == "converted":  # quick proves it runs: the direct source alone
+            continue
+        runs: Dict[str, Dict[str, List[Dict[str, float]]]] = {"on": {b: [] for b in BACKENDS},
+                                                               "off": {b: [] for b in BACKENDS}}
+        for i in range(rounds + (0 if quick else 1)):  # the first round a warm-up (cache entry, experiment, model)
+            for flag in (("on", "off") if i % 2 else ("off", "on")):
+                got = run_jobs(cfg, prep, work_dir, f"early_{source}_{flag}", EPOCHS, 1, warm_up=False,
+                               extra=[*extra, f"train.early_start={'true' if flag == 'on' else 'false'}"])
+                if quick or i:
+                    for backend in BACKENDS:
+                        runs[flag][backend].extend(got[backend])
+        for backend in BACKENDS:
+            on, off = runs["on"][backend], runs["off"][backend]
+            before = {flag: [sum(r[k] for k in PHASES[:4]) for r in rs] for flag, rs in (("on", on), ("off", off))}
+            per = [ratio(a, b) for a, b in zip(before["on"], before["off"])]
+            parts = {"before_first_step_on_s": median(before["on"]), "before_first_step_off_s": median(before["off"]),
+                     "wall_on_s": median([r["wall_s"] for r in on]), "wall_off_s": median([r["wall_s"] for r in off]),
+                     "backend": backend, "data_source": source, "world_size": 2, "epochs": EPOCHS,
+                     "phases_on": {k: median([r[k] for r in on]) for k in PHASES},
+                     "phases_off": {k: median([r[k] for r in off]) for k in PHASES}}
+            results.append(Result("early_start_before_first_step", prep.name,
+                                  ratio(parts["before_first_step_on_s"], parts["before_first_step_off_s"]), parts,
+                                  len(per), per, variant=f"{backend}/{source}"))
+    return results
+
+
 def measure_job_phases(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False) -> List[Result]:
     """`repeats` rounds of one 2-rank `lakehouse train` of the sample per backend (`run_jobs`, `EPOCHS` epochs, warm
     converted-data cache; `quick`: one round, no warm-up: it proves the measurement runs). Result per backend:
     `job_fixed_cost` (the seconds outside the epochs / the job's wall time, every phase in the parts). The epoch
     time of the two backends is compared on longer epochs (bench.epoch_parity)."""
     runs = run_jobs(cfg, prep, work_dir, "job_phases", EPOCHS, 1 if quick else sizes.repeats, warm_up=not quick)
-    results = []
+    results = measure_early_start(cfg, prep, sizes, work_dir, quick)
     for backend in BACKENDS:
         rs = runs[backend]
         fixed = [ratio(r["wall_s"] - r["epochs_s"], r["wall_s"]) for r in rs]

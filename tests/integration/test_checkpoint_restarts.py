@@ -94,7 +94,7 @@ def test_a_config_error_in_the_ranks_ends_the_job_after_one_launch(spark, digits
                             job_dir=str(tmp_path / "job"))
     launches = []
     real = launcher.launch
-    monkeypatch.setattr(restart, "launch", lambda j: launches.append(j.plan.attempt) or real(j))
+    monkeypatch.setattr(restart, "launch", lambda j, early=None: launches.append(j.plan.attempt) or real(j, early))
     with pytest.raises(launcher.DistributedTrainingError,
                        match=r"ConfigError: config key 'train.ckpt_restore': checkpoint .*gone/last.ckpt") as err:
         restart.launch_with_restarts(job)

@@ -65,7 +65,7 @@ def test_two_backoffs_then_a_kill_restate_from_the_batch_each_checkpoint_records
     seen = []
     users_config = job.cfg
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         assert job.cfg is users_config  # a relaunch changes the job, never the user's config
         batch, steps = job.data.plan.train.batch_size, job.data.plan.train.steps_per_epoch
         restore = job.plan.restore_from
@@ -356,7 +356,7 @@ def _ranks_failing(job_dir_errors):
     then fails with a text that names no class (as horovod.run and TorchDistributor do)."""
     launches = []
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         launches.append(job.plan.attempt)
         for rank, exc in job_dir_errors.items():
             with pytest.raises(type(exc)):

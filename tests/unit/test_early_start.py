@@ -116,18 +116,36 @@ def test_the_early_start_hands_the_job_to_the_launch_and_removes_its_folder():
 
 def test_an_early_start_never_handed_a_job_is_called_off():
     cfg = load_config("conf/local.yaml", ["train.np=-2"])
-    ended = {}
+    ended, waiting = {}, threading.Event()
 
     def start_local(c, handoff):
+        waiting.set()
         ended["result"] = handoff.take(0, lambda: None)
         return []
 
     with pytest.raises(RuntimeError, match="preparing failed"):
         with ranks_started_early(cfg, start_local) as early:
             thread = early._thread
+            assert waiting.wait(5)
             raise RuntimeError("preparing failed")
     thread.join(5)
     assert ended == {"result": None}
+
+
+def test_a_start_called_off_while_its_prerequisite_starts_starts_no_rank():
+    cfg = load_config("conf/local.yaml", ["train.np=-2"])
+    called, release = [], threading.Event()
+
+    def before_launch():  # the SparkSession TorchDistributor needs, still starting
+        release.wait(5)
+
+    with pytest.raises(RuntimeError, match="preparing failed"):
+        with ranks_started_early(cfg, lambda c, h: called.append(h), before_launch=before_launch) as early:
+            thread = early._thread
+            threading.Timer(0.3, release.set).start()
+            raise RuntimeError("preparing failed")
+    thread.join(5)
+    assert not thread.is_alive() and called == []
 
 
 @pytest.mark.parametrize("overrides", [["train.early_start=false"], ["train.np=1"], ["train.np=2"]])

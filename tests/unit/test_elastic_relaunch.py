@@ -51,7 +51,7 @@ def test_fewer_slots_go_on_with_the_ranks_left_from_the_restated_checkpoint(tmp_
     last = os.path.join(job.cfg.train.checkpoint_dir, "last.ckpt")
     seen, worlds = [], []
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         plan = job.data.plan.train
         restore = job.plan.restore_from
         seen.append((job.plan.attempt, job.plan.world_size, plan.world_size, plan.steps_per_epoch,
@@ -87,7 +87,7 @@ def test_a_given_restore_point_is_restated_on_every_relaunch_by_the_world_size_i
     job = _job(tmp_path, "train.min_np=1", f"train.ckpt_restore={given}")
     seen = []
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         restore = job.plan.restore_from
         ckpt = torch.load(restore, weights_only=True)
         seen.append((job.plan.attempt, job.data.plan.train.world_size, os.path.basename(restore), ckpt["global_step"],
@@ -114,7 +114,7 @@ def test_the_first_launch_restates_a_given_checkpoint_recorded_at_another_world_
     job = _job(tmp_path, f"train.ckpt_restore={given}")
     seen = []
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         restore = job.plan.restore_from
         seen.append((os.path.basename(restore), torch.load(restore, weights_only=True)))
         return ["done"]
@@ -149,7 +149,7 @@ def test_without_min_np_the_same_world_is_relaunched(tmp_path, monkeypatch):
     job = _job(tmp_path)
     worlds = []
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         worlds.append(job.data.plan.train.world_size)
         if len(worlds) == 1:
             raise _lost()
@@ -183,7 +183,7 @@ def test_two_jobs_resuming_one_given_checkpoint_at_once_each_resume_their_own_re
     second = _job(tmp_path / "b", f"train.ckpt_restore={given}", "train.lr_scaling=none")
     seen = {}
 
-    def fake_launch(job):
+    def fake_launch(job, early=None):
         which = "a" if job.cfg.train.lr_scaling == "linear" else "b"
         if which == "a":  # the second job restates and starts while the first one's ranks are starting
             restart.launch_with_restarts(second)
