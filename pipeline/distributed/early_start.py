@@ -71,15 +71,31 @@ class Handoff:
             return sum(1 for name in os.listdir(self.path) if name.endswith(f".{event}"))
         return 0
 
+    @classmethod
+    def new(cls) -> "Handoff":
+        """A fresh hand-off folder (0700) and key, for ranks of this process."""
+        return cls(tempfile.mkdtemp(prefix="lakehouse-start-"), secrets.token_bytes(32), os.getpid())
+
     def deliver(self, job: TrainJob) -> None:
         """Write `job`, signed, for the ranks (atomically: a rank never reads half a job)."""
-        body = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-        tmp = os.path.join(self.path, f".{JOB_FILE}.{os.getpid()}")
+        self.put(JOB_FILE, job)
+
+    def put(self, name: str, value: Any) -> None:
+        """Write `value` into the folder as `name`, pickled and signed with the key, atomically."""
+        body = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = os.path.join(self.path, f".{name}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
             fh.write(hmac.new(self.key, body, hashlib.sha256).digest())
             fh.write(body)
-        os.replace(tmp, os.path.join(self.path, JOB_FILE))
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def get(self, name: str) -> Any:
+        """What `put` wrote as `name`, once its signature is this key's.
+
+        Raises:
+            HandoffError: it is not signed with this key (never unpickled)."""
+        return self._read(os.path.join(self.path, name))
 
     @property
     def cancelled(self) -> bool:
@@ -122,7 +138,7 @@ class Handoff:
             blob = fh.read()
         digest, body = blob[:32], blob[32:]
         if not hmac.compare_digest(digest, hmac.new(self.key, body, hashlib.sha256).digest()):
-            raise HandoffError(f"{path}: the job is not signed with this launch's key; not loaded")
+            raise HandoffError(f"{path}: not signed with this launch's key; not loaded")
         return pickle.loads(body)
 
 
@@ -152,7 +168,7 @@ class EarlyRanks:
         self.environment = contextlib.ExitStack()  # the ranks' environment in the driver's, until they have run
         self._start_local = start_local
         self._before_launch = before_launch
-        self.handoff = Handoff(tempfile.mkdtemp(prefix="lakehouse-start-"), secrets.token_bytes(32), os.getpid())
+        self.handoff = Handoff.new()
         self._result: Optional[List[RankResult]] = None
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None

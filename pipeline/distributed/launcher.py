@@ -22,8 +22,7 @@ __all__ = ["DistributedTrainingError", "launch", "launch_needs_spark"]  # the er
 
 def launch_needs_spark(cfg: Config) -> bool:
     """Whether the launch needs the driver's SparkSession (the backend's answer): every launch on a cluster
-    (`train.np` > 1, Spark tasks), and TorchDistributor's (DDP, FSDP) here too. Horovod's ranks on this machine, and
-    one process, need none."""
+    (`train.np` > 1, Spark tasks). Ranks on this machine (horovod.run, torchrun) and one process need none."""
     return backend_of(cfg).needs_spark(cfg)
 
 

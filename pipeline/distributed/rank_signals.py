@@ -13,8 +13,8 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 
-# Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode,
-# TorchDistributor's torchrun); their launchers' middlemen are left alone so they can clean up.
+# Command-line markers of the processes that run a rank (horovod.run, horovod.spark.run in local mode, torchrun and
+# its ranks: pipeline.distributed.backends.torchrun); their launchers' middlemen are left alone so they can clean up.
 RANK_PROCESS_MARKERS = ("horovod.runner.run_task", "horovod.spark.task", "torch.distributed.run", "torchrun")
 
 

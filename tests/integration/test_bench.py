@@ -20,7 +20,7 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
-          "direct_reader_over_pyarrow", "direct_rank_memory"]
+          "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
@@ -103,6 +103,16 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert all(parts[k] >= 0 for k in PHASES) and parts["epochs_s"] > 0 and parts["rank_start_s"] > 0, parts
         assert sum(parts[k] for k in PHASES) == pytest.approx(parts["wall_s"], rel=0.01), parts
     assert not (tmp_path / "bench" / "job_phases").exists()  # its scratch folder is removed
+    # train.early_start on / off side by side (--quick: the direct source, one round): the phases before the first
+    # step of both, the ratio theirs
+    early = {r["variant"]: r for r in report["results"] if r["name"] == "early_start_before_first_step"}
+    assert set(early) == {"horovod/direct", "ddp/direct"}
+    for r in early.values():
+        p = r["parts"]
+        assert p["before_first_step_on_s"] > 0 and p["before_first_step_off_s"] > 0 and p["data_source"] == "direct"
+        assert r["ratio"] == pytest.approx(p["before_first_step_on_s"] / p["before_first_step_off_s"], rel=0.01)
+        assert sum(p["phases_on"][k] for k in PHASES[:4]) == pytest.approx(p["before_first_step_on_s"], rel=0.05)
+    assert not list((tmp_path / "bench").glob("early_*"))
     # Horovod's steady epoch over DDP's, on the synthetic table's longer epochs: one job per backend in --quick
     parity = [r for r in report["results"] if r["name"] == "horovod_epoch_over_ddp"]
     assert [p["dataset"] for p in parity] == ["synthetic"]

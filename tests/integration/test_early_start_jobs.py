@@ -50,7 +50,7 @@ def digits(tmp_path_factory):
     return tmp, conf
 
 
-@pytest.mark.parametrize("backend,source", [("horovod", "direct"), ("ddp", "direct"), ("horovod", "converted")])
+@pytest.mark.parametrize("backend,source", [("horovod", "direct"), ("ddp", "converted")])
 def test_the_ranks_start_ahead_and_take_the_job_from_the_driver(digits, backend, source):
     tmp, conf = digits
     extra = ["data.decode=cpu", "data.decode_workers=1"] if source == "direct" else []

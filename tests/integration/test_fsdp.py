@@ -1,4 +1,4 @@
-"""train.backend=fsdp on real parts: 2 CPU ranks over gloo launched by TorchDistributor, sharded checkpoints (whole or
+"""train.backend=fsdp on real parts: 2 CPU ranks over gloo launched by torchrun, sharded checkpoints (whole or
 not at all, a rank killed while writing one), the registered model gathered on rank 0 equal to a single-process reload
 of the checkpoint."""
 import glob

@@ -1,6 +1,6 @@
 """A job's Spark session is started only when Spark has work to do: the table is pinned from its Delta log (delta-rs),
-a cache hit reads no DataFrame, and Horovod's ranks on this machine need no session; a conversion, or a launch
-through TorchDistributor, starts it. Real Spark local[2], the shared Delta table, real conversions."""
+a cache hit reads no DataFrame, and the ranks on this machine (horovod.run, torchrun) need no session; a
+conversion, or a launch of Spark tasks, starts it. Real Spark local[2], the shared Delta table, real conversions."""
 import pytest
 
 from conftest import make_config
@@ -26,16 +26,16 @@ def test_a_cache_hit_with_horovod_here_asks_for_no_session(spark, digits_table, 
     assert pinned_again == pinned
 
 
-def test_a_launch_through_torchdistributor_gets_its_session_on_a_cache_hit(spark, digits_table, tmp_path):
-    from pipeline.lakehouse.spark import SparkOnDemand, active_session
+def test_ddp_ranks_on_this_machine_need_no_session_on_a_cache_hit(spark, digits_table, tmp_path):
+    """torchrun starts DDP's local ranks (pipeline/distributed/backends/torchrun.py): a cache hit starts no JVM."""
+    from pipeline.lakehouse.spark import SparkOnDemand
     from pipeline.workflow import prepare_data
 
     cfg = make_config(tmp_path, f"delta.table={digits_table}", "train.backend=ddp", "train.np=-2")
     prepare_data(SparkOnDemand(cfg), cfg)
     again = SparkOnDemand(cfg)
-    prepare_data(again, cfg)  # a hit, but TorchDistributor's launch needs the session: started (ahead, on a thread)
-    assert again.started
-    assert active_session() is not None
+    prepare_data(again, cfg)
+    assert not again.started
 
 
 def test_a_table_changed_since_its_entry_was_converted_is_converted_again(spark, digits_dir, tmp_path):

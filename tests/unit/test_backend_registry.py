@@ -67,7 +67,7 @@ def test_an_unknown_name_is_a_config_error_naming_the_key():
         backends.get("mpi")
 
 
-@pytest.mark.parametrize("name, np_, spark", [("horovod", -2, False), ("horovod", 2, True), ("ddp", -2, True),
+@pytest.mark.parametrize("name, np_, spark", [("horovod", -2, False), ("horovod", 2, True), ("ddp", -2, False),
                                               ("fsdp", 2, True), ("ddp", 1, False), ("single", 1, False)])
 def test_each_backend_says_whether_its_launch_needs_spark(name, np_, spark):
     cfg = load_config(str(ROOT / "conf/local.yaml"), [f"train.backend={name}", f"train.np={np_}"])

@@ -34,5 +34,5 @@ def test_only_launches_through_spark_need_the_driver_session():
 
     assert not needs("horovod", -2)  # horovod.run starts its ranks itself
     assert not needs("horovod", 1) and not needs("ddp", 1) and not needs("single", 1)  # this process
-    assert needs("ddp", -2) and needs("fsdp", -2)  # TorchDistributor reads the active session, local mode too
+    assert not needs("ddp", -2) and not needs("fsdp", -2)  # torchrun starts them here, no JVM
     assert needs("horovod", 2) and needs("ddp", 2)  # Spark tasks on a cluster

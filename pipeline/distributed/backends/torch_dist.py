@@ -1,5 +1,5 @@
-"""`train.backend: ddp` and `fsdp`: torch.distributed ranks started by Spark's TorchDistributor (on this machine or as
-Spark tasks), training with Lightning's DDP strategy or, for fsdp, `LakehouseFSDPStrategy` (pipeline/distributed/
+"""`train.backend: ddp` and `fsdp`: torch.distributed ranks started by torchrun on this machine (pipeline/distributed/
+backends/torchrun.py: no Spark) or by Spark's TorchDistributor as Spark tasks, training with Lightning's DDP strategy or, for fsdp, `LakehouseFSDPStrategy` (pipeline/distributed/
 fsdp.py); each rank picks NCCL or gloo from its own CUDA."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 from pipeline.config import Config
 from pipeline.distributed.backends.base import Backend, MachineFacts
 from pipeline.distributed.backends.spark_tasks import bounded
+from pipeline.distributed.backends.torchrun import run_local
 from pipeline.distributed.devices import ddp_backend
 from pipeline.distributed.early_start import importer, job_of
 from pipeline.distributed.loop import RankResult, TrainJob, train
@@ -38,7 +39,8 @@ def spark_schedules_gpus(local_mode: bool) -> bool:
 
 
 def _rank(arg: Any, backend: "TorchDistributed") -> Optional[RankResult]:
-    """A TorchDistributor rank (torchrun's environment: RANK, WORLD_SIZE, LOCAL_*) training with `backend`'s
+    """A torchrun rank (here: backends/torchrun.py; as a Spark task: TorchDistributor's; torchrun's environment: RANK,
+    WORLD_SIZE, LOCAL_*) training with `backend`'s
     strategy; always a process of its own, which ends at once once its result is delivered. `arg`: the job, or a rank
     started early's hand-off (`early_start.job_of`; None: called off)."""
     setup_logging()
@@ -52,12 +54,12 @@ def _rank(arg: Any, backend: "TorchDistributed") -> Optional[RankResult]:
         result = train(job, rank, size, backend.strategy(job), devices=local,
                        num_nodes=max(1, size // local), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                        local_world_size=local)
-    exit_fast_after_delivery()  # always a process of its own (TorchDistributor's torchrun)
+    exit_fast_after_delivery()  # always a process of its own (torchrun's)
     return result
 
 
 def ddp_worker(arg: Any) -> Optional[RankResult]:
-    """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by TorchDistributor."""
+    """The DDP entry (torch.distributed: NCCL where this rank has a GPU, else gloo), launched by torchrun."""
     return _rank(arg, DDP)
 
 
@@ -67,14 +69,11 @@ def fsdp_worker(arg: Any) -> Optional[RankResult]:
 
 
 class TorchDistributed(Backend):
-    """Lightning's DDP over torch.distributed, launched by TorchDistributor."""
+    """Lightning's DDP over torch.distributed, launched by torchrun here and by TorchDistributor as Spark tasks."""
 
     name = "ddp"
     local_processes = True
     strategy_modules = ("pytorch_lightning.strategies",)  # what a rank started early imports for its strategy
-
-    def needs_spark(self, cfg: Config) -> bool:
-        return cfg.train.np != 1  # TorchDistributor runs through Spark on this machine too
 
     def launch(self, job: TrainJob) -> List[RankResult]:
         cfg = job.cfg
@@ -94,11 +93,8 @@ class TorchDistributed(Backend):
                                               executor_env(dict(os.environ), cfg.mlflow.tracking_uri)))]
 
     def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
-        from pyspark.ml.torch.distributor import TorchDistributor
-
-        log.info("launching %d %s processes (on this machine) with TorchDistributor", -cfg.train.np, self.name.upper())
-        dist = TorchDistributor(num_processes=-cfg.train.np, local_mode=True, use_gpu=spark_schedules_gpus(True))
-        return [dist.run(self.entry(), arg)]
+        log.info("launching %d %s processes on this machine with torchrun", -cfg.train.np, self.name.upper())
+        return run_local(self.name, arg, -cfg.train.np)
 
     def entry(self):
         """The module-level rank entry TorchDistributor pickles by reference."""
