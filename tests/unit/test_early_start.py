@@ -153,3 +153,25 @@ def test_no_early_start_where_it_is_off_or_the_ranks_are_not_local(overrides):
     cfg = load_config("conf/local.yaml", overrides)
     with ranks_started_early(cfg, lambda c, h: []) as early:
         assert early is None
+
+
+def test_a_torchrun_rank_takes_the_key_from_its_environment_and_rank_0_hands_its_result_back(tmp_path, monkeypatch):
+    from pipeline.distributed.backends.torchrun import KEY_VAR, RESULT_FILE, rank_main
+
+    handoff = _handoff(tmp_path)
+    seen = []
+
+    def entry_of(name):
+        def entry(h):
+            seen.append((name, h.path, h.key == handoff.key, os.environ.get(KEY_VAR)))
+            return {"backend": name}
+        return entry
+
+    for rank in ("1", "0"):
+        monkeypatch.setenv(KEY_VAR, handoff.key.hex())
+        monkeypatch.setenv("RANK", rank)
+        assert rank_main(["ddp", handoff.path, str(os.getpid())], entry_of=entry_of) == 0
+        assert KEY_VAR not in os.environ  # dropped before the rank runs anything
+        assert os.path.exists(os.path.join(handoff.path, RESULT_FILE)) is (rank == "0")  # rank 0's alone
+    assert seen == [("ddp", handoff.path, True, None)] * 2
+    assert handoff.get(RESULT_FILE) == {"backend": "ddp"}
