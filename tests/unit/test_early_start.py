@@ -159,19 +159,22 @@ def test_a_torchrun_rank_takes_the_key_from_its_environment_and_rank_0_hands_its
     from pipeline.distributed.backends.torchrun import KEY_VAR, RESULT_FILE, rank_main
 
     handoff = _handoff(tmp_path)
-    seen = []
-
-    def entry_of(name):
-        def entry(h):
-            seen.append((name, h.path, h.key == handoff.key, os.environ.get(KEY_VAR)))
-            return {"backend": name}
-        return entry
-
+    seen.clear()
     for rank in ("1", "0"):
         monkeypatch.setenv(KEY_VAR, handoff.key.hex())
         monkeypatch.setenv("RANK", rank)
-        assert rank_main(["ddp", handoff.path, str(os.getpid())], entry_of=entry_of) == 0
+        assert rank_main([f"{__name__}:_entry", handoff.path, str(os.getpid())]) == 0
         assert KEY_VAR not in os.environ  # dropped before the rank runs anything
         assert os.path.exists(os.path.join(handoff.path, RESULT_FILE)) is (rank == "0")  # rank 0's alone
-    assert seen == [("ddp", handoff.path, True, None)] * 2
-    assert handoff.get(RESULT_FILE) == {"backend": "ddp"}
+    assert seen == [(handoff.path, handoff.key, None)] * 2
+    assert handoff.get(RESULT_FILE) == {"took": handoff.path}
+
+
+seen = []
+
+
+def _entry(h):  # a rank entry, named to the rank by module and name as run_local names it
+    from pipeline.distributed.backends.torchrun import KEY_VAR
+
+    seen.append((h.path, h.key, os.environ.get(KEY_VAR)))
+    return {"took": h.path}

@@ -21,17 +21,15 @@ from pipeline.log import get_logger, setup_logging
 log = get_logger(__name__)
 
 
-def spark_schedules_gpus(local_mode: bool) -> bool:
-    """Whether TorchDistributor may ask Spark for GPUs: the driver has a `gpu` resource (local mode), or tasks get
-    one (`spark.task.resource.gpu.amount` >= 1). Its `use_gpu=True` fails without them, and `use_gpu=False` hides the
-    executors' GPUs (CUDA_VISIBLE_DEVICES="") on a cluster. The driver's own CUDA decides nothing."""
+def spark_schedules_gpus() -> bool:
+    """Whether TorchDistributor may ask Spark for GPUs for its tasks (`spark.task.resource.gpu.amount` >= 1). Its
+    `use_gpu=True` fails without them, and `use_gpu=False` hides the executors' GPUs (CUDA_VISIBLE_DEVICES="") on a
+    cluster. The driver's own CUDA decides nothing."""
     from pipeline.lakehouse.spark import active_session
 
     spark = active_session()  # started on another thread too (pipeline.lakehouse.spark.SparkOnDemand)
     if spark is None:
         return False
-    if local_mode:
-        return "gpu" in spark.sparkContext.resources
     try:
         return float(spark.conf.get("spark.task.resource.gpu.amount", "0") or 0) >= 1
     except ValueError:
@@ -87,14 +85,14 @@ class TorchDistributed(Backend):
         np_ = job.plan.world_size
         log.info("launching %d %s processes on the Spark cluster with TorchDistributor", np_, self.name.upper())
         # GPUs are asked of Spark only where Spark schedules them; each rank then picks NCCL or gloo from its own CUDA
-        dist = TorchDistributor(num_processes=np_, local_mode=False, use_gpu=spark_schedules_gpus(False))
+        dist = TorchDistributor(num_processes=np_, local_mode=False, use_gpu=spark_schedules_gpus())
         # on the cluster a task's rank gets no environment of the driver's: what executor_env allows goes with it
         return [bounded(job, lambda: dist.run(with_env, self.entry(), job,
                                               executor_env(dict(os.environ), cfg.mlflow.tracking_uri)))]
 
     def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
         log.info("launching %d %s processes on this machine with torchrun", -cfg.train.np, self.name.upper())
-        return run_local(self.name, arg, -cfg.train.np)
+        return run_local(self.entry(), arg, -cfg.train.np)
 
     def entry(self):
         """The module-level rank entry TorchDistributor pickles by reference."""
