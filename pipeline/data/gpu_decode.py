@@ -109,10 +109,10 @@ class GpuDecoder(Decoder):
             part = done[lo:lo + RESIZE_CHUNK]
             out[part] = resized_crops([decoded[i] for i in part], [boxes[i] for i in part], self.size)
         if other:
-            host = torch.empty((n, self.channels, self.size, self.size), dtype=torch.uint8)
+            host = torch.empty((n, self.size, self.size, self.channels), dtype=torch.uint8)
             self._decode_rows(host, rows, boxes, other)
             idx = torch.tensor(other, device=self.device)
-            out[idx] = host[other].to(self.device, non_blocking=False)
+            out[idx] = host[other].permute(0, 3, 1, 2).to(self.device, non_blocking=False)
         return out
 
     def _run(self, batch: EncodedBatch) -> Tuple[torch.Tensor, Any]:

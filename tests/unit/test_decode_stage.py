@@ -88,7 +88,7 @@ def test_cpu_batches_are_the_same_whatever_the_worker_count_and_match_pillow_row
     assert torch.equal(one, three)
     boxes = Decoder(SIZE, 3, train=True, seed=11).boxes(batch)
     for i in range(7):
-        ref = decode_crop(batch.rows[i, 0], batch.rows[i, 1], boxes[i], SIZE, 3)
+        ref = decode_crop(batch.rows[i, 0], batch.rows[i, 1], boxes[i], SIZE, 3).transpose(2, 0, 1)  # HWC
         assert np.array_equal(one[i].numpy(), ref)
     again = Decoder(SIZE, 3, train=True, seed=11, workers=2).decode(batch)
     other_epoch = Decoder(SIZE, 3, train=True, seed=11, workers=2).decode(batch._replace(index=5))
@@ -106,7 +106,8 @@ def test_a_flip_mirrors_the_crop():
     Image.fromarray(img).save(buf, format="PNG")
     plain = decode_crop(buf.getvalue(), "p", (0, 0, 60, 40, False), 16, 3)
     flipped = decode_crop(buf.getvalue(), "p", (0, 0, 60, 40, True), 16, 3)
-    assert np.array_equal(plain[:, :, ::-1], flipped) and plain[0, 8, 0] == 255 and flipped[0, 8, 0] == 0
+    assert plain.shape == (16, 16, 3)  # Pillow's HWC order: the decoders' batches are NHWC
+    assert np.array_equal(plain[:, ::-1], flipped) and plain[8, 0, 0] == 255 and flipped[8, 0, 0] == 0
 
 
 def test_labels_stay_with_their_images_through_the_shuffle_and_the_decode():
@@ -378,7 +379,7 @@ def test_a_decode_workers_share_travels_back_as_a_handle_not_as_pickled_pixels()
     contents = [_photo(i) for i in range(4)]
     paths = [f"/photos/{i}.jpg" for i in range(4)]
     out = _shared_chunk(contents, paths, None, 224, 3, 10 ** 8)
-    assert out.is_shared() and out.shape == (4, 3, 224, 224)
+    assert out.is_shared() and out.shape == (4, 224, 224, 3)
     assert np.array_equal(out.numpy(), decode_chunk(contents, paths, None, 224, 3, 10 ** 8))
     # what the pool's result pipe carries: a file descriptor's handle, not 4 x 150 KB of pixels
     assert len(bytes(ForkingPickler.dumps(out))) < 10_000 < out.numel()
