@@ -234,3 +234,36 @@ def test_an_eps_row_is_refused_by_name_by_the_served_model_and_the_reference_pre
         assert "accepted formats: JPEG" in out["error"][row] and out["label"][row] is None
     with pytest.raises(ValueError, match=rf"row 1: not a decodable image .*{REFUSED_NEEDLE}"):
         preprocess(list(frame["content"]), preprocessing_contract(meta))
+
+
+def _jpeg(mode: str = "RGB", size=(400, 350), **save) -> bytes:
+    import numpy as np
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).convert(mode).save(buf, "JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mode,save", [("RGB", {}), ("L", {}), ("RGB", {"progressive": True}), ("CMYK", {}),
+                                       ("RGB", {"exif": b"Exif\x00\x00" + bytes(5000)}),
+                                       ("RGB", {"icc_profile": bytes(70_000)})])  # an ICC profile over 2 segments
+def test_a_jpegs_frame_header_is_read_as_pil_reads_it(mode, save):
+    from pipeline.images import jpeg_frame
+
+    content = _jpeg(mode, (401, 353), **save)
+    with Image.open(io.BytesIO(content)) as img:
+        assert jpeg_frame(content) == (img.width, img.height, len(img.getbands())) == (401, 353, len(mode))
+
+
+def test_what_is_not_a_whole_jpeg_frame_header_is_left_to_pil():
+    from pipeline.images import jpeg_frame
+
+    good = _jpeg()
+    sof = good.index(b"\xff\xc0")
+    for bad in (b"", b"\xff\xd8", b"GIF89a" + good[6:], good[:sof + 5],  # not a JPEG; cut inside the frame header
+                b"\xff\xd8\xff\xe0\x00\x00" + good[6:],  # a segment of length 0
+                b"\xff\xd8\xff\xda\x00\x08" + bytes(40),  # scan data before any frame header
+                b"\xff\xd8\xff\xe0\xff\xff" + bytes(10),  # a segment running past the end
+                good[:sof + 5] + b"\x00\x00\x00\x00" + good[sof + 9:]):  # a frame of 0 x 0 pixels
+        assert jpeg_frame(bad) is None, bad[:12]
