@@ -4,12 +4,14 @@
 # one cannot starve the rest, and each writing its own report as it ends: the step overhead
 # (`lakehouse bench --only step_overhead`), the ImageNet-shaped photos (`bench --gpu --only photos`), the per-arch
 # Lightning / plain loop figures (`bench --gpu --only archs`). The GPU bench reads with the arrow reader where
-# Petastorm is absent. Into $OUT, at most 8 files (what the device tool brings back): smi.csv (the card's load once a
+# Petastorm is absent. Into $OUT (what the device tool brings back): smi.csv (the card's load once a
 # second), gpu_check.json + gpu_check.log (the tier), step_overhead.json, step_profile.json,
-# gpu_photos.json, gpu_archs.json, bench.log.
+# gpu_photos.json, gpu_archs.json, photos_loader.json, bench.log.
 #   DEVICE_LIMIT_S=560     the call's budget; the last part gets what the others leave
 #   DEVICE_BUILD_S=240     the bound of bundle install + Horovod build; each GPU test is bounded by DEVICE_TEST_S=150
 #   DEVICE_BENCH_FLAGS     e.g. --quick for every bench part
+#   DEVICE_PARTS           the parts to run, in the script's order (default: all): junit_decode photos_loader
+#                          step_overhead step_profile gpu_photos junit_rest gpu_archs
 # A Horovod wheel from an earlier call: put its parts (DEVICE_KEEP_WHEEL=1 writes them into $OUT as hvd_whl_part_*,
 # with hvd_key.txt) in hvdparts/ (git-ignored, carried) and the build is skipped.
 set -uo pipefail
@@ -36,9 +38,12 @@ if [ "${DEVICE_KEEP_WHEEL:-0}" = 1 ] && [ ! -d hvdparts ] && ls hvdcache/*/horov
   split -b 15M "$d"/horovod-*.whl "$OUT/hvd_whl_part_"
 fi
 
+# wanted NAME: whether DEVICE_PARTS (a list of names; empty: every part) names it
+wanted() { [ -z "${DEVICE_PARTS:-}" ] || [[ " $DEVICE_PARTS " == *" $1 "* ]]; }
 # part NAME SECONDS ARGS...: one bench run bounded by SECONDS (or what is left, less a margin), its log appended
 part() {
   local name=$1 want=$2; shift 2
+  wanted "$name" || return 0
   local left=$((LIMIT - SECONDS - 5))
   [ "$want" -gt "$left" ] && want=$left
   if [ "$want" -lt 30 ]; then echo "$name: not run, ${left} s left"; return; fi
@@ -54,6 +59,7 @@ part() {
 # tier NAME SECONDS TESTS...: pytest over TESTS bounded by SECONDS (or what is left), its outcome in gpu_check.log
 tier() {
   local name=$1 want=$2; shift 2
+  wanted "$name" || return 0
   local left=$((LIMIT - SECONDS - 10))
   [ "$want" -gt "$left" ] && want=$left
   if [ "$want" -lt 30 ]; then echo "$name: not run, ${left} s left"; return; fi
@@ -63,11 +69,19 @@ tier() {
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|mean \|gpu - cpu\|" "$OUT/gpu_check.log" | tail -8
 }
 tier junit_decode 90 tests/gpu/test_gpu_decode.py -s
+# the photo loader alone: decode=gpu, and decode=cpu over 1 and 4 worker processes (16: in gpu_photos below)
+if wanted photos_loader; then
+  left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 90 ] && left=90
+  timeout "$left" python3 -m bench.photos_loader --rows 2048 --batches 8 --workers "${DEVICE_LOADER_WORKERS:-1,4}" \
+    --out "$OUT/photos_loader.json" >> "$OUT/bench.log" 2>&1; echo "photos_loader: exit $? after $SECONDS s"
+fi
 # the framework's cost per step on the GPU (issue 36: at most 0.25 ms at world size 1), then where it goes
 part step_overhead 60 --only step_overhead --quick
-left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 45 ] && left=45
-timeout "$left" python3 -m bench.step_profile --steps 300 --conf conf/local.yaml --out "$OUT/step_profile.json" \
-  data.reader=arrow >> "$OUT/bench.log" 2>&1; echo "step_profile: exit $? after $SECONDS s"
+if wanted step_profile; then
+  left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 45 ] && left=45
+  timeout "$left" python3 -m bench.step_profile --steps 300 --conf conf/local.yaml --out "$OUT/step_profile.json" \
+    data.reader=arrow >> "$OUT/bench.log" 2>&1; echo "step_profile: exit $? after $SECONDS s"
+fi
 # ImageNet-shaped photos: the loader alone (decode=cpu|gpu) and timm resnet50/resnet18 at 224 px in bf16
 part gpu_photos 230 --gpu --only photos --quick
 grep -E "bench.report: |Error" "$OUT/bench.log" | grep -v "^ *backend=\|machine:" | sed 's/.*report: //' | tail -40
