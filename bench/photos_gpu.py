@@ -6,8 +6,11 @@ How it is measured (one run; every ratio's two sides in the same run):
 - Data: `photos_data.photos_without_spark`, JPEGs of about 400x350 from `sample-data --kind photos`'s generator.
 - Loader alone (`loader_alone`): a fresh spawned process per decode builds the rank's data module as train() does
   (make_datamodule, uint8 batches where CUDA is present) and takes batches from the train ShardLoader, each moved
-  to the device and normalised into bf16 there; images/s over `loader_batches` batches after a warm-up, and the
-  process's peak RSS (ru_maxrss; a fresh process per decode, so neither inherits the other's peak).
+  to the device and normalised into bf16 there; images/s over `loader_batches` batches after a warm-up, the
+  process's peak RSS (ru_maxrss; a fresh process per decode, so neither inherits the other's peak), and the host
+  memory of the rank's whole process tree at the end of the timed batches: the sum of the PSS of the process and its
+  decode workers (PSS splits the pages they share, so nothing is counted twice). The memory target compares the
+  trees: with decode=cpu the decoded pixels live in the worker processes, which the process's own RSS leaves out.
 - Training (`photo_rank_job`, one Horovod rank per arch, in this order): a plain PyTorch loop (model and batches
   channels_last, bf16 autocast, the batch normalised on the GPU as train() does), train() on the same GPU-resident
   uint8 batches, train() with the real ShardLoader at decode=gpu, then at decode=cpu. A run that fails is recorded
@@ -121,12 +124,29 @@ def _loader_child(data, cfg: Config, decode: str, batches: int, queue) -> None:
         sync(dev)
         elapsed = time.perf_counter() - t0
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        tree_mb, tree_n = tree_pss_mb(psutil.Process())
         loader.close()
         queue.put({"images_per_s": images / elapsed, "images": images, "seconds": elapsed,
                    "decode_used": dm.decode_used, "workers": cfg.data.decode_workers or default_workers(1),
-                   "peak_rss_mb": peak_mb, "baseline_rss_mb": base_mb, "rss_growth_mb": peak_mb - base_mb})
+                   "peak_rss_mb": peak_mb, "baseline_rss_mb": base_mb, "rss_growth_mb": peak_mb - base_mb,
+                   "tree_pss_mb": tree_mb, "tree_processes": tree_n})
     except BaseException as exc:  # reported, not raised: the parent records it and goes on
         queue.put({"error": error_text(exc)})
+
+
+def tree_pss_mb(proc) -> Tuple[float, int]:
+    """(MB, processes): the summed PSS of psutil process `proc` and its descendants (the rank and its decode workers);
+    a process that ends while being read is left out."""
+    import psutil
+
+    total, count = 0, 0
+    for p in [proc] + proc.children(recursive=True):
+        try:
+            total += p.memory_full_info().pss
+            count += 1
+        except psutil.Error:
+            pass
+    return total / 2 ** 20, count
 
 
 def loader_alone(data, cfg: Config, decode: str, batches: int, timeout_s: float = 300) -> Dict[str, Any]:
@@ -220,8 +240,10 @@ def photo_results(dataset: str, fig: Dict[str, Any]) -> Tuple[List[Result], Dict
                   "decoder_one_worker_over_pillow": ratio(one.get("images_per_s", float("nan")),
                                                           pillow.get("images_per_s", float("nan")))}, skipped))
     add(_derived("gpu_photos_host_memory_gpu_over_cpu", dataset, "", {"loader_gpu": gpu, "loader_cpu": cpu},
-                 lambda: [gpu["peak_rss_mb"] / cpu["peak_rss_mb"]],
-                 {"peak_rss_mb_decode_gpu": gpu.get("peak_rss_mb"), "peak_rss_mb_decode_cpu": cpu.get("peak_rss_mb")},
+                 lambda: [gpu["tree_pss_mb"] / cpu["tree_pss_mb"]],
+                 {"tree_pss_mb_decode_gpu": gpu.get("tree_pss_mb"), "tree_pss_mb_decode_cpu": cpu.get("tree_pss_mb"),
+                  "processes_decode_cpu": cpu.get("tree_processes"),
+                  "peak_rss_mb_decode_gpu": gpu.get("peak_rss_mb"), "peak_rss_mb_decode_cpu": cpu.get("peak_rss_mb")},
                  skipped))
     per_arch: Dict[str, Any] = {}
     for arch, f in fig.get("train", {}).items():

@@ -89,8 +89,8 @@ def _figures():
     return {
         "pillow_per_core": {"images_per_s": 600.0},
         "decoder_one_worker": {"images_per_s": 540.0},
-        "loader": {"gpu": {"images_per_s": 7000.0, "workers": 16, "peak_rss_mb": 900.0},
-                   "cpu": {"images_per_s": 8640.0, "workers": 16, "peak_rss_mb": 1200.0}},
+        "loader": {"gpu": {"images_per_s": 7000.0, "workers": 16, "peak_rss_mb": 900.0, "tree_pss_mb": 900.0},
+                   "cpu": {"images_per_s": 8640.0, "workers": 16, "peak_rss_mb": 700.0, "tree_pss_mb": 1200.0}},
         "train": {
             "timm/resnet50": {"plain": {"images_per_s": [3000.0, 3000.0]}, "memory": {"images_per_s": [2940.0, 2880.0]},
                               "loader_gpu": {"images_per_s": [2793.0, 2880.0]},
@@ -108,6 +108,7 @@ def test_photo_results_ratios_targets_and_errors():
     assert by["gpu_photos_loader_images_per_s/photos/decode=gpu"].passed
     per_core = by["gpu_photos_cpu_decode_per_core/photos"]  # 8640 / 16 / 600
     assert per_core.ratio == pytest.approx(0.9) and per_core.parts["decoder_one_worker_over_pillow"] == 0.9
+    # the process trees (the rank and its decode workers), not the rank's own RSS, which leaves the workers out
     assert by["gpu_photos_host_memory_gpu_over_cpu/photos"].ratio == pytest.approx(0.75)
     r50 = by["gpu_photos_train_over_plain/photos/timm/resnet50"]
     assert r50.per_repeat == pytest.approx([0.98, 0.96]) and r50.ratio == pytest.approx(0.97) and r50.passed
@@ -154,7 +155,7 @@ def test_without_cuda_the_photos_skip_gpu_decode_with_the_reason_and_a_failed_jo
 
     def fake_loader(data, cfg, decode, batches, timeout_s=300):
         asked.append((decode, cfg.data.decode, cfg.data.channels, batches))
-        return {"images_per_s": 100.0, "workers": 2, "peak_rss_mb": 500.0}
+        return {"images_per_s": 100.0, "workers": 2, "peak_rss_mb": 500.0, "tree_pss_mb": 600.0}
 
     def fake_launch(cfg, data, np_, specs, steps, windows, rank_fn=None):
         launched.append((cfg.model.arch, [s["decode"] for s in specs], rank_fn))
@@ -208,3 +209,28 @@ def test_bench_gpu_parts_and_the_refusal_without_cuda(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="sees no CUDA device"):
         run_gpu_bench(cfg, str(tmp_path / "b.json"))
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_process_trees_memory_counts_its_workers_once():
+    """tree_pss_mb sums the PSS of a process and its children: a child holding 64 MB of its own adds about 64 MB;
+    the pages it shares with its parent after fork are not counted twice."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from bench.photos_gpu import tree_pss_mb
+
+    me = psutil.Process()
+    alone, n_alone = tree_pss_mb(me)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(64 * 2**20); b[::4096] = "
+                              "b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with_child, n_with = tree_pss_mb(me)
+    finally:
+        child.kill()
+        child.wait()
+    assert n_with == n_alone + 1
+    assert 60 < with_child - alone < 100
