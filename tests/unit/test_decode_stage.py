@@ -1,7 +1,8 @@
 """The rank's decode stage (pipeline.data.decode) on the CPU: the ImageNet recipe's crops from (seed, batch index),
 the same batches whatever the worker count, labels kept with their images through the shuffle, a corrupt row named by
-its path, the loader over real Parquet files of encoded rows; and the GPU path's code run on torchvision's CPU decoder
-where torchvision is importable (.venv-vision), skipped with the reason elsewhere."""
+its path, the decode workers' ring of shared slots (batches cycling through it, batches too large for a slot, a worker
+killed mid-batch), the loader over real Parquet files of encoded rows; and the GPU path's code run on torchvision's
+CPU decoder where torchvision is importable (.venv-vision), skipped with the reason elsewhere."""
 from __future__ import annotations
 
 import io
@@ -370,16 +371,117 @@ def test_decode_workers_end_with_a_rank_that_ends_without_its_teardown(tmp_path)
     assert len(pids) == 2
 
 
-def test_a_decode_workers_share_travels_back_as_a_handle_not_as_pickled_pixels():
+def test_a_decode_workers_chunk_travels_as_offsets_into_a_shared_slot_not_as_pickled_bytes():
     from multiprocessing.reduction import ForkingPickler
 
     from pipeline.data.crops import decode_chunk
-    from pipeline.data.decode import _shared_chunk
+    from pipeline.data.decode import _ring_chunk
 
-    contents = [_photo(i) for i in range(4)]
-    paths = [f"/photos/{i}.jpg" for i in range(4)]
-    out = _shared_chunk(contents, paths, None, 224, 3, 10 ** 8)
-    assert out.is_shared() and out.shape == (4, 224, 224, 3)
-    assert np.array_equal(out.numpy(), decode_chunk(contents, paths, None, 224, 3, 10 ** 8))
-    # what the pool's result pipe carries: a file descriptor's handle, not 4 x 150 KB of pixels
-    assert len(bytes(ForkingPickler.dumps(out))) < 10_000 < out.numel()
+    photos = [_photo(i) for i in range(8)]
+    batch = _batch([photos[i % 8] for i in range(256)], index=3, prefix="/data/photos/train/n01440764/n01440764_1")
+    for workers in (2, 16):  # 2: the largest chunk a 256-row batch has on a rank's processes
+        decoder = Decoder(224, 3, train=True, seed=5, workers=workers)
+        try:
+            decoder.processes(batch)
+            ring = decoder._ring
+            tasks = decoder.ring_tasks(0, batch, ring.write_input(0, batch.rows), 256 // workers)
+            assert len(tasks) == workers and sum(t.hi - t.lo for t in tasks) == 256
+            # what the pool's call pipe carries per chunk: offsets and the draws' key, not ~75 KB of bytes a row
+            sizes = [len(bytes(ForkingPickler.dumps((_ring_chunk, (t,))))) for t in tasks]
+            assert max(sizes) < 10_000 < sum(len(c) for c in batch.rows[:, 0]) // workers, sizes
+        finally:
+            decoder.close()
+    small = _batch(photos[:6], index=3, prefix="/photos/")
+    decoder = Decoder(SIZE, 3, train=True, seed=5, workers=2)
+    try:
+        x = decoder.decode(small)
+        assert decoder.handovers == {"ring": 1}
+        ref = decode_chunk(photos[:6], list(small.rows[:, 1]), crop_draws(5, 3, 6), SIZE, 3)
+        assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref)
+    finally:
+        decoder.close()
+
+
+def _one_worker(batches, **kw):
+    return [Decoder(SIZE, 3, seed=7, workers=1, **kw).decode(b) for b in batches]
+
+
+def test_batches_cycling_through_the_ring_keep_the_one_worker_pixels_and_a_kept_batch_never_changes():
+    photos = [_photo(i) for i in range(12)]
+    batches = [_batch([photos[(b * 5 + i) % 12] for i in range(5 if b < 9 else 3)], index=b) for b in range(10)]
+    for train in (True, False):
+        want = _one_worker(batches, train=train)
+        decoder = Decoder(SIZE, 3, train=train, seed=7, workers=2)
+        try:
+            got, first = [], None
+            for x, k in decoder.batches(((b, b.index) for b in batches), depth=2):
+                got.append(x)
+                if first is None:
+                    first = x.clone()
+            # 10 batches through 3 slots, the last one with fewer rows than a slot
+            assert decoder.handovers == {"ring": 10} and decoder._ring.slots < len(batches)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == 10
+            assert torch.equal(got[0], first)  # the consumer's batch is its own, not a view of a slot decoded again
+            again = [decoder.decode(b) for b in batches[:4]]  # and one at a time, after the stream
+            assert all(torch.equal(g, w) for g, w in zip(again, want))
+            assert sorted(decoder._ring._free) == [0, 1, 2]
+        finally:
+            decoder.close()
+
+
+def test_a_batch_larger_than_a_slot_decodes_the_old_way_with_the_same_pixels():
+    tiny = [_jpeg(COLOURS[i % 4], size=(40 + i, 30)) for i in range(20)]  # ~1 KB each: the input area's 1 MiB floor
+    photos = [_photo(i) for i in range(20)]  # ~75 KB each: 1.5 MB, over the input area
+    batches = [_batch(tiny, 0), _batch(photos, 1), _batch(tiny + tiny[:5], 2), _batch(photos[:10], 3)]
+    assert sum(map(len, photos)) > 1 << 20 > sum(map(len, photos[:10]))
+    want = _one_worker(batches, train=True)
+    decoder = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        got = [decoder.decode(b) for b in batches]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert decoder.handovers == {"ring": 2, "pickled": 2}  # the photos' bytes, then more rows than a slot
+        assert decoder._ring.rows == 20
+    finally:
+        decoder.close()
+
+
+def test_a_corrupt_row_in_the_ring_is_named_and_the_decoder_goes_on_or_closes():
+    good = [_photo(i) for i in range(6)]
+    bad = good[2][: len(good[2]) // 3]
+    decoder = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        first = decoder.decode(_batch(good, 0))
+        for b in range(4):  # more errors than slots: a failed batch gives its slot back
+            with pytest.raises(RowDecodeError, match=r"row /bad/4\.jpg: not a decodable image"):
+                decoder.decode(_batch(good[:4] + [bad] + good[5:], b + 1, prefix="/bad/"))
+        with pytest.raises(RowDecodeError, match=r"row /none/1\.jpg: no image bytes"):  # no bytes: the old way
+            decoder.decode(_batch([good[0], None, good[1]], 9, prefix="/none/"))
+        assert torch.equal(decoder.decode(_batch(good, 0)), first)
+        assert decoder.handovers == {"ring": 6, "pickled": 1}
+    finally:
+        decoder.close()
+    # a stream that fails mid-way closes with batches still decoding in their slots, and the decoder decodes again
+    items = [(_batch(good, b, prefix="/s/") if b != 2 else _batch([good[0], bad], b, prefix="/s/"), b)
+             for b in range(6)]
+    with pytest.raises(RowDecodeError, match=r"row /s/1\.jpg"):
+        list(decoder.batches(iter(items), depth=2))
+    decoder.close()
+    assert torch.equal(decoder.decode(_batch(good, 0)), first)
+    decoder.close()
+
+
+def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    batch = _batch([_photo(i) for i in range(48)])
+    decoder = Decoder(224, 3, train=True, seed=0, workers=2)
+    try:
+        handle = decoder.submit(batch)
+        os.kill(next(iter(decoder.processes()._processes)), signal.SIGKILL)
+        with ThreadPoolExecutor(1) as waiter:
+            with pytest.raises(BrokenProcessPool):
+                waiter.submit(decoder.result, handle).result(timeout=60)
+    finally:
+        decoder.close()
