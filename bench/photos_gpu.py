@@ -149,14 +149,15 @@ def tree_pss_mb(proc) -> Tuple[float, int]:
     return total / 2 ** 20, count
 
 
-def loader_alone(data, cfg: Config, decode: str, batches: int, timeout_s: float = 300) -> Dict[str, Any]:
-    """`_loader_child` in a spawned process; its result, or {error} when it failed, died or ran past `timeout_s`."""
+def spawned(target: Callable, args: Tuple, what: str, timeout_s: float) -> Any:
+    """`target(*args, queue)` in a fresh spawned process (its own CUDA context and memory peak); what it put on the
+    queue, or {error} naming `what` when it died or ran past `timeout_s`."""
     import multiprocessing as mp
     import queue as queues
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_loader_child, args=(data, cfg, decode, batches, q))
+    proc = ctx.Process(target=target, args=(*args, q))
     proc.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -166,14 +167,43 @@ def loader_alone(data, cfg: Config, decode: str, batches: int, timeout_s: float 
             except queues.Empty:
                 pass
             if proc.exitcode is not None:
-                return {"error": f"the loader process (decode={decode}) exited with code {proc.exitcode} before "
-                                 f"reporting"}
+                return {"error": f"{what} exited with code {proc.exitcode} before reporting"}
             if time.monotonic() > deadline:
-                return {"error": f"the loader process (decode={decode}) did not report within {timeout_s:.0f} s"}
+                return {"error": f"{what} did not report within {timeout_s:.0f} s"}
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def loader_alone(data, cfg: Config, decode: str, batches: int, timeout_s: float = 300) -> Dict[str, Any]:
+    """`_loader_child` in a spawned process; its result, or {error} when it failed, died or ran past `timeout_s`."""
+    return spawned(_loader_child, (data, cfg, decode, batches), f"the loader process (decode={decode})", timeout_s)
+
+
+def _single_rank_child(cfg: Config, data, specs, steps: int, windows: int, queue) -> None:
+    try:
+        queue.put([photo_rank_job(cfg, data, specs, steps, windows, horovod=False)])
+    except BaseException as exc:
+        queue.put({"error": error_text(exc)})
+
+
+def launch_photo_job(cfg: Config, data, specs, steps: int, windows: int, timeout_s: float = 600) -> List[Dict]:
+    """One arch's rank job (`photo_rank_job`): a Horovod rank where Horovod is installed (as the product trains), else
+    the same runs in one spawned process with Lightning's single-device strategy, so the photo figures need no Horovod
+    build on a bare GPU machine. Results by rank; RuntimeError with the error where the process failed."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        log.info("photos: Horovod is not installed here: the %s job runs in one process (single-device strategy)",
+                 cfg.model.arch)
+        out = spawned(_single_rank_child, (cfg, data, specs, steps, windows), f"the {cfg.model.arch} job", timeout_s)
+        if isinstance(out, dict):
+            raise RuntimeError(out["error"])
+        return out
+    from bench import jobs
+
+    return jobs.launch(cfg, data, 1, specs, steps, windows, rank_fn=photo_rank_job)
 
 
 # -------------------------------------------------------------------------------------------- the arithmetic (pure)
@@ -289,7 +319,6 @@ def measure_photos(cfg: Config, work: str, quick: bool = False, save: Callable[[
 
     import torch
 
-    from bench.jobs import launch
     from bench.photos_data import (decoder_images_per_s, photos_without_spark, pillow_images_per_s,
                                    train_contents)
     from pipeline.data.gpu_decode import gpu_decode_problem
@@ -347,7 +376,7 @@ def measure_photos(cfg: Config, work: str, quick: bool = False, save: Callable[[
                                                     "not trained on a CUDA machine (its loader rate is measured)"}
                                     for d in DECODES if d not in trained}
             try:
-                job = launch(acfg, data, 1, specs, sizes.steps, sizes.windows, rank_fn=photo_rank_job)
+                job = launch_photo_job(acfg, data, specs, sizes.steps, sizes.windows)
                 runs.update({label: window_rates(run) for label, run in zip(labels, job[0]["runs"])})
             except Exception as exc:
                 log.exception("photos: the %s job failed", arch)

@@ -76,23 +76,30 @@ def plain_photos(cfg: Config, data, batches, warmup: int, steps: int, windows: i
     return out
 
 
-def photo_rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows: int) -> Dict[str, Any]:
-    """One Horovod rank: `runs` in order ({kind: plain | train, source: memory | loader, decode, warmup, ...}); a run
-    that fails is recorded as {error} and the next one runs."""
+def photo_rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows: int,
+                   horovod: bool = True) -> Dict[str, Any]:
+    """One rank: `runs` in order ({kind: plain | train, source: memory | loader, decode, warmup, ...}); a run that
+    fails is recorded as {error} and the next one runs. `horovod`: a Horovod rank with the product's HorovodStrategy;
+    else the one process of train.backend=single (Lightning's single-device strategy)."""
     from pipeline.log import setup_logging
 
     setup_logging()
-    import horovod.torch as hvd
     import torch
 
     from bench.core import device
     from bench.lightning_path import timed_train
-    from pipeline.distributed.horovod_strategy import HorovodStrategy
-    from pipeline.distributed.rank_process import repair_horovod_env
 
-    repair_horovod_env()
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    if horovod:
+        import horovod.torch as hvd
+
+        from pipeline.distributed.horovod_strategy import HorovodStrategy
+        from pipeline.distributed.rank_process import repair_horovod_env
+
+        repair_horovod_env()
+        hvd.init()
+        rank, size, make_strategy = hvd.rank(), hvd.size(), HorovodStrategy
+    else:
+        rank, size, make_strategy = 0, 1, lambda: None  # train(): the single-device strategy
     dev = device()
     batches, outs = None, []
     for spec in runs:
@@ -103,7 +110,7 @@ def photo_rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, wi
             if spec["kind"] == "plain":
                 out = plain_photos(rcfg, data, batches, spec["warmup"], steps, windows)
             else:
-                out = timed_train(rcfg, data, rank, size, HorovodStrategy, spec["warmup"], steps, windows,
+                out = timed_train(rcfg, data, rank, size, make_strategy, spec["warmup"], steps, windows,
                                   batches=batches if spec["source"] == "memory" else None,
                                   precision=spec["precision"])
             outs.append({**spec, **out})

@@ -9,6 +9,8 @@
 # gpu_photos.json, gpu_archs.json, photos_loader.json, bench.log.
 #   DEVICE_LIMIT_S=560     the call's budget; the last part gets what the others leave
 #   DEVICE_BUILD_S=240     the bound of bundle install + Horovod build; each GPU test is bounded by DEVICE_TEST_S=150
+#   DEVICE_HOROVOD=0       no Horovod build (~150 s saved): the photo jobs run in one process, the tests that need
+#                          Horovod are not run
 #   DEVICE_BENCH_FLAGS     e.g. --quick for every bench part
 #   DEVICE_PARTS           the parts to run, in the script's order (default: all): junit_decode photos_loader
 #                          step_overhead step_profile gpu_photos junit_rest gpu_archs
@@ -29,7 +31,7 @@ if ls hvdparts/hvd_whl_part_* >/dev/null 2>&1; then
   cat hvdparts/hvd_whl_part_* > "hvdcache/$KEY/horovod-0.28.1-cp312-cp312-linux_x86_64.whl"
 fi
 # the bundle installed and Horovod built with NCCL (about 130 s on 16 cores); its report is the tier's at the end
-GPU_CHECK_TESTS=0 LAKEHOUSE_BUNDLE=gpu_bundle timeout -k 10 "${DEVICE_BUILD_S:-240}" \
+GPU_CHECK_TESTS=0 GPU_CHECK_HOROVOD=${DEVICE_HOROVOD:-1} LAKEHOUSE_BUNDLE=gpu_bundle timeout -k 10 "${DEVICE_BUILD_S:-240}" \
   bash scripts/gpu_check.sh "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
 echo "install + build: exit $? after $SECONDS s"
 grep -E "horovod [0-9]" "$OUT/gpu_check.log" | tail -2

@@ -7,6 +7,8 @@
 #   PYTHON=python3                           the interpreter that has the CUDA torch
 #   GPU_CHECK_VENV=.venv-gpu                 a venv over that interpreter's packages (--system-site-packages)
 #   GPU_CHECK_TESTS=0                        install and build only (tests/gpu not run)
+#   GPU_CHECK_HOROVOD=0                      install only: no Horovod build, no tier (the photo and loader figures
+#                                            need none: without Horovod the bench's photo jobs run in one process)
 #   GPU_CHECK_BENCH=0|quick|1                after the tier, `lakehouse bench --gpu` (quick or full) into gpu_bench.json
 #   GPU_CHECK_BENCH_OVERRIDES="k=v ..."      config overrides for that bench (e.g. data.image_size=64 data.channels=3)
 # Exit status: pytest's (0 when the tier passed); the report is written either way.
@@ -53,9 +55,13 @@ T_DEPS=$(date +%s)
 
 # Horovod from the bundle's sdist: NCCL from the nvidia-nccl-* package the CUDA torch installed (or $NCCL_HOME).
 HVD_RC=0
-PIP_CONFIG_FILE=/dev/null LAKEHOUSE_BUNDLE="$BUNDLE" PY="$VPY" bash scripts/build_horovod.sh 2> "$WORK/horovod.err" \
-  || HVD_RC=$?
-cat "$WORK/horovod.err" >&2
+if [ "${GPU_CHECK_HOROVOD:-1}" = 0 ]; then
+  log "GPU_CHECK_HOROVOD=0: Horovod not built"; : > "$WORK/horovod.err"
+else
+  PIP_CONFIG_FILE=/dev/null LAKEHOUSE_BUNDLE="$BUNDLE" PY="$VPY" bash scripts/build_horovod.sh 2> "$WORK/horovod.err" \
+    || HVD_RC=$?
+  cat "$WORK/horovod.err" >&2
+fi
 T_HVD=$(date +%s)
 
 # The project by a .pth file in the venv's site-packages (what an editable install amounts to): pip 24 with
@@ -64,7 +70,7 @@ T_HVD=$(date +%s)
 "$VPY" -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'lakehouse-pipeline.pth').write_text('$ROOT\n')"
 "$VPY" -c "import pipeline, os; assert os.path.dirname(os.path.dirname(pipeline.__file__)) == '$ROOT', pipeline.__file__"
 PYTEST_RC=0
-if [ "$HVD_RC" -eq 0 ] && [ "${GPU_CHECK_TESTS:-1}" = 0 ]; then
+if [ "$HVD_RC" -eq 0 ] && { [ "${GPU_CHECK_TESTS:-1}" = 0 ] || [ "${GPU_CHECK_HOROVOD:-1}" = 0 ]; }; then
   log "GPU_CHECK_TESTS=0: installed and built, tests/gpu not run"
 elif [ "$HVD_RC" -eq 0 ]; then
   "$VPY" -m pytest tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/junit.xml" || PYTEST_RC=$?

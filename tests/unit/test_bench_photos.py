@@ -234,3 +234,43 @@ def test_a_process_trees_memory_counts_its_workers_once():
         child.wait()
     assert n_with == n_alone + 1
     assert 60 < with_child - alone < 100
+
+
+def test_without_horovod_an_archs_photo_job_runs_in_one_spawned_process(photos, monkeypatch):
+    """A bare GPU machine without a Horovod build still gets the training figures: the same runs (plain loop, train()
+    on resident batches, train() with the real loader) in one fresh process with the single-device strategy."""
+    import sys
+
+    from bench import photos_gpu
+
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # `import horovod.torch` raises ImportError
+    cfg = photo_config(Config(), TINY, "cnn", "cpu")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="32-true"))
+    specs = train_specs(TINY, ["cpu"])
+    (rank,) = photos_gpu.launch_photo_job(cfg, photos, specs, TINY.steps, TINY.windows, timeout_s=240)
+    assert (rank["rank"], rank["size"]) == (0, 1)
+    runs = rank["runs"]
+    assert [(r["kind"], r["source"]) for r in runs] == [("plain", "memory"), ("train", "memory"), ("train", "loader")]
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert len(r["window_s"]) == TINY.windows and all(w > 0 for w in r["window_s"])
+
+
+def test_a_spawned_figure_that_dies_or_hangs_is_an_error_naming_it():
+    from bench.photos_gpu import spawned
+
+    assert spawned(_exits, (3,), "the test child", timeout_s=60) == {
+        "error": "the test child exited with code 3 before reporting"}
+    assert spawned(_sleeps, (8,), "the sleeper", timeout_s=3) == {"error": "the sleeper did not report within 3 s"}
+
+
+def _exits(code, queue):
+    import os
+
+    os._exit(code)
+
+
+def _sleeps(seconds, queue):
+    import time
+
+    time.sleep(seconds)
