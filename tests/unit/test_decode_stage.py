@@ -375,7 +375,7 @@ def test_a_decode_workers_chunk_travels_as_offsets_into_a_shared_slot_not_as_pic
     from multiprocessing.reduction import ForkingPickler
 
     from pipeline.data.crops import decode_chunk
-    from pipeline.data.decode import _ring_chunk
+    from pipeline.data.decode_workers import _ring_chunk
 
     photos = [_photo(i) for i in range(8)]
     batch = _batch([photos[i % 8] for i in range(256)], index=3, prefix="/data/photos/train/n01440764/n01440764_1")
