@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import threading
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -160,8 +161,15 @@ def _start_worker(parent: int, ring: Optional[Ring]) -> None:
     """A decode worker process's initializer: `_exit_with_parent`, the ring of its pool (inherited by the fork, never
     pickled), and one torch thread: the pool forks in the thread that submits first, the consumer's, whose OpenMP
     team the fork copies without its threads, so a parallel torch op in the worker (a shared tensor's copy) would wait
-    on them forever (seen: a batch too large for a slot hung); DataLoader's workers take one thread too."""
+    on them forever (seen: a batch too large for a slot hung); DataLoader's workers take one thread too.
+
+    Signals: SIGTERM back to its default, SIGINT ignored. The fork copies the rank's Python handlers (the graceful
+    stop's SIGTERM handler, Lightning's), and a worker running one survives the SIGTERM with which the pool ends its
+    workers once one of them died; left alive, it kept its rank (and a test session) waiting at exit for ever. A
+    Ctrl-C reaches the whole process group: the rank handles it and ends the pool."""
     global _worker_ring
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _worker_ring = ring
     _exit_with_parent(parent)

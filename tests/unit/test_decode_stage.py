@@ -479,9 +479,47 @@ def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
     decoder = Decoder(224, 3, train=True, seed=0, workers=2)
     try:
         handle = decoder.submit(batch)
-        os.kill(next(iter(decoder.processes()._processes)), signal.SIGKILL)
+        pids = list(decoder.processes()._processes)
+        os.kill(pids[0], signal.SIGKILL)
         with ThreadPoolExecutor(1) as waiter:
             with pytest.raises(BrokenProcessPool):
                 waiter.submit(decoder.result, handle).result(timeout=60)
+        _gone_within(pids, 20)  # the pool ends the other workers too: nothing is left to hold the rank at its exit
     finally:
         decoder.close()
+
+
+def _gone_within(pids, seconds: float) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs([p for p in map(_process, pids) if p is not None], timeout=seconds)
+    assert not alive, f"decode workers still running after {seconds} s: {[p.pid for p in alive]}"
+
+
+def _process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def test_a_decode_worker_ends_on_sigterm_though_the_rank_handles_sigterm():
+    """A rank installs a Python SIGTERM handler (the graceful stop); its forked decode workers must not inherit it, or
+    the SIGTERM with which a broken pool ends its workers leaves them running, and the rank waits for them at exit."""
+    import signal
+
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda *_: seen.append(1))
+    decoder = Decoder(64, 3, train=True, seed=0, workers=2)
+    try:
+        decoder.decode(_batch([_photo(i) for i in range(8)]))
+        pids = list(decoder.processes()._processes)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        _gone_within(pids, 10)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        decoder.close()
+    assert not seen  # the signal went to the workers, not to this process
