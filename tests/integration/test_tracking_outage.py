@@ -45,17 +45,39 @@ def _log(tmp: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _wait_epoch(proc: subprocess.Popen, tmp: Path, epoch: int, timeout: float = 400) -> None:
-    """Until rank 0 has logged the end of `epoch` (its log line)."""
-    pattern = re.compile(rf"\bepoch {epoch}: train_loss")
+def _wait_log(proc: subprocess.Popen, tmp: Path, pattern: str, what: str, timeout: float = 400) -> None:
+    """Until rank 0's log matches `pattern` (`what` it shows, for the failure's message)."""
+    found = re.compile(pattern)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pattern.search(_log(tmp)):
+        if found.search(_log(tmp)):
             return
         if proc.poll() is not None:
-            pytest.fail(f"training exited ({proc.returncode}) before epoch {epoch}:\n{_log(tmp)[-4000:]}")
+            pytest.fail(f"training exited ({proc.returncode}) before {what}:\n{_log(tmp)[-6000:]}")
         time.sleep(0.3)
-    pytest.fail(f"no epoch {epoch} within {timeout} s:\n{_log(tmp)[-4000:]}")
+    pytest.fail(f"no {what} within {timeout} s:\n{_log(tmp)[-6000:]}")
+
+
+def _wait_epoch(proc: subprocess.Popen, tmp: Path, epoch: int, timeout: float = 400) -> None:
+    """Until rank 0 has logged the end of `epoch` (its log line)."""
+    _wait_log(proc, tmp, rf"\bepoch {epoch}: train_loss", f"the end of epoch {epoch}", timeout)
+
+
+def _refuses(port: int, timeout: float = 10) -> bool:
+    """Whether 127.0.0.1:`port` refuses connections within `timeout` s (a killed server is really gone)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def _last_epoch(tmp: Path) -> int:
@@ -117,9 +139,13 @@ def test_server_killed_at_epoch_1_and_back_at_epoch_3_loses_nothing(table, tmp_p
         # epochs to reach the server before it was gone), then two epoch ends with no server
         os.killpg(outage.server.pid, signal.SIGKILL)
         outage.server.wait(timeout=30)
+        assert _refuses(outage.port), f"port {outage.port} still takes connections after the server's group was killed"
         gone_after = _last_epoch(tmp_path)
         assert gone_after + 2 < EPOCHS - 1, f"the server went away only after epoch {gone_after}"
         _wait_epoch(proc, tmp_path, gone_after + 2)
+        # the outage seen by rank 0 (an epoch's metrics refused) before the server is back: a fresh-clone CI once
+        # finished this job with no such warning (not reproduced since); this wait names what the log showed instead
+        _wait_log(proc, tmp_path, r"MLflow did not take epoch\(s\) .*buffered", "rank 0 seeing the outage")
         outage.restart_server()  # back before the last epoch
         summary = _finish(proc, timeout=600)
         assert proc.returncode == 0, _log(tmp_path)[-4000:]
