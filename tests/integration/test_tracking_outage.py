@@ -45,6 +45,13 @@ def _log(tmp: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def _logs(tmp: Path) -> str:
+    """The tails of rank 0's log and of the server's (when there is one), for a failure's message."""
+    server = tmp / "server" / "server.log"
+    tail = server.read_text(errors="replace")[-3000:] if server.exists() else "(none)"
+    return f"{_log(tmp)[-6000:]}\n--- server.log ---\n{tail}"
+
+
 def _wait_log(proc: subprocess.Popen, tmp: Path, pattern: str, what: str, timeout: float = 400) -> None:
     """Until rank 0's log matches `pattern` (`what` it shows, for the failure's message)."""
     found = re.compile(pattern)
@@ -53,9 +60,9 @@ def _wait_log(proc: subprocess.Popen, tmp: Path, pattern: str, what: str, timeou
         if found.search(_log(tmp)):
             return
         if proc.poll() is not None:
-            pytest.fail(f"training exited ({proc.returncode}) before {what}:\n{_log(tmp)[-6000:]}")
+            pytest.fail(f"training exited ({proc.returncode}) before {what}:\n{_logs(tmp)}")
         time.sleep(0.3)
-    pytest.fail(f"no {what} within {timeout} s:\n{_log(tmp)[-6000:]}")
+    pytest.fail(f"no {what} within {timeout} s:\n{_logs(tmp)}")
 
 
 def _wait_epoch(proc: subprocess.Popen, tmp: Path, epoch: int, timeout: float = 400) -> None:
