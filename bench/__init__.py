@@ -1,7 +1,7 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost, job_phases, epoch_parity, cross_host, step_overhead), the references they are compared with
+restart_cost, job_phases, epoch_parity, cross_host, step_overhead, photo_decode), the references they are compared with
 (reference), the product's train() timed step by step (lightning_path) and in Horovod ranks (jobs); this runner
 assembles them into one report.
 """
@@ -35,10 +35,12 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
-                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead", "direct_source")
-# what `--only` picks from; the conversion always runs (it prepares), unless only cross_host or step_overhead are asked
-# for: the first trains on the multi-host cluster's own table, the second on batches it makes (no Spark)
-STANDALONE = ("cross_host", "step_overhead")
+                "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead", "direct_source",
+                "photo_decode")
+# what `--only` picks from; the conversion always runs (it prepares), unless only STANDALONE ones are asked for:
+# cross_host trains on the multi-host cluster's own table, step_overhead on batches it makes, photo_decode decodes
+# photos it renders (no Spark)
+STANDALONE = ("cross_host", "step_overhead", "photo_decode")
 
 
 def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
@@ -60,7 +62,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     local = [m for m in MEASUREMENTS if want(m) and m not in STANDALONE]  # the ones on this machine's sample
 
     from bench import (conversion, cross_host, direct_source, epoch_parity, gpu, input_bound, job_phases, loader,
-                       overheads, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
+                       overheads, photo_decode, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
                        tune_overhead)
     from bench.datasets import ensure_sample, ensure_synthetic
     from bench.report import log_table, log_to_mlflow
@@ -159,6 +161,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                     results.extend(cross_host.measure_cross_host(sizes, quick=quick))
                 if want("step_overhead"):
                     results.extend(step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick))
+                if want("photo_decode"):
+                    results.extend(photo_decode.measure_photo_decode(sizes, quick=quick))
                 if want("gpu"):
                     gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
                     results.extend(gpu_results)

@@ -84,6 +84,10 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "gpu_input_bound_fraction": ("<=", 0.05, "1 - step time of the product's train() on GPU-resident batches / the "
                                              "same with the real ShardLoader, one GPU"),
     # ImageNet-shaped photos (~400x350 JPEG rows) at 224 px, bf16-mixed, one GPU (bench/photos_gpu.py)
+    "cpu_decode_large_photo_speedup": (">=", 1.3, "images/s of the CPU decode of a crop to 224 px (crops.crop_hwc: "
+                                                  "decode, random resized crop and flip or the center crop) of 4032x3024 "
+                                                  "JPEGs with the reduced-scale JPEG decode / the same crops decoded at "
+                                                  "full size, one thread (bench/photo_decode.py)"),
     "gpu_photos_loader_images_per_s": (">=", 6000.0, "images/s of the train ShardLoader alone with data.decode=gpu "
                                                      "(nvJPEG, crop, flip), each batch normalised into bf16 on the "
                                                      "GPU"),

@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="M[,M...]",
                    help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
                         "overheads, tune_overhead, restart_cost, scaling, gpu, job_phases, epoch_parity, cross_host, "
-                        "step_overhead, direct_source); the conversion always runs, unless only cross_host or step_overhead are asked "
-                        "for. With --gpu: archs, photos")
+                        "step_overhead, direct_source, photo_decode); the conversion always runs, unless only "
+                        "cross_host, step_overhead or photo_decode are asked for. With --gpu: archs, photos")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU figures alone (images/s per GPU per architecture and precision, Lightning / plain "
                         "loop, input-bound fraction) on a data set written with pyarrow, and ImageNet-shaped photos "

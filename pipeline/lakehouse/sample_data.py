@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -101,13 +101,15 @@ def _pattern(kind: str, rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return (out + 1) / 2
 
 
-def render_photo(kind: str, seed: int, index: int) -> Tuple[bytes, Tuple[int, int]]:
+def render_photo(kind: str, seed: int, index: int,
+                 size: Optional[Tuple[int, int]] = None) -> Tuple[bytes, Tuple[int, int]]:
     """One synthetic RGB photo of class `kind` as JPEG bytes (quality PHOTO_QUALITY) and its (width, height); the same
-    bytes for the same (seed, index) on every machine with the same libjpeg."""
+    bytes for the same (seed, index) on every machine with the same libjpeg. `size`: (width, height) instead of an
+    ImageNet-shaped one (a phone's 4032x3024, say)."""
     from PIL import Image
 
     rng = np.random.default_rng([seed, index])
-    w, h = photo_size(rng)
+    w, h = photo_size(rng) if size is None else (int(size[0]), int(size[1]))
     pattern = _pattern(kind, rng, h, w)[..., None]
     paper = rng.uniform(0, 255, 3)
     ink = np.clip(paper + rng.choice([-1.0, 1.0], 3) * rng.uniform(60, 160, 3), 0, 255)  # never a faint texture

@@ -178,6 +178,29 @@ def test_bench_step_overhead_quick(tmp_path: Path):
 
 
 @pytest.mark.timeout(600)
+def test_bench_photo_decode_quick(tmp_path: Path):
+    """`lakehouse bench --only photo_decode --quick`: phone-sized JPEGs' crops decoded at a reduced JPEG scale
+    against full size in one run, without Spark or a table; the pixels moved a level or two at most on average."""
+    out = tmp_path / "bench" / "bench.json"
+    proc = subprocess.run(
+        cli("bench", "--quick", "--only", "photo_decode", "--out", str(out), "--conf", str(ROOT / "conf/local.yaml"),
+            f"train.checkpoint_dir={tmp_path}/checkpoints", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"mlflow.artifact_location={tmp_path}/mlartifacts"),
+        cwd=str(ROOT), capture_output=True, text=True, timeout=590)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["only"] == ["photo_decode"] and report["datasets"] == {}
+    (r,) = report["results"]
+    p = r["parts"]
+    assert r["name"] == "cpu_decode_large_photo_speedup" and r["dataset"] == "photos_4032x3024"
+    assert r["repeats"] == 2 and len(r["per_repeat"]) == 2 and math.isfinite(r["ratio"]) and r["ratio"] > 0
+    assert r["target"] == 1.3 and r["op"] == ">="
+    assert p["photos"] == 4 and p["crops"] == 8 and p["draft_images_per_s"] > 0 and p["full_decode_images_per_s"] > 0
+    assert set(p["scales_taken"]) <= {"1", "2", "4", "8"} and p["scales_taken"].get("4", 0) >= 4  # the val crops
+    assert 0 < p["pixels_mean_abs_diff"] < 1.5, p
+
+
+@pytest.mark.timeout(600)
 def test_conversion_measurement_leaves_the_users_cache_entry(spark, digits_table, tmp_path: Path):
     """The bench converts into its own cache: the user's entry of the same table, under the very key the bench
     deletes and rewrites on every repeat, is still there afterwards, untouched."""

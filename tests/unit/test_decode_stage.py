@@ -295,6 +295,25 @@ def test_the_gpu_path_on_torchvision_cpu_decoder_matches_the_cpu_path_within_tol
         assert torch.equal(gpu[-1], cpu[-1])  # the PNG row: the CPU path's own pixels
 
 
+def test_large_photos_cpu_path_at_a_reduced_jpeg_scale_stays_within_the_gpu_paths_tolerance():
+    """The CPU path decodes a large photo's crop at 1/2 or 1/4 scale (pipeline.data.crops' draft); the GPU path
+    decodes it whole (nvJPEG; here torchvision's CPU decoder): the same tolerance as for ImageNet-shaped photos."""
+    _torchvision()
+    from pipeline.data.crops import draft_scale
+    from pipeline.data.gpu_decode import GpuDecoder
+    from pipeline.lakehouse.sample_data import PHOTO_CLASSES, render_photo
+
+    size = (2400, 1800)
+    contents = [render_photo(PHOTO_CLASSES[i], 6, i, size=size)[0] for i in range(3)]
+    assert draft_scale(*size, 1575, 1575, 224) == 2  # the validation crop takes it
+    for train in (True, False):
+        batch = _batch(contents, index=1)
+        cpu = Decoder(224, 3, train=train, seed=4, workers=1).decode(batch)
+        gpu = GpuDecoder(224, 3, train=train, seed=4, device="cpu").decode(batch)
+        diff = (gpu.float() - cpu.float()).abs()
+        assert float(diff.mean()) < 2.0 and float(diff.max()) <= 40, (train, float(diff.mean()), float(diff.max()))
+
+
 def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
     _torchvision()
     from pipeline.data.gpu_decode import GpuDecoder
