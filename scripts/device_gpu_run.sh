@@ -6,7 +6,7 @@
 # Lightning / plain loop figures (`bench --gpu --only archs`). The GPU bench reads with the arrow reader where
 # Petastorm is absent. Into $OUT (what the device tool brings back): smi.csv (the card's load once a
 # second), gpu_check.json + gpu_check.log (the tier), step_overhead.json, step_profile.json,
-# gpu_photos.json, gpu_archs.json, photos_loader.json, bench.log.
+# gpu_photos.json, gpu_archs.json, photos_loader.json, bench.log, lscpu.txt.
 #   DEVICE_LIMIT_S=560     the call's budget; the last part gets what the others leave
 #   DEVICE_BUILD_S=240     the bound of bundle install + Horovod build; each GPU test is bounded by DEVICE_TEST_S=150
 #   DEVICE_HOROVOD=0       no Horovod build (~150 s saved): the photo jobs run in one process, the tests that need
@@ -22,6 +22,8 @@ export PYTHONUNBUFFERED=1 LAKEHOUSE_WHEEL_CACHE=$PWD/hvdcache
 OUT=${OUT:-work/device}
 mkdir -p "$OUT"
 LIMIT=${DEVICE_LIMIT_S:-560}
+# the cores: physical or hyperthreads (the CPU decode's per-core figure depends on it)
+{ lscpu; echo; nproc; } > "$OUT/lscpu.txt" 2>&1
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -l 1 > "$OUT/smi.csv" 2>&1 &
 fi
