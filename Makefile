@@ -45,7 +45,7 @@ demo: setup
 # selected) on a data-path run means no test is marked `datapath` yet: said, not failed.
 test: .venv/.installed
 	@status=0; summary=""; \
-	.venv/bin/python -m pytest tests -ra; rc=$$?; [ $$rc -eq 0 ] || status=1; summary="classic: pytest exit $$rc"; \
+	.venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20; rc=$$?; [ $$rc -eq 0 ] || status=1; summary="classic: pytest exit $$rc"; \
 	for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do \
 	  if $(MAKE) --no-print-directory PROFILE=$${p%%:*} setup; then \
 	    echo "== $${p%%:*} profile: data-path tests ($${p#*:})"; \
