@@ -89,7 +89,8 @@ def _drafted(img: Any, box: Tuple[int, int, int, int, bool], size: int) -> float
     `draft`): a 4032x3024 photo's crop to 224 px decodes at 1/4 in about 0.6 of the time, and a worker holds a
     sixteenth of its pixels. Returns the scale the decoder took (1: full size; any other format, or a crop too small
     for it)."""
-    wanted = draft_scale(img.width, img.height, box[2], box[3], size) if img.format == "JPEG" else 1
+    # MPO: a JPEG with more pictures after the first (phone cameras write them), which Pillow opens as its first
+    wanted = draft_scale(img.width, img.height, box[2], box[3], size) if img.format in ("JPEG", "MPO") else 1
     if wanted == 1:
         return 1.0
     width = img.width

@@ -1,6 +1,6 @@
 """A large JPEG's crop decoded at a reduced scale (libjpeg's DCT scaling through Pillow's `draft`,
 pipeline.data.crops): which scale a crop takes, the pixels against a full-size decode of the same crop, ImageNet-shaped
-photos left exactly as before, grayscale and a truncated photo handled as at full size."""
+photos left exactly as before, a phone's MPO JPEG, grayscale and a truncated photo handled as at full size."""
 from __future__ import annotations
 
 import io
@@ -73,6 +73,22 @@ def test_a_large_photo_decodes_at_a_reduced_scale_within_a_level_or_two_of_full_
     img.draft(img.mode, (w // 2, h // 2))
     img.load()
     assert img.size == (w // 2, h // 2)
+
+
+def test_a_phone_cameras_mpo_jpeg_decodes_at_a_reduced_scale_too(large):
+    """A JPEG with a second picture after the first (MPO: what phone cameras write) opens as its first picture."""
+    from PIL import Image
+
+    first = Image.open(io.BytesIO(large[0]))
+    buf = io.BytesIO()
+    first.save(buf, format="MPO", save_all=True, append_images=[first.resize((600, 450))], quality=90)
+    mpo = buf.getvalue()
+    with opened(mpo) as img:
+        assert img.format == "MPO" and img.size == LARGE
+    box = val_box(*LARGE)
+    got = crop_hwc(mpo, box, 224, 3)
+    diff = np.abs(got.astype(int) - _full_size(mpo, box, 224).astype(int))
+    assert diff.any() and diff.mean() < 1.5  # drafted (other pixels than the full-size decode), within a level
 
 
 def test_grayscale_output_of_a_large_rgb_photo(large):
