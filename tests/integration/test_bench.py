@@ -20,7 +20,8 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "conversion_cache_hit", "horovod_cpu_scaling", "horovod_pipeline_over_alone", "shard_balance",
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
-          "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step"]
+          "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step",
+          "cpu_decode_large_photo_speedup"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
@@ -56,7 +57,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert r["parts"] and r["spread"], r
         key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
         assert report["ratios"][key] == r["ratio"]
-    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px"}
+    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px", "photos_4032x3024"}
     scaling = next(r for r in report["results"] if r["name"] == "horovod_cpu_scaling")["parts"]
     for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory",
                     "pipeline_2_ranks_in_memory"):  # measured, not assumed
