@@ -3,6 +3,7 @@ JPEG scale (`pipeline.data.crops`' draft) against the same crops decoded at full
 Spark, no table (`lakehouse bench --only photo_decode`)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -38,8 +39,6 @@ def crop_jobs(photos: List[bytes]) -> List[Tuple[bytes, Tuple]]:
 def _decode_all(jobs: List[Tuple[bytes, Tuple]], full_size: bool) -> Tuple[float, List[np.ndarray]]:
     """images/s of `crops.crop_hwc` over `jobs` on this thread, and its crops; `full_size`: the reduced-scale decode
     turned off (every JPEG decoded whole, as before it)."""
-    import contextlib
-
     from pipeline.data import crops
 
     off = patched(crops, "draft_scale", lambda _orig: lambda *_a, **_k: 1) if full_size else contextlib.nullcontext()
@@ -57,12 +56,10 @@ def measure_photo_decode(sizes, quick: bool = False) -> List[Result]:
 
     photos = phone_photos(4 if quick else 12)
     jobs = crop_jobs(photos)
-    _decode_all(jobs[:2], False)
-    _decode_all(jobs[:2], True)
+    drafted, whole = _decode_all(jobs, False)[1], _decode_all(jobs, True)[1]  # the warm-up: its crops compared
     with_draft, full = interleaved(lambda: _decode_all(jobs, False)[0], lambda: _decode_all(jobs, True)[0],
                                    sizes.repeats)
     per = [ratio(a, b) for a, b in zip(with_draft, full)]
-    drafted, whole = _decode_all(jobs, False)[1], _decode_all(jobs, True)[1]
     diff = np.concatenate([np.abs(a.astype(np.int16) - b.astype(np.int16)).ravel() for a, b in zip(drafted, whole)])
     w, h = PHOTO_SIZE
     scales = [draft_scale(w, h, box[2], box[3], CROP) for _, box in jobs]
