@@ -40,27 +40,10 @@ setup: $(VENV)/.installed
 demo: setup
 	bash scripts/demo.sh
 
-# Every profile runs even when an earlier one fails; the exit status is the worst of them. A tier whose set-up failed
-# is said and not run (a half-built venv gives only import errors). The last line sums up every tier. pytest's 5 (no test
-# selected) on a data-path run means no test is marked `datapath` yet: said, not failed.
+# The tiers and their summary line: scripts/test_tiers.sh. The modern, dbr-15.4 and vision venvs are set up in the
+# background, at the lowest priority, while the classic suite runs; a tier whose set-up failed is said and not run.
 test: .venv/.installed
-	@status=0; summary=""; \
-	.venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20; rc=$$?; [ $$rc -eq 0 ] || status=1; summary="classic: pytest exit $$rc"; \
-	for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do \
-	  if $(MAKE) --no-print-directory PROFILE=$${p%%:*} setup; then \
-	    echo "== $${p%%:*} profile: data-path tests ($${p#*:})"; \
-	    $${p#*:}/bin/python -m pytest tests -m datapath -ra; rc=$$?; \
-	    if [ $$rc -eq 5 ]; then echo "$${p%%:*} profile: no test is marked datapath"; elif [ $$rc -ne 0 ]; then status=1; fi; \
-	    summary="$$summary; $${p%%:*}: pytest exit $$rc"; \
-	  else status=1; summary="$$summary; $${p%%:*}: set-up failed"; echo "== $${p%%:*} profile: set-up failed (above), its tests not run"; fi; \
-	done; \
-	if $(MAKE) --no-print-directory .venv-vision/.installed; then \
-	  echo "== vision tier: timm backbones (.venv-vision)"; \
-	  .venv-vision/bin/python -m pytest $(VISION_TESTS) -ra; rc=$$?; [ $$rc -eq 0 ] || status=1; \
-	  summary="$$summary; vision: pytest exit $$rc"; \
-	else status=1; summary="$$summary; vision: set-up failed"; echo "== vision tier: set-up failed (above), its tests not run"; fi; \
-	echo "== make test: $$summary"; \
-	exit $$status
+	MAKE="$(MAKE)" VISION_TESTS="$(VISION_TESTS)" bash scripts/test_tiers.sh
 
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning,
 # and data.decode=gpu's code run on torchvision's CPU decoder.

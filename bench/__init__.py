@@ -88,6 +88,16 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         "only": sorted(only) if only else None,
     }
     results: List[Result] = []
+    seconds: Dict[str, float] = {}  # measurement -> its wall time in this run (the conversion's: "conversion")
+
+    @contextlib.contextmanager
+    def timed(name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+
     datasets: Dict[str, Any] = {}
     per_device: Dict[str, Any] = {}
     bench_cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, experiment=f"{cfg.mlflow.experiment}-bench"))
@@ -112,7 +122,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         preps: List[Any] = []
         try:
             for name, table in ((("sample", cfg.delta.table), ("synthetic", synth["table"])) if local else ()):
-                prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes, work_dir)
+                with timed("conversion"):
+                    prep, conv_results = conversion.measure_conversion(spark, cfg, name, table, sizes, work_dir)
                 preps.append(prep)
                 results.extend(conv_results)
                 datasets[name] = prep.info()
@@ -124,47 +135,53 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                 for prep in preps:
                     log.info("measuring on %s (%d rows)", prep.name, prep.rows)
                     if want("loader"):
-                        for reader in readers:
-                            results.append(loader.measure_loader(cfg, prep, sizes, reader))
-                            if results[-1].parts["kept_in_memory"]:
-                                results.append(loader.measure_loader(cfg, prep, sizes, reader, uncached=True))
+                        with timed("loader"):
+                            for reader in readers:
+                                results.append(loader.measure_loader(cfg, prep, sizes, reader))
+                                if results[-1].parts["kept_in_memory"]:
+                                    results.append(loader.measure_loader(cfg, prep, sizes, reader, uncached=True))
                     if want("input_bound") or (want("scaling") and prep is preps[-1]):
-                        one_rank[prep.name] = input_bound.one_rank_job(cfg, prep, sizes)
+                        with timed("input_bound"):
+                            one_rank[prep.name] = input_bound.one_rank_job(cfg, prep, sizes)
                     if want("input_bound"):
-                        res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
+                        with timed("input_bound"):
+                            res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
                         results.append(res)
                         per_device[prep.name] = dev
                     if want("shard_balance"):
-                        results.append(shard_balance.measure_shard_balance(cfg, prep))
+                        with timed("shard_balance"):
+                            results.append(shard_balance.measure_shard_balance(cfg, prep))
                     if want("predict_throughput"):
-                        results.append(predict_throughput.measure_predict_throughput(spark, bench_cfg, prep.name,
-                                                                                     prep.table, sizes, work_dir))
+                        with timed("predict_throughput"):
+                            results.append(predict_throughput.measure_predict_throughput(
+                                spark, bench_cfg, prep.name, prep.table, sizes, work_dir))
                 # Checkpoint and tracking cost a fixed time per epoch, so the sample's short epochs are the worst
                 # case; the synthetic table's epochs are ~30x longer.
-                if want("overheads"):
-                    results.extend(overheads.measure_train_overheads(cfg, preps[0], sizes, run))
-                if want("tune_overhead"):
-                    results.extend(tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes, work_dir))
-                if want("restart_cost"):
-                    results.extend(restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes, work_dir))
-                if want("job_phases"):
-                    results.extend(job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir, quick=quick))
-                if want("direct_source"):
-                    results.extend(direct_source.measure_direct_source(bench_cfg, preps[0], sizes, work_dir,
-                                                                       quick=quick, spark=spark))
-                if want("epoch_parity"):
-                    results.extend(epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
-                                                                     quick=quick))
-                if want("scaling"):
-                    results.extend(scaling.measure_horovod_scaling(cfg, preps[-1], sizes, one_rank[preps[-1].name]))
-                if cluster is not None:
-                    results.extend(cross_host.measure_cross_host(sizes, quick=quick))
-                if want("step_overhead"):
-                    results.extend(step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick))
-                if want("photo_decode"):
-                    results.extend(photo_decode.measure_photo_decode(sizes, quick=quick))
+                measures = {
+                    "overheads": lambda: overheads.measure_train_overheads(cfg, preps[0], sizes, run),
+                    "tune_overhead": lambda: tune_overhead.measure_tune_overhead(spark, bench_cfg, preps[0], sizes,
+                                                                                 work_dir),
+                    "restart_cost": lambda: restart_cost.measure_restart_cost(spark, bench_cfg, preps[0], sizes,
+                                                                              work_dir),
+                    "job_phases": lambda: job_phases.measure_job_phases(bench_cfg, preps[0], sizes, work_dir,
+                                                                        quick=quick),
+                    "direct_source": lambda: direct_source.measure_direct_source(bench_cfg, preps[0], sizes, work_dir,
+                                                                                 quick=quick, spark=spark),
+                    "epoch_parity": lambda: epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
+                                                                              quick=quick),
+                    "scaling": lambda: scaling.measure_horovod_scaling(cfg, preps[-1], sizes,
+                                                                       one_rank[preps[-1].name]),
+                    "cross_host": lambda: cross_host.measure_cross_host(sizes, quick=quick),
+                    "step_overhead": lambda: step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick),
+                    "photo_decode": lambda: photo_decode.measure_photo_decode(sizes, quick=quick),
+                }
+                for name, measure in measures.items():
+                    if want(name) and (name != "cross_host" or cluster is not None):
+                        with timed(name):
+                            results.extend(measure())
                 if want("gpu"):
-                    gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
+                    with timed("gpu"):
+                        gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
                     results.extend(gpu_results)
                     if gpu_dev:
                         per_device["gpu_per_precision"] = gpu_dev
@@ -177,6 +194,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                 report["passed"] = {r.key: r.passed for r in results}
                 report["all_passed"] = all(r.passed for r in results)
                 report["duration_s"] = time.perf_counter() - t_start
+                report["measurement_s"] = {k: round(v, 1) for k, v in seconds.items()}  # where the run's time went
                 report["mlflow_run_id"] = run.run_id
                 if not quick:
                     log_to_mlflow(run, report)
@@ -188,5 +206,6 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     with open(out, "w") as fh:
         json.dump(report, fh, indent=2, default=str)
     log_table(report)
-    log.info("bench report written to %s (%.0f s)", out, report["duration_s"])
+    log.info("bench report written to %s (%.0f s; per measurement: %s)", out, report["duration_s"],
+             ", ".join(f"{k} {v:.0f} s" for k, v in report.get("measurement_s", {}).items()))
     return report

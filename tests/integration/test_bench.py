@@ -58,6 +58,25 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
         assert report["ratios"][key] == r["ratio"]
     assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px", "photos_4032x3024"}
+    # where the run's time went, per measurement (the conversion prepares both data sets)
+    spent = report["measurement_s"]
+    assert set(spent) == {"conversion", "loader", "input_bound", "shard_balance", "predict_throughput", "overheads",
+                          "tune_overhead", "restart_cost", "job_phases", "direct_source", "epoch_parity", "scaling",
+                          "step_overhead", "photo_decode", "gpu"}, spent
+    assert all(v >= 0 for v in spent.values()) and sum(spent.values()) <= report["duration_s"], spent
+    # the step overhead: train() against a plain loop on the same in-memory batches, one job per backend and world
+    # size (also alone, without Spark: test_bench_photo_decode_quick runs a standalone part by itself)
+    steps = [r for r in report["results"] if r["name"] == STEP_OVERHEAD[device]]
+    assert {r["variant"] for r in steps} == STEP_OVERHEAD_VARIANTS
+    for r in steps:
+        p = r["parts"]
+        assert r["repeats"] == 2 and r["ratio"] == pytest.approx(sorted(r["per_repeat"])[0] / 2 +
+                                                                 sorted(r["per_repeat"])[1] / 2), r
+        assert p["train_ms_per_step"] > 0 and p["plain_ms_per_step"] > 0 and p["train_cpu_ms_per_step"] > 0, p
+        assert p["world_size"] == int(r["variant"][-1]) and p["backend"] == r["variant"].split("/")[0]
+        assert p["steps_per_window"] == 30 and p["batch_per_rank"] == 16 and p["compile"] is False
+        assert r["target"] == (0.25 if device == "cuda" else 0.5) and r["op"] == "<="
+    assert not list((tmp_path / "bench").glob("step_overhead_*"))  # its scratch data set is removed
     scaling = next(r for r in report["results"] if r["name"] == "horovod_cpu_scaling")["parts"]
     for control in ("plain_1_proc", "plain_2_procs", "horovod_2_ranks_in_memory",
                     "pipeline_2_ranks_in_memory"):  # measured, not assumed
@@ -148,34 +167,6 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     # the bench converted into its own cache, removed at the end; the user's (data.cache_dir) got nothing
     assert not (tmp_path / "bench" / "cache").exists() and not (tmp_path / "bench" / "tune").exists()
     assert not [p for p in (tmp_path / "petastorm_cache").glob("*") if p.is_dir()]
-
-
-@pytest.mark.timeout(1200)
-def test_bench_step_overhead_quick(tmp_path: Path):
-    """`lakehouse bench --only step_overhead --quick`: train() against a plain loop on the same in-memory batches, one
-    job per backend and world size, without Spark; every figure measured, the scratch data removed."""
-    out = tmp_path / "bench" / "bench.json"
-    env = dict(os.environ, LAKEHOUSE_PROGRESS="1")  # rank 0's progress bar on, as a user's run has it
-    proc = subprocess.run(
-        cli("bench", "--quick", "--only", "step_overhead", "--out", str(out), "--conf", str(ROOT / "conf/local.yaml"),
-            f"train.checkpoint_dir={tmp_path}/checkpoints", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-            f"mlflow.artifact_location={tmp_path}/mlartifacts"),
-        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1190)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(out.read_text())
-    assert report["only"] == ["step_overhead"] and report["datasets"] == {}  # no table, no conversion, no Spark
-    name = STEP_OVERHEAD[report["machine"]["device"]]
-    results = report["results"]
-    assert {r["variant"] for r in results} == STEP_OVERHEAD_VARIANTS and {r["name"] for r in results} == {name}
-    for r in results:
-        p = r["parts"]
-        assert math.isfinite(r["ratio"]) and r["repeats"] == 2 and len(r["per_repeat"]) == 2, r
-        assert r["ratio"] == pytest.approx(sorted(r["per_repeat"])[0] / 2 + sorted(r["per_repeat"])[1] / 2)
-        assert p["train_ms_per_step"] > 0 and p["plain_ms_per_step"] > 0 and p["train_cpu_ms_per_step"] > 0, p
-        assert p["world_size"] == int(r["variant"][-1]) and p["backend"] == r["variant"].split("/")[0]
-        assert p["steps_per_window"] == 30 and p["batch_per_rank"] == 16 and p["compile"] is False
-        assert r["target"] == (0.25 if name.startswith("gpu") else 0.5) and r["op"] == "<="
-    assert not list((tmp_path / "bench").glob("step_overhead_*"))  # its scratch data set is removed
 
 
 @pytest.mark.timeout(600)
