@@ -40,9 +40,9 @@ setup: $(VENV)/.installed
 demo: setup
 	bash scripts/demo.sh
 
-# The tiers and their summary line: scripts/test_tiers.sh. The modern, dbr-15.4 and vision venvs are set up in the
-# background, at the lowest priority, while the classic suite runs; a tier whose set-up failed is said and not run.
-test: .venv/.installed
+# The tiers and their summary line: scripts/test_tiers.sh. It sets up the four venvs at once (the classic one too, so
+# no prerequisite here), then runs the tiers; a tier whose set-up failed is said and not run.
+test:
 	MAKE="$(MAKE)" VISION_TESTS="$(VISION_TESTS)" bash scripts/test_tiers.sh
 
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning,

@@ -69,7 +69,10 @@ if [ -z "$BASE_TORCH_CUDA" ]; then
   # torch first, alone, so pip takes the CPU wheel (a CUDA build is several GB); then the rest, pinned.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | quiet
 fi
-"$VENV/bin/python" -m pip install -q -e ".[dev,$EXTRA]" 2>&1 | quiet
+# One editable install of the project at a time in this checkout (`make test` sets the venvs up at once): each writes
+# lakehouse_pipeline.egg-info/ in the source tree.
+mkdir -p work
+flock work/.editable-install.lock "$VENV/bin/python" -m pip install -q -e ".[dev,$EXTRA]" 2>&1 | quiet
 IMPORTS="import torch, pyarrow, numpy, pandas, deltalake, pyspark, mlflow, pytorch_lightning"
 [ "$PROFILE" = modern ] || IMPORTS="$IMPORTS, petastorm"
 "$VENV/bin/python" -c "$IMPORTS"
