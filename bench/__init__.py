@@ -80,7 +80,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     readers = loader.available_readers(cfg)
     report: Dict[str, Any] = {
         "bench": "lakehouse", "quick": quick, "repeats": sizes.repeats,
-        "repeats_note": ("--quick: 2 repeats after a warm-up; it proves the bench runs, the figures are indicative"
+        "repeats_note": ("--quick: 2 repeats after a warm-up (one timed pair of whole trainings for the restart "
+                           "cost and the tune overhead); it proves the bench runs, the figures are indicative"
                          if quick else f"median of {sizes.repeats} repeats after a warm-up"),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "load": {"before": load()},
         "sizes": dataclasses.asdict(sizes), "config": {k: v for k, v in cfg.flat().items() if k.startswith("data.")},

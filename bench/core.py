@@ -116,12 +116,18 @@ class Sizes:
     train_steps: int  # steps per window of a train() run (one window = one repeat)
     warmup_steps: int  # untimed training steps before the first timed one (a process reaches steady speed after ~200)
     hvd_steps: int  # steps per window of the hand-written reference loops
+    job_pairs: int = 0  # timed pairs of whole trainings (restart_cost, tune_overhead); 0: `repeats`
+
+    @property
+    def pairs(self) -> int:
+        return self.job_pairs or self.repeats
 
 
 FULL = Sizes(synthetic_rows=50_000, repeats=5, loader_min_rows=200_000, train_steps=60, warmup_steps=250,
              hvd_steps=60)
+# --quick times one pair of whole trainings where a pair is two ~20 s jobs (restart cost, tune overhead)
 QUICK = Sizes(synthetic_rows=2_000, repeats=2, loader_min_rows=10_000, train_steps=16, warmup_steps=8,
-              hvd_steps=16)
+              hvd_steps=16, job_pairs=1)
 
 
 @dataclass

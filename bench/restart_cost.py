@@ -64,7 +64,7 @@ def cost_result(whole: List[float], cut: List[float], epoch_s: List[float], star
 
 
 def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
-    """`repeats` pairs of the same `workflow.train` (2 Horovod ranks on this machine, `EPOCHS` epochs, a checkpoint
+    """`sizes.pairs` pairs of the same `workflow.train` (2 Horovod ranks on this machine, `EPOCHS` epochs, a checkpoint
     per epoch, early stopping off) on `prep` (the sample) with a warm converted-data cache: uninterrupted, and with
     rank 1 failing at the last step of epoch `FAIL_EPOCH` (`debug.fail_at_step`: the rank raises and exits, Horovod's
     launcher stops the other; the injected failure hits the first attempt only) and `train.max_restarts=1`, which
@@ -125,7 +125,7 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
         with open(client.download_artifacts(warm["run_id"], "shard_plan.json", root)) as fh:
             steps = json.load(fh)["train"]["steps_per_epoch"]
         fail_step = (FAIL_EPOCH + 1) * steps - 1
-        for i in range(1, sizes.repeats + 1):
+        for i in range(1, sizes.pairs + 1):
             for name in (("cut", "whole") if i % 2 else ("whole", "cut")):
                 (cut if name == "cut" else whole).append(one(name, i, fail_step if name == "cut" else None))
     bad = [c for c in cut if c["restarts"] != [1] or c["launches"] != 2]

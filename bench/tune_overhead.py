@@ -179,7 +179,7 @@ def _alone_config(tcfg: Config, fixed: Dict[str, Any], trial: Dict[str, Any], ro
 
 
 def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
-    """One study of `repeats` + 1 trials of a small sweep on `prep` (the sample) through `run_tune`, and for each
+    """One study of `sizes.pairs` + 1 trials of a small sweep on `prep` (the sample) through `run_tune`, and for each
     trial the same overrides through `workflow.train` alone; the first trial and a first train alone are warm-ups.
 
     Trials and trains alternate (train alone first on odd pairs, after on even ones), on the same pinned version,
@@ -200,7 +200,7 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
     from pipeline.tune import sweep
     from pipeline.tune import trial as tune_trial
 
-    n = sizes.repeats
+    n = sizes.pairs
     root = os.path.join(work_dir, "tune")
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
