@@ -37,7 +37,7 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, torchvision
 else
   # torch's CUDA build and its libraries take ~5.6 GiB in the venv, the pipeline's stack ~2.5, and pip unpacks each
   # wheel beside it
-  need_disk 12 . "the vision venv ($VENV)"
+  need_disk 10 . "the vision venv ($VENV)"
   # A failed install (a full disk, a lost download, a failed Horovod build) leaves no half-built venv for a later run
   # to trust.
   drop_venv() { [ ! -f "$VENV/pyvenv.cfg" ] || rm -rf "$VENV"; }

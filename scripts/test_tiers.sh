@@ -10,7 +10,10 @@
 # stop whose set-ups ran beside the whole classic suite took 5,027 s in CI against 4,334 s before). The vision venv of
 # this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes on 2 cores): its tier trains on DDP ranks. A
 # tier whose set-up failed is said, with its log's tail, and not run (a half-built venv gives only import errors).
-# Every tier runs even when an earlier one fails; the exit status is the worst of them.
+# Every tier runs even when an earlier one fails; the exit status is the worst of them. One exception: a modern,
+# dbr-15.4 or vision set-up that refused to start for lack of disk (need_disk's message; the disk of a CI machine is
+# shared and varies, seen from 8 to 80 GiB free) is said in the summary as "not run (disk)" and does not fail the run;
+# LAKEHOUSE_REQUIRE_ALL_TIERS=1 makes it fail.
 #   VISION_TESTS="..."   the vision tier's test files (the Makefile's list)
 #   LAKEHOUSE_SETUP_INLINE=1   the classic set-up and whole suite first, then the other set-ups one after another
 set -uo pipefail
@@ -55,7 +58,7 @@ if [ -n "$bg" ]; then
   rc_bench=$?
   wait "$bg"
   echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s"
-  .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 --ignore="$BENCH_TESTS"
+  .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml --ignore="$BENCH_TESTS"
   rc=$?
   [ $rc -ne 0 ] || rc=$rc_bench
 else
@@ -67,6 +70,7 @@ summary="classic: pytest exit $rc"
 
 [ -n "$bg" ] || setup_tiers
 
+DISK_REFUSAL="needs about [0-9]* GiB free"  # scripts/need_disk.sh
 set_up() {  # $1 tier name: 0 when its set-up succeeded, else its log's tail is shown
   local rc
   rc=$(cat "$LOGS/$1.rc" 2>/dev/null || echo "none")
@@ -74,6 +78,16 @@ set_up() {  # $1 tier name: 0 when its set-up succeeded, else its log's tail is 
   echo "== $1: set-up failed (exit $rc); the end of $LOGS/$1.log:"
   tail -n 40 "$LOGS/$1.log" 2>/dev/null
   return 1
+}
+not_set_up() {  # $1 tier name: its set-up failed; a refusal for lack of disk is said and, by default, not a failure
+  if grep -q "$DISK_REFUSAL" "$LOGS/$1.log" 2>/dev/null && [ "${LAKEHOUSE_REQUIRE_ALL_TIERS:-0}" != 1 ]; then
+    echo "== $1: NOT RUN: this machine lacks the disk its venv needs ($(grep -o "has [0-9]* GiB" "$LOGS/$1.log" | head -1)" \
+      "free); LAKEHOUSE_REQUIRE_ALL_TIERS=1 makes this a failure"
+    summary="$summary; $1: not run (disk)"
+  else
+    status=1
+    summary="$summary; $1: set-up failed"
+  fi
 }
 
 for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do
@@ -90,8 +104,7 @@ for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do
     fi
     summary="$summary; $name: pytest exit $rc"
   else
-    status=1
-    summary="$summary; $name: set-up failed"
+    not_set_up "$name"
   fi
 done
 
@@ -103,8 +116,7 @@ if set_up vision; then
   [ $rc -eq 0 ] || status=1
   summary="$summary; vision: pytest exit $rc"
 else
-  status=1
-  summary="$summary; vision: set-up failed"
+  not_set_up vision
 fi
 
 echo "== make test: $summary"

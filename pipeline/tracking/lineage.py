@@ -4,6 +4,8 @@ absolute and real), never as typed, so the record names the same table from any 
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -12,6 +14,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.data.delta_dataset_source import DeltaDatasetSource
 from mlflow.entities import DatasetInput, InputTag, Param
+from mlflow.exceptions import MlflowException
 
 from pipeline.config import Config
 from pipeline.lakehouse.delta_common import table_location
@@ -21,6 +24,13 @@ from pipeline.redact import redacted
 # config is also logged as config.yaml, so truncating long values loses nothing.
 PARAM_VALUE_LIMIT = 500
 BATCH_LIMIT = 100
+# Two runs of one experiment that log the same table version at once both find no dataset row and both insert one; the
+# SQL store's unique key refuses the second (an IntegrityError, sent back as a server error). The dataset then exists,
+# and MLflow's log_inputs reuses an existing dataset and input edge, so asking again is safe.
+DATASET_RACE = re.compile(r"IntegrityError|UNIQUE constraint failed|Duplicate entry|duplicate key value", re.I)
+DATASET_ATTEMPTS = 3
+
+log = logging.getLogger(__name__)
 
 
 def _param_value(value: Any) -> str:
@@ -109,5 +119,13 @@ def log_lineage(client: MlflowClient, run_id: str, table: str, version: int, row
         client.log_batch(run_id, tags=items[start:start + BATCH_LIMIT], synchronous=True)
     dataset = delta_dataset(table, int(version))
     # Dataset._to_mlflow_entity is what mlflow.log_input uses; the client call needs no active run.
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
-                                                     tags=[InputTag("mlflow.data.context", "training")])])
+    inputs = [DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])]
+    for attempt in range(1, DATASET_ATTEMPTS + 1):
+        try:
+            client.log_inputs(run_id, datasets=inputs)
+            return
+        except MlflowException as exc:
+            if attempt == DATASET_ATTEMPTS or not DATASET_RACE.search(str(exc)):
+                raise
+            log.info("input dataset %s: another run inserted it at the same moment (attempt %d of %d); logging it "
+                     "again", dataset.name, attempt, DATASET_ATTEMPTS)
