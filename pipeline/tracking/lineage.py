@@ -4,7 +4,6 @@ absolute and real), never as typed, so the record names the same table from any 
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 import subprocess
 from pathlib import Path
@@ -18,6 +17,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config import Config
 from pipeline.lakehouse.delta_common import table_location
+from pipeline.log import get_logger
 from pipeline.redact import redacted
 
 # MLflow servers before 1.x/2.x accepted 500 characters per param value; newer ones more. The whole
@@ -30,7 +30,7 @@ BATCH_LIMIT = 100
 DATASET_RACE = re.compile(r"IntegrityError|UNIQUE constraint failed|Duplicate entry|duplicate key value", re.I)
 DATASET_ATTEMPTS = 3
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def _param_value(value: Any) -> str:
