@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "onnx==1.23.2",  # lakehouse export; installs beside numpy 1.26.4 (ml_dtypes 0.5.4)
     "onnxruntime==1.32.0",  # ONNX parity check (export) and tests
     "pillow==13.0.0",
+    "simplejpeg==1.9.0",  # libjpeg-turbo straight into numpy: the CPU decode workers' JPEGs (pipeline.data.crops)
     "pyyaml==6.0.3",
     "cloudpickle==3.1.2",
     "psutil==7.2.2",

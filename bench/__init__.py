@@ -174,7 +174,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                                                                        one_rank[preps[-1].name]),
                     "cross_host": lambda: cross_host.measure_cross_host(sizes, quick=quick),
                     "step_overhead": lambda: step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick),
-                    "photo_decode": lambda: photo_decode.measure_photo_decode(sizes, quick=quick),
+                    "photo_decode": lambda: (photo_decode.measure_photo_decode(sizes, quick=quick)
+                                             + photo_decode.measure_decode_per_core(sizes, quick=quick)),
                 }
                 for name, measure in measures.items():
                     if want(name) and (name != "cross_host" or cluster is not None):

@@ -88,6 +88,10 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                                   "decode, random resized crop and flip or the center crop) of 4032x3024 "
                                                   "JPEGs with the reduced-scale JPEG decode / the same crops decoded at "
                                                   "full size, one thread (bench/photo_decode.py)"),
+    "cpu_photos_decode_per_core": (">=", 0.9, "images/s per decode worker of the rank's CPU decoder (header, random "
+                                              "resized crop and flip to 224 px) with one worker per core / a plain "
+                                              "Pillow decode loop on one core, ImageNet-shaped JPEGs "
+                                              "(bench/photo_decode.py)"),
     "gpu_photos_loader_images_per_s": (">=", 6000.0, "images/s of the train ShardLoader alone with data.decode=gpu "
                                                      "(nvJPEG, crop, flip), each batch normalised into bf16 on the "
                                                      "GPU"),

@@ -1,9 +1,11 @@
-"""The CPU decode of photos larger than ImageNet's (a phone's 4032x3024 JPEGs): crops to 224 px decoded at a reduced
-JPEG scale (`pipeline.data.crops`' draft) against the same crops decoded at full size, taking turns in one run; no
-Spark, no table (`lakehouse bench --only photo_decode`)."""
+"""The CPU decode of photos (`lakehouse bench --only photo_decode`; no Spark, no table): a phone's 4032x3024 JPEGs
+cropped to 224 px at a reduced JPEG scale (`pipeline.data.crops`' draft) against the same crops decoded at full size;
+ImageNet-shaped JPEGs through the rank's CPU decoder (1 worker and one per core) against a plain Pillow decode loop on
+one core. Each pair takes turns in one run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -15,6 +17,7 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 DATASET = "photos_4032x3024"
+IMAGENET_DATASET = "photos_imagenet_shaped"
 PHOTO_SIZE = (4032, 3024)  # a 12 MP phone photo
 CROP = 224
 
@@ -74,3 +77,72 @@ def measure_photo_decode(sizes, quick: bool = False) -> List[Result]:
              "%.2f levels on average", parts["draft_images_per_s"], parts["full_decode_images_per_s"], median(per),
              parts["pixels_mean_abs_diff"])
     return [Result("cpu_decode_large_photo_speedup", DATASET, median(per), parts, len(per), per)]
+
+
+def imagenet_photos(count: int) -> List[bytes]:
+    """`count` ImageNet-shaped JPEGs (sample-data's: ~400x350 RGB, quality 90), classes in turn."""
+    from pipeline.lakehouse.sample_data import PHOTO_CLASSES, render_photo
+
+    return [render_photo(PHOTO_CLASSES[i % len(PHOTO_CLASSES)], 13, i)[0] for i in range(count)]
+
+
+def _decoder_images_per_s(photos: List[bytes], workers: int, batch: int) -> float:
+    """images/s of the rank's CPU decoder (pipeline.data.decode.Decoder: headers, random resized crops and flips to
+    CROP px, NHWC uint8 as the loader takes them with channels_last) with `workers` (1: a thread of this process; more:
+    that many processes), every photo once in batches of `batch`, the next batches decoded ahead as the loader does;
+    after a warm-up batch that starts the workers."""
+    from pipeline.data.decode import Decoder, EncodedBatch
+
+    rows = np.empty((len(photos), 2), dtype=object)
+    rows[:, 0] = photos
+    rows[:, 1] = [f"photo/{i}.jpg" for i in range(len(photos))]
+    decoder = Decoder(CROP, 3, train=True, seed=0, workers=workers, channels_last=True)
+    try:
+        decoder.decode(EncodedBatch(rows[:batch], 0))
+        items = ((EncodedBatch(rows[lo:lo + batch], 1 + lo // batch),) for lo in range(0, len(photos), batch))
+        t0 = time.perf_counter()
+        n = sum(len(out) for (out,) in decoder.batches(items))
+        return n / (time.perf_counter() - t0)
+    finally:
+        decoder.close()
+
+
+def cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_decode_per_core(sizes, quick: bool = False) -> List[Result]:
+    """`cpu_photos_decode_per_core`: images/s per decode worker of the rank's CPU decoder with one worker per core /
+    a plain Pillow decode loop on one core (open, decode, RGB), on the same ImageNet-shaped JPEGs, the two taking
+    turns (sizes.repeats rounds after a warm-up); the parts also give one worker's figure, so the scaling shows."""
+    from bench.photos_data import pillow_images_per_s
+
+    photos, batch, all_cores = imagenet_photos(128 if quick else 512), 64 if quick else 128, cores()
+    workers = sorted({1, all_cores})
+    pillow_images_per_s(photos)  # warm-up
+    for w in workers:
+        _decoder_images_per_s(photos[:2 * batch], w, batch)
+    pillow, per_workers = [], {w: [] for w in workers}
+    for r in range(sizes.repeats):
+        order = workers if r % 2 == 0 else workers[::-1]
+        if r % 2 == 0:
+            pillow.append(pillow_images_per_s(photos))
+        for w in order:
+            per_workers[w].append(_decoder_images_per_s(photos, w, batch))
+        if r % 2:
+            pillow.append(pillow_images_per_s(photos))
+    per_core = {w: [ratio(v / w, p) for v, p in zip(per_workers[w], pillow)] for w in workers}
+    parts: Dict[str, Any] = {
+        "pillow_one_core_images_per_s": median(pillow), "cores": all_cores, "photos": len(photos),
+        "batch": batch, "crop_px": CROP, "mean_jpeg_kb": float(np.mean([len(p) for p in photos])) / 1e3,
+        "decoder": {str(w): {"images_per_s": median(per_workers[w]), "per_core_over_pillow": median(per_core[w])}
+                    for w in workers}}
+    log.info("photo decode per core: %s; Pillow alone %.0f img/s on one core", json.dumps(parts["decoder"]),
+             parts["pillow_one_core_images_per_s"])
+    return [Result("cpu_photos_decode_per_core", IMAGENET_DATASET, median(per_core[all_cores]), parts,
+                   len(per_core[all_cores]), per_core[all_cores])]

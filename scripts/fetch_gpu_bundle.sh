@@ -11,7 +11,7 @@
 #   horovod 0.28.1 (sdist, built there) + cffi, pycparser (its build) + cloudpickle, psutil, nvidia-ml-py (NVML for
 #   the GPU telemetry), pyyaml, packaging
 #   pytest, pytest-timeout (pytest.ini's timeout)
-#   pillow (decode_image, pyfunc), pandas (pyfunc), matplotlib (rank 0's plots)
+#   pillow (decode_image, pyfunc), simplejpeg (the CPU decode's JPEGs), pandas (pyfunc), matplotlib (rank 0's plots)
 #   mlflow-skinny 3.17.2 + sqlalchemy + alembic (the SQLite tracking store and model registry on rank 0 / driver)
 # No pyspark, petastorm, deltalake or Java: the tier trains from Parquet written with pyarrow.
 set -euo pipefail
@@ -25,7 +25,7 @@ for p in $PLATFORMS; do PLAT_ARGS+=(--platform "$p"); done
 
 python3 -m pip download -q --no-deps --no-binary :all: "horovod==0.28.1" -d "$OUT"
 REQS=(cffi pycparser cloudpickle psutil "nvidia-ml-py==13.615.71" pyyaml packaging "pytest==9.2.0" "pytest-timeout==2.4.0" "pillow==13.0.0"
-      "pandas==2.3.3" "matplotlib==3.11.2" "mlflow-skinny==3.17.2" sqlalchemy alembic)
+      "simplejpeg==1.9.0" "pandas==2.3.3" "matplotlib==3.11.2" "mlflow-skinny==3.17.2" sqlalchemy alembic)
 [ "${BUNDLE_WITH_CMAKE:-0}" = 1 ] && REQS+=("cmake==4.4.4")
 python3 -m pip download -q --only-binary :all: --python-version "$PYV" "${PLAT_ARGS[@]}" -d "$OUT" "${REQS[@]}"
 # what the CUDA machine already has (and the largest wheels): not carried

@@ -50,6 +50,8 @@ pip_offline() { PIP_CONFIG_FILE=/dev/null "${PIP[@]}" install -q --no-index --fi
 # packages are kept as they are.
 pip_offline cffi pycparser cloudpickle psutil pyyaml packaging pytest pytest-timeout pillow pandas matplotlib \
   mlflow-skinny sqlalchemy alembic
+# simplejpeg: the CPU decode's JPEGs; a bundle fetched before it was added lacks it, and Pillow then decodes them
+pip_offline simplejpeg || log "simplejpeg is not in $BUNDLE: the CPU decode workers decode JPEGs with Pillow"
 if ! command -v cmake >/dev/null 2>&1 && ls "$BUNDLE"/cmake-*.whl >/dev/null 2>&1; then pip_offline cmake; fi
 T_DEPS=$(date +%s)
 

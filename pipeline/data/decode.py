@@ -1,5 +1,5 @@
 """The rank's decode stage: encoded image rows -> the ImageNet recipe's crops as uint8 batches, decoded on the CPU in
-worker processes (Pillow) or on the rank's GPU (nvJPEG through torchvision), with the same crops either way.
+worker processes (libjpeg-turbo, torch) or on the rank's GPU (nvJPEG through torchvision), the same crops either way.
 
 With `data.decode=cpu|gpu|auto` the converter keeps each row's encoded bytes and path; the batch assembler shuffles
 them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder` turns into tensors:
@@ -9,15 +9,16 @@ them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder
   source image resized to `data.image_size` square. The random draws of a batch depend only on (seed, batch index),
   never on the image sizes or the thread that decodes, so a batch is the same on every run, on the CPU or the GPU, and
   after a resume that skipped batches.
-- CPU: Pillow decodes and resizes the box (`Image.resize(box=)`, antialiased bilinear) in `workers` processes (one:
-  a thread). Each batch is cut into one chunk per worker, and the next batches are decoded while this one trains.
-  The processes share a ring of slots with the rank (`Ring`: anonymous shared memory inherited at the fork): a
+- CPU: libjpeg-turbo (simplejpeg; Pillow for other formats) decodes and torch's antialiased bilinear resizes the box
+  (pipeline.data.crops), in `workers` processes (one: a thread). Each batch is cut into one chunk per worker, and the
+  next batches are decoded while this one trains. The processes share a ring of slots with the rank (`Ring`: anonymous shared memory inherited at the fork): a
   batch's encoded bytes are written into a slot, each process is sent its rows' offsets (a few KB) and decodes them
   into the slot's pixel rows, and the rank copies the batch out of the slot.
-- GPU (pipeline.data.gpu_decode): the JPEG rows of a batch are decoded in one batched nvJPEG call on the rank's device, then cropped, resized
-  (bilinear, antialiased as Pillow's) and flipped there, the whole batch in two matrix products; rows that are not
-  JPEG, and the JPEG rows of a batch nvJPEG refused, are decoded on the CPU path within the same batch.
-- Every row's header is read first, through `pipeline.images` (the pixel bound and the format allow-list): an
+- GPU (pipeline.data.gpu_decode): the JPEG rows of a batch are decoded in one batched nvJPEG call on the rank's
+  device, then cropped, resized (bilinear, antialiased as the CPU path's) and flipped there, the whole batch in two
+  matrix products; rows that are not JPEG, and the JPEG rows of a batch nvJPEG refused, are decoded on the CPU path
+  within the same batch.
+- Every row's header is read first (once: its box and its decode, on the CPU path), through `pipeline.images` (the pixel bound and the format allow-list): an
   undecodable or over-large image stops the job with a `RowDecodeError` naming the row's path, on both paths.
 """
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Decoder:
     `pin`: the batches in pinned memory (a CUDA rank copies them asynchronously).
 
     `workers` 1: in a thread of the rank. More: in `workers` processes (forked once, as DataLoader's workers are),
-    each decoding a share of every batch (headers, boxes, Pillow: crops.decode_chunk) in a slot of the ring they
+    each decoding a share of every batch (headers, boxes, decodes: crops.decode_chunk) in a slot of the ring they
     share with the rank (`Ring`), from which the rank copies the batch out. A batch that does not fit a slot (more
     rows than the first batch, or more bytes than a slot's input area) has its shares' bytes pickled to the
     processes and their pixels handed back as shared tensors, through threads of the rank.
@@ -131,8 +132,8 @@ class Decoder:
                 self._ring = self._make_ring(first) if first is not None else None
                 # fork, as DataLoader's workers on Linux: spawn and forkserver re-run the user's main module in
                 # every worker (a notebook's or a script's without a __main__ guard fails); a worker only decodes
-                # (numpy, Pillow), never touches CUDA or the rank's other threads' state. The fork also gives the
-                # workers the ring's mapping, which no other start method could pass
+                # (numpy, simplejpeg, Pillow, torch on one thread), never touches CUDA or the rank's other threads'
+                # state. The fork also gives the workers the ring's mapping, which no other start method could pass
                 self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                                   initializer=_start_worker, initargs=(os.getpid(), self._ring))
             return self._procs
@@ -204,12 +205,14 @@ class Decoder:
                                            self.max_pixels).result().numpy()
 
             return out, [pool.submit(share, lo) for lo in range(0, n, chunk)]
-        boxes_f = pool.submit(self.boxes, batch)  # headers first (cheap), then the decodes split over the workers
+        draws, view = (crop_draws(self.seed, batch.index, n) if self.train else None), out.numpy()
 
-        def part(lo: int) -> None:
-            self._decode_rows(out, batch.rows, boxes_f.result(), range(lo, min(n, lo + chunk)))
+        def part(lo: int) -> None:  # each row's header read once, for its box and its decode
+            hi = min(n, lo + chunk)
+            decode_chunk(batch.rows[lo:hi, 0], batch.rows[lo:hi, 1], None if draws is None else draws[lo:hi],
+                         self.size, self.channels, self.max_pixels, out=view[lo:hi])
 
-        return out, [boxes_f] + [pool.submit(part, lo) for lo in range(0, n, chunk)]
+        return out, [pool.submit(part, lo) for lo in range(0, n, chunk)]
 
     def _submit_to_ring(self, procs: ProcessPoolExecutor, batch: EncodedBatch, chunk: int) -> Optional[RingBatch]:
         """`batch` written into a free slot of the ring and its chunks sent to the processes; None when it does not

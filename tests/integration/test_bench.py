@@ -21,7 +21,7 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
           "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step",
-          "cpu_decode_large_photo_speedup"]
+          "cpu_decode_large_photo_speedup", "cpu_photos_decode_per_core"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
@@ -182,7 +182,7 @@ def test_bench_photo_decode_quick(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["only"] == ["photo_decode"] and report["datasets"] == {}
-    (r,) = report["results"]
+    r, per_core = report["results"]
     p = r["parts"]
     assert r["name"] == "cpu_decode_large_photo_speedup" and r["dataset"] == "photos_4032x3024"
     assert r["repeats"] == 2 and len(r["per_repeat"]) == 2 and math.isfinite(r["ratio"]) and r["ratio"] > 0
@@ -190,6 +190,14 @@ def test_bench_photo_decode_quick(tmp_path: Path):
     assert p["photos"] == 4 and p["crops"] == 8 and p["draft_images_per_s"] > 0 and p["full_decode_images_per_s"] > 0
     assert set(p["scales_taken"]) <= {"1", "2", "4", "8"} and p["scales_taken"].get("4", 0) >= 4  # the val crops
     assert 0 < p["pixels_mean_abs_diff"] < 1.5, p
+    # ImageNet-shaped JPEGs through the rank's decoder, 1 worker and one per core, against Pillow on one core
+    p = per_core["parts"]
+    assert per_core["name"] == "cpu_photos_decode_per_core" and per_core["dataset"] == "photos_imagenet_shaped"
+    assert per_core["target"] == 0.9 and per_core["op"] == ">=" and len(per_core["per_repeat"]) == 2
+    assert p["photos"] == 128 and p["pillow_one_core_images_per_s"] > 0
+    assert set(p["decoder"]) == {"1", str(p["cores"])}, p
+    assert all(d["images_per_s"] > 0 and d["per_core_over_pillow"] > 0 for d in p["decoder"].values())
+    assert per_core["ratio"] == p["decoder"][str(p["cores"])]["per_core_over_pillow"]
 
 
 @pytest.mark.timeout(600)

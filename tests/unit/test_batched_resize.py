@@ -31,3 +31,20 @@ def test_each_output_reads_only_its_own_crop_and_its_weights_sum_to_one():
     assert torch.allclose(w.sum(-1), torch.ones(2, 8))
     assert float(w[0, :, :10].abs().sum()) == 0 and float(w[0, :, 40:].abs().sum()) == 0
     assert float(w[1, :, 7:].abs().sum()) == 0
+
+
+def test_the_cpu_paths_resize_matches_the_gpu_paths_batched_one():
+    """crops.resize_box (each CPU decode worker's resize) and resized_crops (the GPU path's) resize the same crop the
+    same way: within a level, so decode=cpu and decode=gpu differ only by their JPEG decoders."""
+    import numpy as np
+
+    from pipeline.data.crops import resize_box
+
+    g = torch.Generator().manual_seed(5)
+    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in ((350, 400), (90, 120))]
+    boxes = [(10, 20, 300, 280, True), (5, 7, 40, 30, False)]
+    gpu = resized_crops(images, boxes, 56)
+    for k, (img, box) in enumerate(zip(images, boxes)):
+        cpu = resize_box(np.ascontiguousarray(img.permute(1, 2, 0).numpy()), box, 56)
+        diff = (torch.from_numpy(cpu).permute(2, 0, 1).int() - gpu[k].int()).abs()
+        assert cpu.shape == (56, 56, 3) and int(diff.max()) <= 1, (k, int(diff.max()))

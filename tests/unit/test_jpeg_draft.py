@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from pipeline.data.crops import (DRAFT_GAP, RowDecodeError, crop_draws, crop_hwc, decode_crop, draft_scale, train_box,
-                                 val_box)
+from pipeline.data.crops import (DRAFT_GAP, RowDecodeError, crop_draws, crop_hwc, decode_crop, draft_scale, resize_box,
+                                 train_box, val_box)
 from pipeline.images import ImageDecodeError, opened
 from pipeline.lakehouse.sample_data import PHOTO_CLASSES, render_photo
 
@@ -22,15 +22,12 @@ def large():
 
 
 def _full_size(content: bytes, box, size: int, mode: str = "RGB") -> np.ndarray:
-    """The reference: Pillow's decode of the whole image, then the same box resized and flipped (what crop_hwc did
-    for every image before the reduced-scale decode)."""
+    """The reference: Pillow's decode of the whole image, then the same box resized and flipped by `resize_box` (what
+    crop_hwc does for every image that is not decoded at a reduced scale)."""
     from PIL import Image
 
-    left, top, w, h, flip = box
-    img = Image.open(io.BytesIO(content)).convert(mode)
-    out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-    arr = np.asarray(out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out)
-    return arr[:, :, None] if arr.ndim == 2 else arr
+    arr = np.array(Image.open(io.BytesIO(content)).convert(mode))
+    return resize_box(arr[:, :, None] if arr.ndim == 2 else arr, box, size)
 
 
 def test_draft_scale_keeps_the_crop_at_least_the_gap_times_the_output():
@@ -105,3 +102,40 @@ def test_a_truncated_large_photo_is_named_as_at_full_size(large):
         crop_hwc(cut, val_box(*LARGE), 224, 3)
     with pytest.raises(RowDecodeError, match=r"row /photos/big/7\.jpg: not a decodable image"):
         decode_crop(cut, "/photos/big/7.jpg", val_box(*LARGE), 224, 3)
+
+
+def test_the_libjpeg_turbo_path_gives_pillows_pixels_and_pillow_takes_what_it_does_not(monkeypatch):
+    """A colour JPEG to RGB and a grayscale one to L decode through simplejpeg, to exactly the pixels Pillow's decode
+    gives (the crops equal with it turned off); a colour JPEG to grayscale, a CMYK JPEG, a PNG and a truncated JPEG
+    go to Pillow, whose conversion and error they keep."""
+    from PIL import Image
+
+    from pipeline.data import crops
+
+    if crops._simplejpeg is None:
+        pytest.skip("simplejpeg is not installed here: every image decodes through Pillow")
+    photo = render_photo(PHOTO_CLASSES[2], 5, 1)[0]
+    img = Image.open(io.BytesIO(photo))
+    w, h = img.size
+
+    def encoded(mode: str, fmt: str = "JPEG") -> bytes:
+        buf = io.BytesIO()
+        img.convert(mode).save(buf, format=fmt)
+        return buf.getvalue()
+
+    gray, cmyk, png = encoded("L"), encoded("CMYK"), encoded("RGB", "PNG")
+    box = train_box(w, h, crop_draws(7, 0, 1)[0])
+    assert draft_scale(w, h, box[2], box[3], 224) == 1  # decoded whole: the path under test
+    cases = [(photo, 3), (gray, 1), (gray, 3), (photo, 1), (cmyk, 3), (png, 3)]
+    fast = [crop_hwc(c, box, 224, ch) for c, ch in cases]
+    calls = []
+    real = crops._simplejpeg.decode_jpeg
+    monkeypatch.setattr(crops._simplejpeg, "decode_jpeg", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = [crop_hwc(c, box, 224, ch) for c, ch in cases]
+    assert len(calls) == 2  # the colour JPEG to RGB, the grayscale one to L; the rest never reach it
+    monkeypatch.setattr(crops, "_simplejpeg", None)
+    for (content, ch), got, twice in zip(cases, fast, again):
+        assert got.shape == (224, 224, ch) and np.array_equal(got, twice)
+        assert np.array_equal(got, crop_hwc(content, box, 224, ch)), ch  # Pillow alone: the same pixels
+    with pytest.raises(ImageDecodeError, match="not a decodable image"):
+        crop_hwc(photo[: len(photo) // 2], box, 224, 3)
