@@ -1,6 +1,7 @@
 """One row's CPU decode in the ImageNet recipe: the crop boxes (random resized crop and flip for training, the central
 crop for validation) and the decode of a box to a uint8 square (simplejpeg or Pillow, then torch's resize);
-`decode_chunk` is a decode worker process's whole task (pipeline.data.decode). No tensor crosses a process: rows go back as numpy."""
+`decode_chunk` is a decode worker process's whole task (pipeline.data.decode). No tensor crosses a process: the rows
+go back as numpy."""
 from __future__ import annotations
 
 import math

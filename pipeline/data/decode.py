@@ -11,15 +11,17 @@ them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder
   after a resume that skipped batches.
 - CPU: libjpeg-turbo (simplejpeg; Pillow for other formats) decodes and torch's antialiased bilinear resizes the box
   (pipeline.data.crops), in `workers` processes (one: a thread). Each batch is cut into one chunk per worker, and the
-  next batches are decoded while this one trains. The processes share a ring of slots with the rank (`Ring`: anonymous shared memory inherited at the fork): a
-  batch's encoded bytes are written into a slot, each process is sent its rows' offsets (a few KB) and decodes them
-  into the slot's pixel rows, and the rank copies the batch out of the slot.
+  next batches are decoded while this one trains. The processes share a ring of slots with the rank (`Ring`:
+  anonymous shared memory inherited at the fork): a batch's encoded bytes are written into a slot, each process is
+  sent its rows' offsets (a few KB) and decodes them into the slot's pixel rows, and the rank copies the batch out of
+  the slot.
 - GPU (pipeline.data.gpu_decode): the JPEG rows of a batch are decoded in one batched nvJPEG call on the rank's
   device, then cropped, resized (bilinear, antialiased as the CPU path's) and flipped there, the whole batch in two
   matrix products; rows that are not JPEG, and the JPEG rows of a batch nvJPEG refused, are decoded on the CPU path
   within the same batch.
-- Every row's header is read first (once: its box and its decode, on the CPU path), through `pipeline.images` (the pixel bound and the format allow-list): an
-  undecodable or over-large image stops the job with a `RowDecodeError` naming the row's path, on both paths.
+- Every row's header is read first (once, for its box and its decode, on the CPU path), through `pipeline.images`
+  (the pixel bound and the format allow-list): an undecodable or over-large image stops the job with a
+  `RowDecodeError` naming the row's path, on both paths.
 """
 from __future__ import annotations
 
