@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from typing import Iterator, Tuple
+from typing import Any, Iterator, Tuple
 
 import numpy as np
 
@@ -61,6 +61,15 @@ def check_pixels(width: int, height: int, max_pixels: int = MAX_PIXELS) -> None:
 # arithmetic): the segment that declares the frame's height, width and components
 _SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
 _STANDALONE = frozenset((0x01, *range(0xD0, 0xD8)))  # TEM, RST0-7: markers without a length
+
+
+def is_jpeg(content: Any) -> bool:
+    """A JPEG whole from its start (SOI) to its end (EOI), what the fast decoders are given (nvJPEG on the GPU,
+    simplejpeg on the CPU). nvJPEG decodes a truncated or zero-padded stream without a word (seen on an H100: gray
+    where the data stopped), where Pillow refuses it; so a row whose last marker is not EOI goes to Pillow, which
+    decodes it or names it."""
+    return (isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
+            and content[-2:] == b"\xff\xd9")
 
 
 def jpeg_frame(content) -> "Tuple[int, int, int] | None":

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.images import MAX_PIXELS, ImageDecodeError, opened
+from pipeline.images import MAX_PIXELS, ImageDecodeError, is_jpeg, jpeg_frame, opened
 
 try:  # libjpeg-turbo straight into numpy (a dependency; without it Pillow decodes every image, to the same pixels)
     import simplejpeg as _simplejpeg
@@ -110,20 +110,31 @@ def _drafted(img: Any, box: Tuple[int, int, int, int, bool], size: int) -> float
     return 1.0 if got is None else width / got[1][2]
 
 
-def _jpeg_pixels(content: bytes, img: Any, mode: str) -> Optional[np.ndarray]:
-    """A JPEG already in the channels' `mode` (a colour JPEG for RGB, a grayscale one for L) decoded straight into an
+def _jpeg_pixels(content: bytes, width: int, height: int, channels: int) -> Optional[np.ndarray]:
+    """A whole JPEG of the channels' components (3: colour to RGB, 1: grayscale to L) decoded straight into an
     (h, w, channels) array by libjpeg-turbo through simplejpeg: the same pixels as Pillow's decode (the same library,
     accurate DCT, fancy upsampling), in ~0.75 of its time (no row-by-row unpacking into Pillow's 4-byte pixels, no
-    copy out of it). None where Pillow decodes it instead: simplejpeg not installed, another format or mode (CMYK,
-    a colour JPEG to grayscale: Pillow's own conversions), or bytes libjpeg warns about (`strict`: Pillow then decides,
-    as it always did, whether the row decodes)."""
-    if _simplejpeg is None or img.format != "JPEG" or img.mode != mode:
+    copy out of it). None where Pillow decodes it instead: simplejpeg not installed, or bytes libjpeg warns about
+    (`strict`: Pillow then decides, as it always did, whether the row decodes)."""
+    if _simplejpeg is None:
         return None
     try:
-        out = _simplejpeg.decode_jpeg(content, colorspace="GRAY" if mode == "L" else "RGB", strict=True)
-    except Exception:  # noqa: BLE001  # Pillow's decode below names what is wrong, or decodes it
+        out = _simplejpeg.decode_jpeg(content, colorspace="GRAY" if channels == 1 else "RGB", strict=True)
+    except Exception:  # noqa: BLE001  # Pillow's decode names what is wrong, or decodes it
         return None
-    return out if out.shape[:2] == (img.height, img.width) else None
+    return out if out.shape[:2] == (height, width) else None
+
+
+def _fast_jpeg(content: Any, channels: int, max_pixels: int) -> Optional[Tuple[int, int]]:
+    """(width, height) of a whole JPEG (`images.is_jpeg`) of the channels' components within the pixel bound, from its
+    frame header alone (`images.jpeg_frame`, ~1 us where Pillow's open costs ~35); None: Pillow opens it (another
+    format or mode, a CMYK JPEG, a header it cannot walk, or over the bound, which `opened` names)."""
+    if _simplejpeg is None or not is_jpeg(content):
+        return None
+    frame = jpeg_frame(content)
+    if frame is None or frame[2] != (1 if channels == 1 else 3) or frame[0] * frame[1] > max_pixels:
+        return None
+    return frame[0], frame[1]
 
 
 def resize_box(pixels: np.ndarray, box: Tuple[int, int, int, int, bool], size: int) -> np.ndarray:
@@ -149,13 +160,22 @@ def crop_of(content: bytes, box_of: Callable[[int, int], Tuple[int, int, int, in
             channels: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """One image, its header read once: the box `box_of(width, height)` (left, top, width, height, flip) resized to
     `size` square (antialiased bilinear) and flipped; uint8 (size, size, channels), NHWC rows for the decoders'
-    batches (no per-image transpose). A JPEG in the channels' mode decodes through simplejpeg (`_jpeg_pixels`),
-    anything else through Pillow (converted once to the channels' mode), and the box is resized by `resize_box`. A
-    JPEG whose box is at least 2 x DRAFT_GAP x `size` on its shorter side decodes at a reduced scale first
-    (`_drafted`; ImageNet-shaped photos, ~400x350 to 224 px, never do); its box is then fractional at that scale, and
-    Pillow's `resize(box=)` takes it as it is. Raises ImageDecodeError saying why (no row named)."""
+    batches (no per-image transpose). A whole JPEG of the channels' components has its size from its frame header
+    and decodes through simplejpeg (`_fast_jpeg`, `_jpeg_pixels`); anything else opens through Pillow
+    (`images.opened`: the format allow-list and the pixel bound) and decodes there, converted once to the channels'
+    mode. The box is resized by `resize_box`. A JPEG whose box is at least 2 x DRAFT_GAP x `size` on its shorter side
+    decodes at a reduced scale first (`_drafted`; ImageNet-shaped photos, ~400x350 to 224 px, never do); its box is
+    then fractional at that scale, and Pillow's `resize(box=)` takes it as it is. Raises ImageDecodeError saying why
+    (no row named)."""
     from PIL import Image
 
+    fast = _fast_jpeg(content, channels, max_pixels)
+    if fast is not None:
+        box = box_of(*fast)
+        if draft_scale(fast[0], fast[1], box[2], box[3], size) == 1:
+            pixels = _jpeg_pixels(content, fast[0], fast[1], channels)
+            if pixels is not None:
+                return resize_box(pixels, box, size)
     mode = "L" if channels == 1 else "RGB"
     try:
         with opened(bytes(content), max_pixels) as img:
@@ -168,9 +188,7 @@ def crop_of(content: bytes, box_of: Callable[[int, int], Tuple[int, int, int, in
                 out = img.resize((size, size), Image.BILINEAR, box=(left / s, top / s, (left + w) / s, (top + h) / s))
                 arr = np.asarray(out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out, dtype=np.uint8)
                 return arr[:, :, None] if channels == 1 else arr
-            pixels = _jpeg_pixels(content, img, mode)
-            if pixels is None:
-                pixels = np.array(img if img.mode == mode else img.convert(mode), dtype=np.uint8)
+            pixels = np.array(img if img.mode == mode else img.convert(mode), dtype=np.uint8)
     except ImageDecodeError:
         raise
     except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)

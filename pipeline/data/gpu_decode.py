@@ -12,7 +12,7 @@ import torch
 
 from pipeline.data.crops import RowDecodeError, boxes_for, header
 from pipeline.data.decode import Decoder, EncodedBatch, default_workers
-from pipeline.images import MAX_PIXELS, jpeg_frame
+from pipeline.images import MAX_PIXELS, is_jpeg, jpeg_frame
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -22,14 +22,6 @@ log = get_logger(__name__)
 # only reads it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=__name__)
-
-
-def is_jpeg(content: Any) -> bool:
-    """A JPEG whole from its start (SOI) to its end (EOI), what the GPU decoder is given. nvJPEG decodes a truncated
-    or zero-padded stream without a word (seen on an H100: gray where the data stopped), where Pillow refuses it; so a
-    row whose last marker is not EOI goes to the CPU path, which decodes it or names it, as the CPU decoder would."""
-    return (isinstance(content, (bytes, bytearray)) and content[:3] == b"\xff\xd8\xff"
-            and content[-2:] == b"\xff\xd9")
 
 
 # threads that decode batches on the device at once, each on its own stream: one batch's host work (headers, nvJPEG's

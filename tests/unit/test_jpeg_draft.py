@@ -106,8 +106,8 @@ def test_a_truncated_large_photo_is_named_as_at_full_size(large):
 
 def test_the_libjpeg_turbo_path_gives_pillows_pixels_and_pillow_takes_what_it_does_not(monkeypatch):
     """A colour JPEG to RGB and a grayscale one to L decode through simplejpeg, to exactly the pixels Pillow's decode
-    gives (the crops equal with it turned off); a colour JPEG to grayscale, a CMYK JPEG, a PNG and a truncated JPEG
-    go to Pillow, whose conversion and error they keep."""
+    gives (the crops equal with it turned off); a colour JPEG to grayscale, a CMYK JPEG, a PNG, a JPEG whose scan data
+    libjpeg warns about and a truncated JPEG go to Pillow, whose conversion, pixels and error they keep."""
     from PIL import Image
 
     from pipeline.data import crops
@@ -124,15 +124,17 @@ def test_the_libjpeg_turbo_path_gives_pillows_pixels_and_pillow_takes_what_it_do
         return buf.getvalue()
 
     gray, cmyk, png = encoded("L"), encoded("CMYK"), encoded("RGB", "PNG")
+    mid = len(photo) // 2  # scan data zeroed, the end (EOI) kept: libjpeg warns, Pillow decides
+    damaged = photo[:mid] + bytes(2048) + photo[mid + 2048:]
     box = train_box(w, h, crop_draws(7, 0, 1)[0])
     assert draft_scale(w, h, box[2], box[3], 224) == 1  # decoded whole: the path under test
-    cases = [(photo, 3), (gray, 1), (gray, 3), (photo, 1), (cmyk, 3), (png, 3)]
+    cases = [(photo, 3), (gray, 1), (gray, 3), (photo, 1), (cmyk, 3), (png, 3), (damaged, 3)]
     fast = [crop_hwc(c, box, 224, ch) for c, ch in cases]
     calls = []
     real = crops._simplejpeg.decode_jpeg
     monkeypatch.setattr(crops._simplejpeg, "decode_jpeg", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = [crop_hwc(c, box, 224, ch) for c, ch in cases]
-    assert len(calls) == 2  # the colour JPEG to RGB, the grayscale one to L; the rest never reach it
+    assert len(calls) == 3  # the colour JPEG to RGB, the grayscale one to L, the damaged one (refused); not the rest
     monkeypatch.setattr(crops, "_simplejpeg", None)
     for (content, ch), got, twice in zip(cases, fast, again):
         assert got.shape == (224, 224, ch) and np.array_equal(got, twice)
