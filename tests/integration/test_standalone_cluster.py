@@ -1,5 +1,6 @@
 """A standalone Spark cluster on 127.0.0.1 (one master, two 1-core workers): ingest, train and predict through
-spark-submit jobs/*.py."""
+spark-submit jobs/*.py. One cluster and one ingest (the table's version 0) serve the module's tests; each test trains
+with its own cache, checkpoints and MLflow store."""
 from __future__ import annotations
 
 import json
@@ -191,36 +192,49 @@ def _last_json(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
-def _job_settings(tmp: Path) -> List[str]:
-    """The jobs' config: conf/local.yaml with the table, cache, checkpoints and MLflow store under `tmp`."""
-    return ["--conf", str(ROOT / "conf/local.yaml"), f"delta.table={tmp}/delta/digits", f"data.cache_dir={tmp}/cache",
+def _job_settings(tmp: Path, table: Path) -> List[str]:
+    """The jobs' config: conf/local.yaml with `table`, and the cache, checkpoints and MLflow store under `tmp`."""
+    return ["--conf", str(ROOT / "conf/local.yaml"), f"delta.table={table}", f"data.cache_dir={tmp}/cache",
             f"train.checkpoint_dir={tmp}/checkpoints", f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
             f"mlflow.artifact_location={tmp}/mlartifacts"]
 
 
-def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tmp_path, digits_dir):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, digits_dir) -> Iterator[dict]:
+    """The module's cluster, with the digits folder ingested through it (spark-submit jobs/ingest.py) into a Delta
+    table the tests read at version 0: `table` its path, `ingested` the ingest's summary. Started once (a cluster's
+    start and an ingest through it cost ~a minute on 2 cores); stopped by PID after the module's last test, which
+    then fails if any of its processes is left."""
+    tmp = tmp_path_factory.mktemp("standalone")
+    table = tmp / "delta" / "digits"
+    with standalone_cluster(tmp / "cluster") as running:
+        ingested = _last_json(_submit(running, tmp, "ingest.py",
+                                      ["--source", str(digits_dir), "--mode", "overwrite", *_job_settings(tmp, table),
+                                       f"spark.master={running['url']}"], "ingest").stdout)
+        yield {**running, "table": table, "ingested": ingested}
+
+
+def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tmp_path, cluster):
     from mlflow import MlflowClient
 
-    settings = _job_settings(tmp_path)
-    with standalone_cluster(tmp_path / "cluster") as cluster:
-        master = [f"spark.master={cluster['url']}"]
-        ingested = _last_json(_submit(cluster, tmp_path, "ingest.py",
-                                      ["--source", str(digits_dir), "--mode", "overwrite", *settings, *master],
-                                      "ingest").stdout)
-        assert ingested["delta_version"] == 0 and ingested["rows_written"] == 600, ingested
+    table = cluster["table"]
+    settings = _job_settings(tmp_path, table)
+    master = [f"spark.master={cluster['url']}"]
+    ingested = cluster["ingested"]
+    assert ingested["delta_version"] == 0 and ingested["rows_written"] == 600, ingested
 
-        # 3 epochs without warm-up: a model that beats the gate's chance floor (mlflow.gate_min_lift)
-        done = _submit(cluster, tmp_path, "train.py",
-                       [*settings, *master, "train.np=2", "train.max_epochs=3", "train.warmup_epochs=0",
-                        "data.batch_size=16", "model.lr=0.02"], "train")
-        summary = _last_json(done.stdout)
-        assert summary["champion"], summary  # the first version: no champion to beat, and better than chance
-        # the champion scores the table on the same cluster (spark_udf in the executors): one row per input row
-        predicted = _last_json(_submit(cluster, tmp_path, "predict.py",
-                                       ["--model", f"models:/{summary['model_name']}@champion",
-                                        "--table", f"{tmp_path}/delta/digits", "--version", "0",
-                                        "--out", f"{tmp_path}/delta/predictions", *settings, *master],
-                                       "predict").stdout)
+    # 3 epochs without warm-up: a model that beats the gate's chance floor (mlflow.gate_min_lift)
+    done = _submit(cluster, tmp_path, "train.py",
+                   [*settings, *master, "train.np=2", "train.max_epochs=3", "train.warmup_epochs=0",
+                    "data.batch_size=16", "model.lr=0.02"], "train")
+    summary = _last_json(done.stdout)
+    assert summary["champion"], summary  # the first version: no champion to beat, and better than chance
+    # the champion scores the table on the same cluster (spark_udf in the executors): one row per input row
+    predicted = _last_json(_submit(cluster, tmp_path, "predict.py",
+                                   ["--model", f"models:/{summary['model_name']}@champion",
+                                    "--table", str(table), "--version", "0",
+                                    "--out", f"{tmp_path}/delta/predictions", *settings, *master],
+                                   "predict").stdout)
 
     assert summary["world_size"] == 2, summary
     assert summary["delta_version"] == 0, summary
@@ -243,7 +257,7 @@ def test_train_on_standalone_cluster_runs_ranks_in_two_executors_then_predict(tm
     out = DeltaTable(str(tmp_path / "delta" / "predictions"))
     assert out.version() == 0  # one commit
     got = out.to_pyarrow_table(columns=["path", "label", "error", "model_version"]).to_pydict()
-    inputs = DeltaTable(str(tmp_path / "delta" / "digits")).to_pyarrow_table(columns=["path"]).column("path")
+    inputs = DeltaTable(str(table)).to_pyarrow_table(columns=["path"]).column("path")
     assert sorted(got["path"]) == sorted(inputs.to_pylist())  # one output row per input row, none twice
     assert all(label is not None for label in got["label"]) and not any(got["error"])
     assert set(got["model_version"]) == {int(summary["model_version"])}
@@ -268,32 +282,34 @@ def _rank_processes(cluster: dict) -> Dict[int, "psutil.Process"]:
     return ranks
 
 
-def test_a_rank_killed_on_the_cluster_is_relaunched_from_the_checkpoint_in_the_same_run(tmp_path, digits_dir):
+def test_a_rank_killed_on_the_cluster_is_relaunched_from_the_checkpoint_in_the_same_run(tmp_path, cluster):
     """train.np=2 on the cluster with train.max_restarts=1: rank 1's process (started by a Horovod task in an
     executor) is SIGKILLed once the run has a checkpoint; the launcher stops the ranks and relaunches both on the
     executors from that checkpoint, in the same MLflow run, which ends FINISHED with one restart recorded, every
     epoch's metrics and one model version registered."""
     from mlflow import MlflowClient
 
-    settings = _job_settings(tmp_path)
+    settings = _job_settings(tmp_path, cluster["table"])
     restartable = ["data.reader=arrow", "data.batch_size=16", "train.max_epochs=3", "train.warmup_epochs=0",
                    "train.checkpoint_every_n_steps=2", "train.max_restarts=1", "train.early_stopping.enabled=false"]
-    with standalone_cluster(tmp_path / "cluster") as cluster:
-        master = [f"spark.master={cluster['url']}"]
-        _submit(cluster, tmp_path, "ingest.py", ["--source", str(digits_dir), "--mode", "overwrite", *settings,
-                                                 *master], "ingest")
-        proc = _start_submit(cluster, tmp_path, "train.py", [*settings, *master, "train.np=2", *restartable],
-                             "train")
-        deadline = time.monotonic() + SUBMIT_TIMEOUT_S
-        killed = None
-        while killed is None and proc.poll() is None and time.monotonic() < deadline:
-            ranks = _rank_processes(cluster) if list(tmp_path.glob("checkpoints/*/last.ckpt")) else {}
-            if 1 in ranks:
-                ranks[1].kill()
-                killed = ranks[1].pid
-            time.sleep(0.2)
-        done = _finish_submit(cluster, proc, "train.py", "train")
-        summary = _last_json(done.stdout)
+    master = [f"spark.master={cluster['url']}"]
+    # no rank of an earlier job on the shared cluster is still there to be taken for this job's rank 1
+    deadline = time.monotonic() + 60
+    while _rank_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _rank_processes(cluster), "Horovod rank processes of an earlier job still run on the cluster"
+    proc = _start_submit(cluster, tmp_path, "train.py", [*settings, *master, "train.np=2", *restartable],
+                         "train-restarted")
+    deadline = time.monotonic() + SUBMIT_TIMEOUT_S
+    killed = None
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        ranks = _rank_processes(cluster) if list(tmp_path.glob("checkpoints/*/last.ckpt")) else {}
+        if 1 in ranks:
+            ranks[1].kill()
+            killed = ranks[1].pid
+        time.sleep(0.2)
+    done = _finish_submit(cluster, proc, "train.py", "train-restarted")
+    summary = _last_json(done.stdout)
     assert killed, "no rank 1 process was seen after the first checkpoint"
 
     assert summary["world_size"] == 2 and summary["epochs"] == 3, summary
