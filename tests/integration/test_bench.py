@@ -57,7 +57,8 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert r["parts"] and r["spread"], r
         key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
         assert report["ratios"][key] == r["ratio"]
-    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px", "photos_4032x3024"}
+    assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px", "photos_4032x3024",
+                                                       "photos_imagenet_shaped"}
     # where the run's time went, per measurement (the conversion prepares both data sets)
     spent = report["measurement_s"]
     assert set(spent) == {"conversion", "loader", "input_bound", "shard_balance", "predict_throughput", "overheads",
