@@ -76,7 +76,10 @@ def measure_photo_decode(sizes, quick: bool = False) -> List[Result]:
     log.info("photo_decode: %.1f img/s with the reduced-scale decode, %.1f decoding whole (%.2fx); pixels moved "
              "%.2f levels on average", parts["draft_images_per_s"], parts["full_decode_images_per_s"], median(per),
              parts["pixels_mean_abs_diff"])
-    return [Result("cpu_decode_large_photo_speedup", DATASET, median(per), parts, len(per), per)]
+    note = ("" if median(per) >= 1.3 else "the full-size decode of the denominator is itself fast now (simplejpeg and "
+            "torch's resize: ~1.37x the Pillow path's crops/s, docs/PERFORMANCE.md), while the reduced-scale decode "
+            "still entropy-decodes every block of the file: what it saves is the IDCT, upsampling and colour work")
+    return [Result("cpu_decode_large_photo_speedup", DATASET, median(per), parts, len(per), per, note=note)]
 
 
 def imagenet_photos(count: int) -> List[bytes]:
@@ -144,5 +147,9 @@ def measure_decode_per_core(sizes, quick: bool = False) -> List[Result]:
                     for w in workers}}
     log.info("photo decode per core: %s; Pillow alone %.0f img/s on one core", json.dumps(parts["decoder"]),
              parts["pillow_one_core_images_per_s"])
-    return [Result("cpu_photos_decode_per_core", IMAGENET_DATASET, median(per_core[all_cores]), parts,
-                   len(per_core[all_cores]), per_core[all_cores])]
+    figure, one = median(per_core[all_cores]), median(per_core[1])
+    note = ("" if figure >= 0.9 or all_cores == 1 else
+            f"one worker decodes at {one:.2f} of Pillow per core; with {all_cores} workers on {all_cores} cores the "
+            "rank's own work (each batch's bytes into the ring, its pixels out) takes a share of the same cores")
+    return [Result("cpu_photos_decode_per_core", IMAGENET_DATASET, figure, parts, len(per_core[all_cores]),
+                   per_core[all_cores], note=note)]
