@@ -114,10 +114,8 @@ def _jpeg_pixels(content: bytes, width: int, height: int, channels: int) -> Opti
     """A whole JPEG of the channels' components (3: colour to RGB, 1: grayscale to L) decoded straight into an
     (h, w, channels) array by libjpeg-turbo through simplejpeg: the same pixels as Pillow's decode (the same library,
     accurate DCT, fancy upsampling), in ~0.75 of its time (no row-by-row unpacking into Pillow's 4-byte pixels, no
-    copy out of it). None where Pillow decodes it instead: simplejpeg not installed, or bytes libjpeg warns about
-    (`strict`: Pillow then decides, as it always did, whether the row decodes)."""
-    if _simplejpeg is None:
-        return None
+    copy out of it); called only where `_fast_jpeg` found simplejpeg and the frame. None where Pillow decodes it
+    instead: bytes libjpeg warns about (`strict`: Pillow then decides, as it always did, whether the row decodes)."""
     try:
         out = _simplejpeg.decode_jpeg(content, colorspace="GRAY" if channels == 1 else "RGB", strict=True)
     except Exception:  # noqa: BLE001  # Pillow's decode names what is wrong, or decodes it
