@@ -22,6 +22,48 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process training or a cluster; minutes")
 
 
+# `make test`'s lane (scripts/test_tiers.sh): a session of tests that assert no tight timing runs beside the other
+# tiers, writes each test it ended into LAKEHOUSE_LANE_RECORD ("ran" or "failed", a tab, the node id) and stops after
+# the test running when LAKEHOUSE_LANE_STOP appears; the next session, given that record as LAKEHOUSE_LANE_DONE,
+# leaves those tests out, so every test runs once.
+LANE_STOPPED = "make test's lane: the other tiers ended, the tests left run in the next session"
+_lane_failed: set = set()
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _lane_failed.add(report.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    record, stop = os.environ.get("LAKEHOUSE_LANE_RECORD"), os.environ.get("LAKEHOUSE_LANE_STOP")
+    if record:
+        with open(record, "a") as f:
+            f.write(f"{'failed' if item.nodeid in _lane_failed else 'ran'}\t{item.nodeid}\n")
+    if stop and nextitem is not None and os.path.exists(stop):
+        item.session.shouldstop = LANE_STOPPED
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if session.shouldstop == LANE_STOPPED:  # stopped on purpose: the status is the tests' that ran
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED if session.testsfailed else pytest.ExitCode.OK
+
+
+def pytest_collection_modifyitems(config, items):
+    done_file = os.environ.get("LAKEHOUSE_LANE_DONE")
+    if not done_file or not os.path.exists(done_file):
+        return
+    with open(done_file) as f:
+        done = {line.rstrip("\n").split("\t", 1)[1] for line in f if "\t" in line}
+    left = [item for item in items if item.nodeid not in done]
+    if len(left) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = left
+
+
 def require_reader(reader: str) -> None:
     """Skip (with the reason) a test of a reader this install profile lacks: the modern profile has no Petastorm."""
     import importlib.util
