@@ -1,8 +1,10 @@
-"""The photo loader's figures alone, for a short device call: the loader of rank 0 of 1 with data.decode=gpu and =cpu
+"""The photo loader's figures alone, for a short device call: the loader of rank 0 of 1 with data.decode=gpu (nvJPEG
+alone, then with each of `--cpu-shares` of every batch on the CPU's decode workers: data.decode_cpu_share) and =cpu
 (`photos_gpu.loader_alone`, each in a fresh process) and the one-core Pillow reference, on the same ImageNet-shaped
 JPEG rows as `lakehouse bench --gpu --only photos`, without its trainings (no Horovod build needed).
 
-    python -m bench.photos_loader [--rows 4096] [--batches 16] [--workers 1,16] [--out photos_loader.json]
+    python -m bench.photos_loader [--rows 4096] [--batches 16] [--cpu-shares 0.25,0.4] [--workers 1,16]
+                                  [--out photos_loader.json]
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=FULL.train_rows)
     ap.add_argument("--batches", type=int, default=FULL.loader_batches)
     ap.add_argument("--workers", default="0", help="data.decode_workers values for decode=cpu (0: one per core)")
+    ap.add_argument("--cpu-shares", default="", help="data.decode_cpu_share values for decode=gpu beside nvJPEG alone "
+                                                     "(the CPU's part with one decode worker per core)")
     ap.add_argument("--out", default="photos_loader.json")
     args = ap.parse_args(argv)
     setup_logging()
@@ -44,11 +48,16 @@ def main(argv=None) -> int:
     problem = gpu_decode_problem()
     if problem is None:
         out["gpu"] = loader_alone(data, photo_config(cfg, FULL, "cnn", "gpu"), "gpu", args.batches)
+        save()
+        for share in (float(v) for v in args.cpu_shares.split(",") if v.strip()):
+            pcfg = _with_data(photo_config(cfg, FULL, "cnn", "gpu"), decode_cpu_share=share)
+            out[f"gpu_cpu_share_{share:g}"] = loader_alone(data, pcfg, "gpu", args.batches)
+            save()
     else:
         out["gpu"] = {"skipped": problem}
-    save()
+        save()
     for workers in (int(w) for w in args.workers.split(",")):
-        pcfg = _with_workers(photo_config(cfg, FULL, "cnn", "cpu"), workers)
+        pcfg = _with_data(photo_config(cfg, FULL, "cnn", "cpu"), decode_workers=workers)
         fig = out[f"cpu_workers_{workers}"] = loader_alone(data, pcfg, "cpu", args.batches)
         if "images_per_s" in fig:
             fig["per_core_over_pillow"] = fig["images_per_s"] / fig["workers"] / out["pillow_one_core_images_per_s"]
@@ -57,9 +66,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _with_workers(cfg, workers: int):
-    """`cfg` with data.decode_workers = `workers`."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, decode_workers=workers))
+def _with_data(cfg, **keys):
+    """`cfg` with these data.* keys."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **keys))
 
 
 if __name__ == "__main__":

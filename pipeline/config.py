@@ -73,6 +73,9 @@ class DataConfig:
     # nvJPEG on the rank's GPU (torchvision; rows that are not JPEG on the CPU), auto: gpu on a CUDA rank, else cpu
     decode: str = "convert"
     decode_workers: int = 0  # decode=cpu|gpu|auto: processes per rank decoding on the CPU (1: a thread); 0: the host's cores / ranks
+    # decode on the GPU (gpu, or auto on a CUDA rank): this share of each batch's rows is decoded by the rank's CPU decode
+    # workers (data.decode_workers > 1) while nvJPEG decodes the rest, so both work on every batch; 0: nvJPEG alone
+    decode_cpu_share: float = 0.0
     channels_last: bool = False  # batches in channels_last (NHWC) memory order, as GPU convolutions prefer
     reader_workers: int = 2  # per rank: threads reading and decoding row groups ahead of the step
     shuffle_buffer: int = 1024  # rows shuffled across row groups per rank (0: row groups in a shuffled order only)
@@ -311,6 +314,7 @@ def validate(cfg: Config) -> None:
         ("data.image_size", cfg.data.image_size >= 8, "must be >= 8"),
         ("data.reader_workers", cfg.data.reader_workers >= 1, "must be >= 1"),
         ("data.decode_workers", cfg.data.decode_workers >= 0, "must be >= 0 (0: the host's cores / ranks)"),
+        ("data.decode_cpu_share", 0.0 <= cfg.data.decode_cpu_share <= 1.0, "must be between 0 and 1"),
         ("data.memory_cache_mb", cfg.data.memory_cache_mb >= 0, "must be >= 0 (0: read every epoch from Parquet)"),
         ("data.cache_max_gb", cfg.data.cache_max_gb >= 0, "must be >= 0 (0: no bound)"),
         ("data.row_groups_per_rank", cfg.data.row_groups_per_rank >= 1, "must be >= 1"),

@@ -88,12 +88,15 @@ tier() {
   grep -E "^(PASSED-OR-SKIPPED|FAILED|CUT)|mean \|gpu - cpu\|" "$OUT/gpu_check.log" | tail -16
 }
 tier junit_decode 90 tests/gpu/test_gpu_decode.py
-# the photo loader alone: decode=gpu, and decode=cpu over 1 and 4 worker processes (16: in gpu_photos below); each in
-# a fresh process, after ~15 s of rendering photos (the 2026-11-28 call's 1,4,16 did not fit 90 s: bounded at 150)
+# the photo loader alone: decode=gpu (nvJPEG alone, then with a share of each batch on the CPU's decode workers:
+# data.decode_cpu_share, DEVICE_CPU_SHARES), and decode=cpu over 1 and 4 worker processes (16: in gpu_photos below);
+# each in a fresh process, after ~15 s of rendering photos (the 2026-11-28 call's 1,4,16 did not fit 90 s: bounded at
+# 150, 180 with the shares)
 if wanted photos_loader; then
-  left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 150 ] && left=150
+  left=$((LIMIT - SECONDS - 5)); [ "$left" -gt 180 ] && left=180
   timeout "$left" python3 -m bench.photos_loader --rows 2048 --batches 8 --workers "${DEVICE_LOADER_WORKERS:-1,4}" \
-    --out "$OUT/photos_loader.json" >> "$OUT/bench.log" 2>&1; echo "photos_loader: exit $? after $SECONDS s"
+    --cpu-shares "${DEVICE_CPU_SHARES:-0.25,0.4}" --out "$OUT/photos_loader.json" >> "$OUT/bench.log" 2>&1
+  echo "photos_loader: exit $? after $SECONDS s"
 fi
 # the framework's cost per step on the GPU (issue 36: at most 0.25 ms at world size 1), then where it goes
 part step_overhead 60 --only step_overhead --quick

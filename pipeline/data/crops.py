@@ -223,11 +223,13 @@ def center_crop_decode(content: bytes, size: int, channels: int, max_pixels: int
     return crop_pixels(content, val_box(width, height), size, channels, max_pixels)
 
 
-def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int) -> List[Tuple]:
-    """The crop box of every row of a batch, from the rows' (width, height) and the batch's draws."""
+def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_index: int,
+              rows: Optional[int] = None) -> List[Tuple]:
+    """The crop box of every row of a batch, from the rows' (width, height) and the batch's draws. `rows`: the
+    batch's row count where `sizes` are its first rows only (default: all of them)."""
     if not train:
         return [val_box(w, h) for w, h in sizes]
-    draws = crop_draws(seed, batch_index, len(sizes))
+    draws = crop_draws(seed, batch_index, len(sizes) if rows is None else rows)
     return [train_box(w, h, draws[i]) for i, (w, h) in enumerate(sizes)]
 
 

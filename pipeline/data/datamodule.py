@@ -40,7 +40,8 @@ class LakehouseDataModule(pl.LightningDataModule):
             if self.decode_used == "convert":
                 return None
             return make_decoder(self.decode_used, data.image_size, data.channels, train, c.seed + rank, world_size,
-                                c.decode_workers, pin=normalize_on_device, channels_last=c.channels_last)
+                                c.decode_workers, pin=normalize_on_device, channels_last=c.channels_last,
+                                cpu_share=c.decode_cpu_share)
 
         self.train_loader = ShardLoader(data.train, data.plan.train, endless=True, shuffle_buffer=c.shuffle_buffer,
                                         memory_cache_mb=c.memory_cache_mb, decoder=decoder(True), **kw)
@@ -80,10 +81,12 @@ def decode_in_rank(data: ConvertedData, c: DataConfig, rank: int) -> str:
         return "convert"
     used = resolve_decode(c.decode)
     if rank == 0:
+        where = ("on its GPU with nvJPEG (other formats on the CPU" +
+                 (f"; {c.decode_cpu_share:g} of each batch in the CPU's decode workers)" if c.decode_cpu_share else ")")
+                 if used == "gpu" else "on the CPU (libjpeg-turbo, Pillow for other formats; data.decode_workers > 1: "
+                                       "in worker processes)")
         log.info("data.decode=%s: rank 0 decodes %s, the ImageNet recipe at %d px (train: random resized crop and "
-                 "flip; val: center crop)", c.decode, "on its GPU with nvJPEG (other formats on the CPU)"
-                 if used == "gpu" else "on the CPU (Pillow; data.decode_workers > 1: in worker processes)",
-                 data.image_size)
+                 "flip; val: center crop)", c.decode, where, data.image_size)
     return used
 
 

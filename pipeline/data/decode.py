@@ -30,7 +30,7 @@ import os
 import threading
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -216,13 +216,15 @@ class Decoder:
 
         return out, [pool.submit(part, lo) for lo in range(0, n, chunk)]
 
-    def _submit_to_ring(self, procs: ProcessPoolExecutor, batch: EncodedBatch, chunk: int) -> Optional[RingBatch]:
-        """`batch` written into a free slot of the ring and its chunks sent to the processes; None when it does not
-        fit a slot or no slot frees in time (`Ring.take`)."""
+    def _submit_to_ring(self, procs: ProcessPoolExecutor, batch: EncodedBatch, chunk: int,
+                        start: int = 0) -> Optional[RingBatch]:
+        """`batch`'s rows [start, n) written into a free slot of the ring and their chunks sent to the processes (each
+        row decoded into the slot's row of its place in the batch, with its own crop draws); None when they do not fit
+        a slot or no slot frees in time (`Ring.take`)."""
         ring, n = self._ring, len(batch.rows)
         if ring is None or n > ring.rows:
             return None
-        used = input_bytes(batch.rows)
+        used = input_bytes(batch.rows[start:])
         if used is None or used > ring.input_bytes:
             return None
         slot = ring.take()
@@ -231,7 +233,7 @@ class Decoder:
             return None
         use, futures = SlotUse(ring, slot), []
         try:
-            for task in self.ring_tasks(slot, batch, ring.write_input(slot, batch.rows), chunk):
+            for task in self.ring_tasks(slot, batch, ring.write_input(slot, batch.rows[start:]), chunk, start):
                 use.add_chunk()
                 try:
                     future = procs.submit(_ring_chunk, task)
@@ -247,26 +249,54 @@ class Decoder:
             raise
         return RingBatch(n, use, futures)
 
-    def ring_tasks(self, slot: int, batch: EncodedBatch, offsets: np.ndarray, chunk: int) -> List[RingTask]:
-        """What the processes are sent for `batch` in `slot` (its rows' `offsets` there): one task per `chunk` rows."""
+    def ring_tasks(self, slot: int, batch: EncodedBatch, offsets: np.ndarray, chunk: int,
+                   start: int = 0) -> List[RingTask]:
+        """What the processes are sent for `batch`'s rows [start, n) in `slot` (their `offsets` there, row `start`
+        first): one task per `chunk` rows."""
         n = len(batch.rows)
         draws = (self.seed, int(batch.index), n) if self.train else None
-        return [RingTask(slot, lo, min(n, lo + chunk), offsets[2 * lo:2 * min(n, lo + chunk) + 1], draws, self.size,
-                         self.channels, self.max_pixels) for lo in range(0, n, chunk)]
+        return [RingTask(slot, lo, min(n, lo + chunk), offsets[2 * (lo - start):2 * (min(n, lo + chunk) - start) + 1],
+                         draws, self.size, self.channels, self.max_pixels) for lo in range(start, n, chunk)]
+
+    def submit_share(self, batch: EncodedBatch, start: int) -> Optional[RingBatch]:
+        """Start decoding rows [start, n) of `batch` in the worker processes (the CPU's share of a batch the GPU
+        decodes the rest of: `gpu_decode.GpuDecoder`), each row with its crop draws at its place in the batch; None
+        where there are no processes or the rows do not go through the ring (the caller decodes them itself).
+        `take_ring` waits for them."""
+        n = len(batch.rows)
+        procs = self.processes(batch) if start < n else None
+        if procs is None:
+            return None
+        handle = self._submit_to_ring(procs, batch, max(1, math.ceil((n - start) / self.workers)), start)
+        if handle is not None:
+            self.handovers["ring"] += 1
+        return handle
+
+    def drop_share(self, handle: RingBatch) -> None:
+        """`submit_share`'s rows are not wanted after all: its chunks not started are dropped, and its slot frees once
+        the started ones end."""
+        Decoder.cancel(self, handle)
+
+    def take_ring(self, handle: RingBatch, start: int, consume: Callable[[torch.Tensor], Any]) -> Any:
+        """Waits for a batch's rows [start, n) decoding in the ring (`_submit_to_ring`, `submit_share`) and returns
+        `consume` of them, a uint8 (n - start, size, size, channels) view of the shared slot, valid only during the
+        call: the slot is the next batches' once released, here, however the call ends."""
+        try:
+            for f in handle.futures:
+                f.result()  # the first error (a RowDecodeError naming its row) is raised here, in batch order
+            view = handle.use.ring.output(handle.use.slot, handle.n, (self.size, self.size, self.channels))
+            return consume(view[start:])
+        except BaseException:
+            for f in handle.futures:
+                f.cancel()
+            raise
+        finally:
+            handle.use.release()
 
     def result(self, handle: Any) -> torch.Tensor:
         if isinstance(handle, RingBatch):
-            try:
-                for f in handle.futures:
-                    f.result()  # the first error (a RowDecodeError naming its row) is raised here, in batch order
-                out = self._empty(handle.n)  # a batch of its own: the slot is the next batches' once released
-                out.copy_(handle.use.ring.output(handle.use.slot, handle.n, out.shape[1:]))
-            except BaseException:
-                for f in handle.futures:
-                    f.cancel()
-                raise
-            finally:
-                handle.use.release()
+            out = self._empty(handle.n)  # a batch of its own, copied out of the slot
+            self.take_ring(handle, 0, out.copy_)
             return self._layout(out)
         out, futures = handle
         for f in futures:

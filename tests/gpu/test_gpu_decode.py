@@ -75,12 +75,12 @@ def _encoded_data(folder: Path, contents, labels, val_rows: int, batch_size: int
                          class_names=[f"c{k}" for k in range(classes)], image_size=SIZE, channels=3, layout="encoded")
 
 
-def _datamodule(data, decode: str):
+def _datamodule(data, decode: str, **data_keys):
     from pipeline.config import DataConfig
     from pipeline.data.datamodule import make_datamodule
 
     cfg = DataConfig(reader="arrow", decode=decode, image_size=SIZE, channels=3, shuffle_buffer=64, batch_size=16,
-                     channels_last=True)
+                     channels_last=True, **data_keys)
     return make_datamodule(data, 0, 1, cfg, normalize_on_device=True, track_ids=True)
 
 
@@ -111,6 +111,31 @@ def test_gpu_decode_gives_the_cpu_paths_rows_labels_and_pixels_within_tolerance(
             assert gx.is_cuda and gx.dtype == torch.uint8 and gx.is_contiguous(memory_format=torch.channels_last)
             assert torch.equal(gy.cpu(), cy)
             _close(gx, cx, loader)
+    gpu_dm.teardown("fit")
+    cpu_dm.teardown("fit")
+
+
+def test_the_cpu_share_of_each_gpu_batch_is_the_cpu_paths_own_pixels_and_the_rest_within_tolerance(tv_io, tmp_path):
+    """data.decode_cpu_share=0.25 with 4 decode workers: each batch's last quarter decoded by the CPU workers while
+    nvJPEG decodes the rest on the device; the same rows, labels and order as decode=cpu."""
+    import torch
+
+    contents, labels = _photos(72)
+    data = _encoded_data(tmp_path, contents, labels, val_rows=24, batch_size=16)
+    gpu_dm = _datamodule(data, "gpu", decode_workers=4, decode_cpu_share=0.25)
+    cpu_dm = _datamodule(data, "cpu", decode_workers=4)
+    for loader in ("train_dataloader", "val_dataloader"):
+        g_ld, c_ld = getattr(gpu_dm, loader)(), getattr(cpu_dm, loader)()
+        g_batches, c_batches = list(g_ld), list(c_ld)
+        assert g_ld.ids_read == c_ld.ids_read and len(g_batches) == len(c_batches)
+        for (gx, gy), (cx, cy) in zip(g_batches, c_batches):
+            start = len(gy) - round(0.25 * len(gy))
+            assert gx.is_cuda and gx.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(gy.cpu(), cy)
+            assert torch.equal(gx[start:].cpu(), cx[start:]), loader  # the CPU workers' rows, in their places
+            if start:
+                _close(gx[:start], cx[:start], f"{loader} (nvJPEG's share)")
+    assert gpu_dm.train_loader.decoder.handovers["ring"] > 0
     gpu_dm.teardown("fit")
     cpu_dm.teardown("fit")
 

@@ -328,6 +328,57 @@ def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
         assert str(cpu_err.value) == str(gpu_err.value)
 
 
+def test_the_cpu_share_of_a_gpu_batch_is_decoded_by_the_workers_with_the_cpu_paths_pixels_in_its_places():
+    """data.decode_cpu_share: the batch's last rows go to the CPU decode workers (through the ring), the others to the
+    GPU path (torchvision's CPU decoder here), each row with the box of its place in the batch: the share's rows are
+    the CPU path's own pixels, the others the GPU path's, whichever thread ends first."""
+    _torchvision()
+    from PIL import Image
+
+    from pipeline.data.gpu_decode import GpuDecoder
+
+    png = io.BytesIO()
+    Image.new("RGB", (70, 50), (5, 200, 90)).save(png, format="PNG")
+    contents = [_photo(i) for i in range(9)] + [png.getvalue()]
+    shared = GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=2, cpu_share=0.3)
+    alone = GpuDecoder(64, 3, train=True, seed=5, device="cpu")
+    cpu = Decoder(64, 3, train=True, seed=5, workers=1)
+    try:
+        assert shared.share_start(10) == 7 and shared.share_start(3) == 2 and alone.share_start(10) == 10
+        for index in (0, 1, 2):  # batches cycling through the ring's slots
+            batch = _batch(contents, index=index)
+            got, gpu_only, cpu_only = shared.decode(batch), alone.decode(batch), cpu.decode(batch)
+            assert torch.equal(got[:7], gpu_only[:7]), index
+            assert torch.equal(got[7:], cpu_only[7:]), index  # the PNG row among them
+            assert not torch.equal(got[7:9], gpu_only[7:9])  # the two decoders' own pixels: they do differ here
+        assert shared.handovers["ring"] == 3
+        val = _batch(contents[:4], index=0)
+        assert torch.equal(GpuDecoder(64, 3, train=False, seed=5, device="cpu", workers=2, cpu_share=1.0).decode(val),
+                           Decoder(64, 3, train=False, seed=5, workers=1).decode(val))
+        with pytest.raises(ValueError, match=r"data\.decode_cpu_share.*between 0 and 1"):
+            GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=2, cpu_share=1.5)
+        assert GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=1, cpu_share=0.5).share_start(10) == 10
+    finally:
+        shared.close()
+
+
+def test_a_corrupt_row_in_the_cpu_share_of_a_gpu_batch_is_named_and_the_decoder_goes_on():
+    _torchvision()
+    from pipeline.data.gpu_decode import GpuDecoder
+
+    good = _photo(2)
+    decoder = GpuDecoder(SIZE, 3, train=True, seed=0, device="cpu", workers=2, cpu_share=0.5)
+    try:
+        for bad_at in (0, 3):  # in the GPU path's rows, then in the CPU share's
+            contents = [good] * 4
+            contents[bad_at] = good[: len(good) // 3]
+            with pytest.raises(RowDecodeError, match=rf"row /data/dogs/{bad_at}\.jpg"):
+                decoder.decode(_batch(contents, prefix="/data/dogs/"))
+        assert decoder.decode(_batch([good] * 4, index=5)).shape == (4, 3, SIZE, SIZE)  # its slots were given back
+    finally:
+        decoder.close()
+
+
 def test_only_a_jpeg_whole_to_its_end_marker_goes_to_the_gpu_decoder():
     """nvJPEG decodes a truncated or zero-padded JPEG without a word (seen on an H100), where Pillow refuses it: such
     rows, and a JPEG with bytes after its end marker, take the CPU path, which names them or decodes them."""
