@@ -12,6 +12,8 @@
 #   DEVICE_HOROVOD=0       no Horovod build (~150 s saved): the photo jobs run in one process, the tests that need
 #                          Horovod are not run
 #   DEVICE_BENCH_FLAGS     e.g. --quick for every bench part
+#   DEVICE_CPU_SHARES=0.25,0.4   data.decode_cpu_share values of the photo loader's decode=gpu figures (photos_loader)
+#   DEVICE_TRAIN_CPU_SHARE=0     data.decode_cpu_share of the photo trainings with decode=gpu (gpu_photos)
 #   DEVICE_PARTS           the parts to run, in the script's order (default: all): junit_decode photos_loader
 #                          step_overhead step_profile gpu_photos junit_rest gpu_archs
 # A Horovod wheel from an earlier call: put its parts (DEVICE_KEEP_WHEEL=1 writes them into $OUT as hvd_whl_part_*,
@@ -45,7 +47,8 @@ fi
 
 # wanted NAME: whether DEVICE_PARTS (a list of names; empty: every part) names it
 wanted() { [ -z "${DEVICE_PARTS:-}" ] || [[ " $DEVICE_PARTS " == *" $1 "* ]]; }
-# part NAME SECONDS ARGS...: one bench run bounded by SECONDS (or what is left, less a margin), its log appended
+# part NAME SECONDS ARGS...: one bench run bounded by SECONDS (or what is left, less a margin), its log appended;
+# PART_OVERRIDES: config key=value words after the others (argparse takes the overrides as one run of words)
 part() {
   local name=$1 want=$2; shift 2
   wanted "$name" || return 0
@@ -53,9 +56,9 @@ part() {
   [ "$want" -gt "$left" ] && want=$left
   if [ "$want" -lt 30 ]; then echo "$name: not run, ${left} s left"; return; fi
   echo "== $name (bounded at $want s)" >> "$OUT/bench.log"
-  # shellcheck disable=SC2086  # DEVICE_BENCH_FLAGS are words
+  # shellcheck disable=SC2086  # DEVICE_BENCH_FLAGS and PART_OVERRIDES are words
   timeout "$want" python3 -m pipeline.cli bench "$@" ${DEVICE_BENCH_FLAGS:-} --conf conf/local.yaml \
-    --out "$OUT/$name.json" data.reader=arrow >> "$OUT/bench.log" 2>&1
+    --out "$OUT/$name.json" data.reader=arrow ${PART_OVERRIDES:-} >> "$OUT/bench.log" 2>&1
   echo "$name: exit $? after $SECONDS s"
 }
 # The decode tests first (they check the GPU decode against the CPU one), then the figures, then the rest of the tier in
@@ -105,8 +108,10 @@ if wanted step_profile; then
   timeout "$left" python3 -m bench.step_profile --steps 300 --conf conf/local.yaml --out "$OUT/step_profile.json" \
     data.reader=arrow >> "$OUT/bench.log" 2>&1; echo "step_profile: exit $? after $SECONDS s"
 fi
-# ImageNet-shaped photos: the loader alone (decode=cpu|gpu) and timm resnet50/resnet18 at 224 px in bf16
-part gpu_photos 230 --gpu --only photos --quick
+# ImageNet-shaped photos: the loader alone (decode=cpu|gpu) and timm resnet50/resnet18 at 224 px in bf16, decode=gpu
+# with DEVICE_TRAIN_CPU_SHARE of each batch on the CPU's decode workers (data.decode_cpu_share; 0: nvJPEG alone, as the
+# calls before it)
+PART_OVERRIDES="data.decode_cpu_share=${DEVICE_TRAIN_CPU_SHARE:-0}" part gpu_photos 230 --gpu --only photos --quick
 grep -E "bench.report: |Error" "$OUT/bench.log" | grep -v "^ *backend=\|machine:" | sed 's/.*report: //' | tail -40
 # the rest of the tier in the time left, each test bounded; a test cut by the call's end is reported as not run
 tier junit_rest 600 tests/gpu --ignore=tests/gpu/test_gpu_decode.py
