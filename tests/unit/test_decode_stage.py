@@ -60,6 +60,10 @@ def test_crop_draws_depend_on_seed_and_batch_index_only():
     assert not np.array_equal(a, crop_draws(3, 8, 5)) and not np.array_equal(a, crop_draws(4, 7, 5))
     # the same draws whatever the images' sizes: a batch's crops never depend on which image is decoded first
     assert boxes_for([(400, 300)] * 5, True, 3, 7) == [train_box(400, 300, u) for u in a]
+    # the first rows of a batch alone (the GPU's rows where the CPU decodes the rest): the boxes of their places
+    sizes = [(400, 300), (300, 400), (640, 480), (100, 90), (500, 333)]
+    assert boxes_for(sizes[:2], True, 3, 7, rows=5) == boxes_for(sizes, True, 3, 7)[:2]
+    assert boxes_for(sizes[:2], False, 3, 7, rows=5) == boxes_for(sizes, False, 3, 7)[:2]
 
 
 @pytest.mark.parametrize("size", [(400, 350), (160, 800), (800, 160), (37, 41)])
