@@ -59,15 +59,16 @@ summary=""
 BENCH_TESTS=tests/integration/test_bench.py
 # The lane's tests after the bench's, larger files first: none asserts a tight time bound (a hang guard of minutes
 # at most), kills a process on a timer, needs the network namespaces or a heartbeat of a few seconds kept beside the
-# vision set-up's writes (test_tune_resume's 2 s, 6 s of grace), so none minds sharing the cores and the disk.
-LANE_TESTS=(training tune gate_race horovod_strategy notebooks data_path direct_train photos_decode small_table
+# vision set-up's writes (test_tune_resume's 2 s, 6 s of grace; test_gate_race's lease settled in 0.5 s), so none
+# minds sharing the cores and the disk.
+LANE_TESTS=(training tune horovod_strategy notebooks data_path direct_train photos_decode small_table
   lakehouse tracking predict_races gate_fair databricks_install ingest_races spark_session_ownership
   ingest_accounting run_checkpoints horovod_one_rank gate_chance spark_on_demand table_location_gate direct_source
   sync_resume ingest_formats doctor_notebook)
 LANE_TESTS=("${LANE_TESTS[@]/#/tests/integration/test_}")
 LANE_TESTS=("${LANE_TESTS[@]/%/.py}")
-LANE_RECORD=work/lane-ran.tsv
-LANE_STOP=$LOGS/lane.stop
+LANE_RECORD=$PWD/work/lane-ran.tsv  # absolute: a test may change the working directory
+LANE_STOP=$PWD/$LOGS/lane.stop
 DISK_REFUSAL="needs about [0-9]* GiB free"  # scripts/need_disk.sh
 set_up() {  # $1 tier name: 0 when its set-up succeeded, else its log's tail is shown
   local rc

@@ -25,14 +25,17 @@ def pytest_configure(config):
 # `make test`'s lane (scripts/test_tiers.sh): a session of tests that assert no tight timing runs beside the other
 # tiers, writes each test it ended into LAKEHOUSE_LANE_RECORD ("ran" or "failed", a tab, the node id) and stops after
 # the test running when LAKEHOUSE_LANE_STOP appears; the next session, given that record as LAKEHOUSE_LANE_DONE,
-# leaves those tests out, so every test runs once.
+# leaves out those that ran (a skipped one runs again there), so every test runs once.
 LANE_STOPPED = "make test's lane: the other tiers ended, the tests left run in the next session"
 _lane_failed: set = set()
+_lane_skipped: set = set()
 
 
 def pytest_runtest_logreport(report):
     if report.failed:
         _lane_failed.add(report.nodeid)
+    elif report.skipped:
+        _lane_skipped.add(report.nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -41,7 +44,9 @@ def pytest_runtest_protocol(item, nextitem):
     record, stop = os.environ.get("LAKEHOUSE_LANE_RECORD"), os.environ.get("LAKEHOUSE_LANE_STOP")
     if record:
         with open(record, "a") as f:
-            f.write(f"{'failed' if item.nodeid in _lane_failed else 'ran'}\t{item.nodeid}\n")
+            outcome = ("failed" if item.nodeid in _lane_failed else
+                       "skipped" if item.nodeid in _lane_skipped else "ran")
+            f.write(f"{outcome}\t{item.nodeid}\n")
     if stop and nextitem is not None and os.path.exists(stop):
         item.session.shouldstop = LANE_STOPPED
 
@@ -57,7 +62,8 @@ def pytest_collection_modifyitems(config, items):
     if not done_file or not os.path.exists(done_file):
         return
     with open(done_file) as f:
-        done = {line.rstrip("\n").split("\t", 1)[1] for line in f if "\t" in line}
+        # a test the lane skipped (a network it could not reach while the set-ups downloaded) is given another chance
+        done = {line.rstrip("\n").split("\t", 1)[1] for line in f if "\t" in line and not line.startswith("skipped")}
     left = [item for item in items if item.nodeid not in done]
     if len(left) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])

@@ -120,6 +120,7 @@ class Decoder:
         self._procs: Optional[ProcessPoolExecutor] = None
         self._ring: Optional[Ring] = None
         self._lock = threading.Lock()
+        self._closed = False
         self.handovers: Counter = Counter()  # batches decoded by the processes: "ring" or "pickled" (did not fit)
 
     def processes(self, first: Optional[EncodedBatch] = None) -> Optional[ProcessPoolExecutor]:
@@ -128,6 +129,8 @@ class Decoder:
         if self.workers <= 1:
             return None
         with self._lock:
+            if self._closed:  # a decode thread still running after close(): it decodes in its own thread
+                return None
             if self._procs is None:
                 import multiprocessing
 
@@ -335,6 +338,7 @@ class Decoder:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None

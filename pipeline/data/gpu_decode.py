@@ -176,6 +176,10 @@ class GpuDecoder(Decoder):
         return out, event
 
     def submit(self, batch: EncodedBatch) -> Any:
+        if self.cpu_share and len(batch.rows):
+            # the worker processes and their ring start here, in the consumer's thread and from the first batch in
+            # order, not in whichever decode thread comes first (a short last batch would size the ring too small)
+            self.processes(batch)
         with self._lock:
             if self._gpu_pool is None:  # batches are handed over in the order submitted, whichever thread ends first
                 self._gpu_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="decode-gpu")
@@ -194,11 +198,11 @@ class GpuDecoder(Decoder):
         return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
 
     def close(self) -> None:
-        super().close()
-        with self._lock:
+        with self._lock:  # the decode threads first: one still running must not find the processes gone
             if self._gpu_pool is not None:
                 self._gpu_pool.shutdown(wait=False, cancel_futures=True)
                 self._gpu_pool = None
+        super().close()
 
 
 def import_decode_jpeg():

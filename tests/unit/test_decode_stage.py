@@ -349,16 +349,20 @@ def test_the_cpu_share_of_a_gpu_batch_is_decoded_by_the_workers_with_the_cpu_pat
     cpu = Decoder(64, 3, train=True, seed=5, workers=1)
     try:
         assert shared.share_start(10) == 7 and shared.share_start(3) == 2 and alone.share_start(10) == 10
-        for index in (0, 1, 2):  # batches cycling through the ring's slots
+        for index in range(7):  # more batches than the ring has slots: each slot is taken again
             batch = _batch(contents, index=index)
             got, gpu_only, cpu_only = shared.decode(batch), alone.decode(batch), cpu.decode(batch)
             assert torch.equal(got[:7], gpu_only[:7]), index
             assert torch.equal(got[7:], cpu_only[7:]), index  # the PNG row among them
             assert not torch.equal(got[7:9], gpu_only[7:9])  # the two decoders' own pixels: they do differ here
-        assert shared.handovers["ring"] == 3
+            assert shared.handovers["ring"] == index + 1  # through the ring every time: no slot was lost
+        assert sorted(shared._ring._free) == list(range(shared._ring.slots))
         val = _batch(contents[:4], index=0)
-        assert torch.equal(GpuDecoder(64, 3, train=False, seed=5, device="cpu", workers=2, cpu_share=1.0).decode(val),
-                           Decoder(64, 3, train=False, seed=5, workers=1).decode(val))
+        whole = GpuDecoder(64, 3, train=False, seed=5, device="cpu", workers=2, cpu_share=1.0)
+        try:
+            assert torch.equal(whole.decode(val), Decoder(64, 3, train=False, seed=5, workers=1).decode(val))
+        finally:
+            whole.close()
         with pytest.raises(ValueError, match=r"data\.decode_cpu_share.*between 0 and 1"):
             GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=2, cpu_share=1.5)
         assert GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=1, cpu_share=0.5).share_start(10) == 10
@@ -378,7 +382,8 @@ def test_a_corrupt_row_in_the_cpu_share_of_a_gpu_batch_is_named_and_the_decoder_
             contents[bad_at] = good[: len(good) // 3]
             with pytest.raises(RowDecodeError, match=rf"row /data/dogs/{bad_at}\.jpg"):
                 decoder.decode(_batch(contents, prefix="/data/dogs/"))
-        assert decoder.decode(_batch([good] * 4, index=5)).shape == (4, 3, SIZE, SIZE)  # its slots were given back
+        assert decoder.decode(_batch([good] * 4, index=5)).shape == (4, 3, SIZE, SIZE)
+        assert decoder.handovers["ring"] == 3 and sorted(decoder._ring._free) == list(range(decoder._ring.slots))
     finally:
         decoder.close()
 
