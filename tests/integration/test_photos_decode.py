@@ -46,7 +46,8 @@ def test_photos_train_at_224_with_cpu_decode_on_two_horovod_ranks_and_register(t
     assert summary["rows_train"] + summary["rows_val"] == PHOTOS
     assert summary["val_loss"] == summary["val_loss"]  # a number, not NaN
     log = (tmp_path / "train.log").read_text()
-    assert "data.decode=cpu: rank 0 decodes on the CPU (Pillow; data.decode_workers > 1: in worker processes), the ImageNet recipe at 224 px" in log
+    assert ("data.decode=cpu: rank 0 decodes on the CPU (libjpeg-turbo, Pillow for other formats; "
+            "data.decode_workers > 1: in worker processes), the ImageNet recipe at 224 px") in log
 
     # the conversion kept the encoded bytes and the paths (nothing decoded there), one cache entry
     entries = [p for p in (tmp_path / "cache").iterdir() if (p / "manifest.json").exists()]
