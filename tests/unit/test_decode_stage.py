@@ -6,6 +6,7 @@ CPU decoder where torchvision is importable (.venv-vision), skipped with the rea
 from __future__ import annotations
 
 import io
+import logging
 import os
 from collections import namedtuple
 
@@ -332,7 +333,7 @@ def test_the_gpu_path_handles_a_corrupt_jpeg_as_the_cpu_path_does():
         assert str(cpu_err.value) == str(gpu_err.value)
 
 
-def test_the_cpu_share_of_a_gpu_batch_is_decoded_by_the_workers_with_the_cpu_paths_pixels_in_its_places():
+def test_the_cpu_share_of_a_gpu_batch_is_decoded_by_the_workers_with_the_cpu_paths_pixels_in_its_places(caplog):
     """data.decode_cpu_share: the batch's last rows go to the CPU decode workers (through the ring), the others to the
     GPU path (torchvision's CPU decoder here), each row with the box of its place in the batch: the share's rows are
     the CPU path's own pixels, the others the GPU path's, whichever thread ends first."""
@@ -365,7 +366,11 @@ def test_the_cpu_share_of_a_gpu_batch_is_decoded_by_the_workers_with_the_cpu_pat
             whole.close()
         with pytest.raises(ValueError, match=r"data\.decode_cpu_share.*between 0 and 1"):
             GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=2, cpu_share=1.5)
-        assert GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=1, cpu_share=0.5).share_start(10) == 10
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pipeline.data.gpu_decode"):
+            one = GpuDecoder(64, 3, train=True, seed=5, device="cpu", workers=1, cpu_share=0.5)
+        assert one.share_start(10) == 10  # one worker is a thread, no processes: the share is off, and said so
+        assert "'data.decode_cpu_share' is 0.5 but this rank has 1 decode worker" in caplog.text
     finally:
         shared.close()
 
