@@ -3,14 +3,14 @@
 # (`-m datapath`), then the vision tier (timm) in .venv-vision; one summary line at the end.
 #
 # All four venvs are set up at once: the classic one in the foreground, the modern, dbr-15.4 and vision ones one after
-# another beside it, each into its own log. Once the classic venv is ready, the lane starts: the bench's tests (they
-# check what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS), in
-# one session beside the set-ups still going, then beside the modern, dbr-15.4 and vision tiers and the classic unit
-# tests, which begin when every set-up has ended. When those end the lane stops after its current test, and the
-# classic tests it did not run (the integration and multi-host tests with time bounds, kills and namespaces among
-# them) run on a quiet machine. (A fresh clone, 2026-11-28, before the lane: the classic set-up 447 s, all set-ups
-# 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046 s, then 2,956 s of
-# integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well with each other,
+# another beside it, each into its own log. Once the classic venv is ready, lane A starts: the bench's tests (they
+# check what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS),
+# beside the set-ups still going; once every set-up has ended, lane B starts on the same list, and the modern, dbr-15.4
+# and vision tiers and the classic unit tests run beside the two. The lanes share the list file by file until all of
+# it has run; then the classic tests they did not run (the integration and multi-host tests with time bounds, kills
+# and namespaces among them) run on a quiet machine. (A fresh clone, 2026-11-28, before any lane: the classic set-up
+# 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046 s, then
+# 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well with each other,
 # not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or mq-deadline)
 # `ionice` changes nothing (the stop whose set-ups ran beside the whole classic suite took 5,027 s in CI against
 # 4,334 s before). The vision venv of
@@ -59,16 +59,17 @@ summary=""
 BENCH_TESTS=tests/integration/test_bench.py
 # The lane's tests after the bench's, larger files first: none asserts a tight time bound (a hang guard of minutes
 # at most), kills a process on a timer, needs the network namespaces or a heartbeat of a few seconds kept beside the
-# vision set-up's writes (test_tune_resume's 2 s, 6 s of grace; test_gate_race's lease settled in 0.5 s), so none
-# minds sharing the cores and the disk.
-LANE_TESTS=(training tune horovod_strategy notebooks data_path direct_train photos_decode small_table
-  lakehouse tracking predict_races gate_fair databricks_install ingest_races spark_session_ownership
-  ingest_accounting run_checkpoints horovod_one_rank gate_chance spark_on_demand table_location_gate direct_source
-  sync_resume ingest_formats doctor_notebook)
+# vision set-up's writes (test_tune_resume's 2 s, 6 s of grace; test_gate_race's lease settled in 0.5 s), or looks
+# for processes by name across the machine (test_early_start_jobs), so none minds sharing the cores, the disk and the
+# process table. (A rank killed at a given step or checkpoint write, as in test_fsdp, is not a kill on a timer.)
+LANE_TESTS=(training tune fsdp horovod_strategy notebooks small_table photos_decode lakehouse data_path direct_train
+  cache_leases tracking secrets predict_races gate_fair spark_session_ownership databricks_install ingest_races
+  ingest_accounting spark_on_demand gate_chance horovod_one_rank table_location_gate run_checkpoints sync_resume
+  doctor_notebook direct_source ingest_formats)
 LANE_TESTS=("${LANE_TESTS[@]/#/tests/integration/test_}")
 LANE_TESTS=("${LANE_TESTS[@]/%/.py}")
 LANE_RECORD=$PWD/work/lane-ran.tsv  # absolute: a test may change the working directory
-LANE_STOP=$PWD/$LOGS/lane.stop
+LANE_CLAIMS=$PWD/$LOGS/lane-claims  # the files the lanes took (tests/conftest.py)
 DISK_REFUSAL="needs about [0-9]* GiB free"  # scripts/need_disk.sh
 set_up() {  # $1 tier name: 0 when its set-up succeeded, else its log's tail is shown
   local rc
@@ -120,31 +121,41 @@ other_tiers() {  # the modern and dbr-15.4 data-path tests, then the vision tier
 }
 
 if [ -n "$bg" ]; then
-  # The lane: once the classic venv is ready, the bench's tests (~18 minutes; they check what the bench reports, never
-  # how fast it was) and then the classic tests that assert no tight timing (LANE_TESTS) run in one session beside the
-  # other set-ups, then beside the other tiers and the classic unit tests. When those end, the lane stops after the
-  # test it is running (tests/conftest.py: LAKEHOUSE_LANE_STOP), and every classic test it did not reach runs after
-  # it with the integration and multi-host tests that wait for a quiet machine (LAKEHOUSE_LANE_DONE leaves out the
-  # ones it ran). The core the bench's tests left idle while the other tiers ran (~430 s) now runs tests.
-  echo "== classic: the lane (the bench's tests, then tests without tight timing), beside the other set-ups and" \
-    "tiers (output: $LOGS/lane.log)"
-  rm -f "$LANE_RECORD" "$LANE_STOP"
-  LAKEHOUSE_LANE_RECORD="$LANE_RECORD" LAKEHOUSE_LANE_STOP="$LANE_STOP" .venv/bin/python -m pytest "$BENCH_TESTS" \
-    "${LANE_TESTS[@]}" -ra --durations=10 --junitxml=work/junit-lane.xml > "$LOGS/lane.log" 2>&1 &
-  lane_pid=$!
+  # The lanes: once the classic venv is ready, lane A starts on the bench's tests (~15 minutes; they check what the
+  # bench reports, never how fast it was) and then the classic tests that assert no tight timing (LANE_TESTS); once
+  # every set-up has ended, lane B starts on the same list. The two share it file by file (tests/conftest.py:
+  # LAKEHOUSE_LANE_CLAIMS), beside the modern, dbr-15.4 and vision tiers and the classic unit tests, until every file
+  # of it has run; then the integration and multi-host tests that wait for a quiet machine run, leaving out those the
+  # lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). A lane's tests use 0.4-1.5 cores of 2 (measured:
+  # test_small_table 76 % of the machine, test_tracking_outage 44 %), so two lanes and a tier keep both cores busy
+  # where one lane left the lane's tests that did not fit to run one at a time after the tiers (~640 s of them).
+  echo "== classic: lanes A and B (the bench's tests, then tests without tight timing), beside the other set-ups and" \
+    "tiers (output: $LOGS/lane-a.log, $LOGS/lane-b.log)"
+  rm -rf "$LANE_RECORD" "$LANE_CLAIMS"
+  lane() {  # $1: the lane's name; its tests are those of the list whose file it claims first
+    LAKEHOUSE_LANE_RECORD="$LANE_RECORD" LAKEHOUSE_LANE_CLAIMS="$LANE_CLAIMS" .venv/bin/python -m pytest \
+      "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$1.xml" > "$LOGS/lane-$1.log" 2>&1
+  }
+  lane a &
+  lane_a=$!
   wait "$bg"
-  echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s"
+  echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s; lane B starts"
+  lane b &
+  lane_b=$!
   other_tiers
   echo "== classic: unit tests"
   .venv/bin/python -m pytest tests/unit -ra
   rc_unit=$?
-  touch "$LANE_STOP"
-  wait "$lane_pid"
+  echo "== the other tiers and the unit tests ended ($(( $(date +%s) - t0 )) s in); waiting for the lanes"
+  wait "$lane_a"
   rc_lane=$?
-  echo "== classic: the lane ended ($(( $(date +%s) - t0 )) s in, $(wc -l < "$LANE_RECORD" 2>/dev/null || echo 0)" \
-    "tests run); its output:"
-  cat "$LOGS/lane.log"
-  echo "== classic: integration and multi-host tests (those the lane did not run)"
+  wait "$lane_b"
+  rc_b=$?
+  [ $rc_lane -ne 0 ] || rc_lane=$rc_b
+  echo "== classic: the lanes ended ($(( $(date +%s) - t0 )) s in, $(wc -l < "$LANE_RECORD" 2>/dev/null || echo 0)" \
+    "tests run); their output:"
+  cat "$LOGS/lane-a.log" "$LOGS/lane-b.log"
+  echo "== classic: integration and multi-host tests (those the lanes did not run)"
   LAKEHOUSE_LANE_DONE="$LANE_RECORD" .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 \
     --junitxml=work/junit-classic.xml --ignore=tests/unit
   rc=$?

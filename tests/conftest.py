@@ -22,11 +22,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process training or a cluster; minutes")
 
 
-# `make test`'s lane (scripts/test_tiers.sh): a session of tests that assert no tight timing runs beside the other
-# tiers, writes each test it ended into LAKEHOUSE_LANE_RECORD ("ran" or "failed", a tab, the node id) and stops after
-# the test running when LAKEHOUSE_LANE_STOP appears; the next session, given that record as LAKEHOUSE_LANE_DONE,
-# leaves out those that ran (a skipped one runs again there), so every test runs once.
-LANE_STOPPED = "make test's lane: the other tiers ended, the tests left run in the next session"
+# `make test`'s lanes (scripts/test_tiers.sh): sessions of tests that assert no tight timing, run beside the other
+# tiers and beside each other. Given the same LAKEHOUSE_LANE_CLAIMS folder, they share their tests file by file: a
+# session runs a file's tests only if it claims the file first (a file made with O_EXCL), so each file runs in one of
+# them and a session that is free takes the next file no one has. Each test a session ended is written into
+# LAKEHOUSE_LANE_RECORD ("ran", "failed" or "skipped", a tab, the node id); the next session, given that record as
+# LAKEHOUSE_LANE_DONE, leaves out those that ran (a skipped one runs again there), so every test runs once.
 _lane_failed: set = set()
 _lane_skipped: set = set()
 
@@ -41,20 +42,58 @@ def pytest_runtest_logreport(report):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield
-    record, stop = os.environ.get("LAKEHOUSE_LANE_RECORD"), os.environ.get("LAKEHOUSE_LANE_STOP")
+    record = os.environ.get("LAKEHOUSE_LANE_RECORD")
     if record:
-        with open(record, "a") as f:
+        with open(record, "a") as f:  # one short line per write (O_APPEND): the lanes' lines never interleave
             outcome = ("failed" if item.nodeid in _lane_failed else
                        "skipped" if item.nodeid in _lane_skipped else "ran")
             f.write(f"{outcome}\t{item.nodeid}\n")
-    if stop and nextitem is not None and os.path.exists(stop):
-        item.session.shouldstop = LANE_STOPPED
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    if session.shouldstop == LANE_STOPPED:  # stopped on purpose: the status is the tests' that ran
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED if session.testsfailed else pytest.ExitCode.OK
+def _claim(folder: str, test_file: str) -> bool:
+    """True if this session is the first to claim `test_file` (a node id's file part) in `folder`."""
+    import hashlib
+
+    name = hashlib.sha256(test_file.encode()).hexdigest()[:32]
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\t{test_file}\n")
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """With LAKEHOUSE_LANE_CLAIMS: pytest's own loop over the tests of the files this session claims (see above)."""
+    claims = os.environ.get("LAKEHOUSE_LANE_CLAIMS")
+    if not claims or session.config.option.collectonly:
+        return None  # pytest's own loop
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+    os.makedirs(claims, exist_ok=True)
+    owned: dict = {}
+
+    def claimed():
+        for item in session.items:
+            test_file = item.nodeid.split("::", 1)[0]
+            if test_file not in owned:
+                owned[test_file] = _claim(claims, test_file)
+            if owned[test_file]:
+                yield item
+
+    tests = claimed()
+    item = next(tests, None)
+    while item is not None:
+        nextitem = next(tests, None)  # a next file is claimed before this test runs: its teardown must know it
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+        item = nextitem
+    return True
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
-"""`make test`'s lane (tests/conftest.py): a session that records the tests it ended, stops after the running test once
-its stop file appears, and a next session that leaves out what the lane ran; pytest in subprocesses on made-up tests
-under a copy of the project's conftest."""
+"""`make test`'s lanes (tests/conftest.py): sessions that share their tests file by file through a claims folder,
+record the tests they ended, and a next session that leaves out what the lanes ran; pytest in subprocesses on made-up
+tests under a copy of the project's conftest."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,80 +11,97 @@ pytest_plugins = "pytester"
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TESTS = """
-import os, pathlib
+# each file's module fixture writes when it is set up and torn down, so the order of a session's work can be read
+FIXTURE = """
+import os, pathlib, pytest
 
-def test_one():
-    pass
-
-def test_two_makes_the_stop_file():
-    stop = os.environ.get("MAKE_STOP")
-    if stop:
-        pathlib.Path(stop).touch()
-
-def test_three_fails():
-    assert os.environ.get("THREE_PASSES") == "1"
-
-def test_four():
-    pass
+@pytest.fixture(scope="module", autouse=True)
+def module_state(request):
+    log = pathlib.Path(os.environ["ORDER_LOG"])
+    name = pathlib.Path(str(request.fspath)).stem
+    with log.open("a") as f:
+        f.write(f"{os.getpid()} setup {name}\\n")
+    yield
+    with log.open("a") as f:
+        f.write(f"{os.getpid()} teardown {name}\\n")
 """
+
+FILES = {
+    "test_a": FIXTURE + """
+def test_a1():
+    pass
+
+def test_a2_fails():
+    assert os.environ.get("A2_PASSES") == "1"
+""",
+    "test_b": FIXTURE + """
+def test_b1():
+    pass
+""",
+    "test_c": FIXTURE + """
+def test_c1():
+    pass
+
+def test_c2_skips():
+    if os.environ.get("C2_RUNS") != "1":
+        pytest.skip("no network here")
+""",
+}
 
 
 @pytest.fixture()
 def lane(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
-    pytester.makepyfile(test_made=TESTS)
-    for key in ("LAKEHOUSE_LANE_RECORD", "LAKEHOUSE_LANE_STOP", "LAKEHOUSE_LANE_DONE", "MAKE_STOP", "THREE_PASSES"):
+    pytester.makepyfile(**FILES)
+    for key in ("LAKEHOUSE_LANE_RECORD", "LAKEHOUSE_LANE_CLAIMS", "LAKEHOUSE_LANE_DONE", "A2_PASSES", "C2_RUNS"):
         monkeypatch.delenv(key, raising=False)
-    return pytester, tmp_path / "ran.tsv", tmp_path / "stop"
+    monkeypatch.setenv("ORDER_LOG", str(tmp_path / "order.log"))
+    return pytester, tmp_path / "ran.tsv", tmp_path / "claims", tmp_path / "order.log"
 
 
 def _record(path: Path):
     return [line.split("\t") for line in path.read_text().splitlines()]
 
 
-def test_the_lane_stops_after_the_running_test_and_the_next_session_runs_only_the_rest(lane, monkeypatch):
-    pytester, record, stop = lane
-    monkeypatch.setenv("LAKEHOUSE_LANE_RECORD", str(record))
-    monkeypatch.setenv("LAKEHOUSE_LANE_STOP", str(stop))
-    monkeypatch.setenv("MAKE_STOP", str(stop))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    assert result.ret == 0, result.stdout.str()  # stopped on purpose, nothing failed: not pytest's "interrupted"
-    result.assert_outcomes(passed=2)
-    assert _record(record) == [["ran", "test_made.py::test_one"], ["ran", "test_made.py::test_two_makes_the_stop_file"]]
+def _order(path: Path):
+    return [line.split(" ", 1)[1] for line in path.read_text().splitlines()]
 
-    monkeypatch.delenv("LAKEHOUSE_LANE_RECORD")
-    monkeypatch.delenv("LAKEHOUSE_LANE_STOP")
-    monkeypatch.delenv("MAKE_STOP")
+
+def test_lanes_share_the_files_each_runs_once_and_the_next_session_runs_only_the_rest(lane, monkeypatch):
+    pytester, record, claims, order = lane
+    monkeypatch.setenv("LAKEHOUSE_LANE_RECORD", str(record))
+    monkeypatch.setenv("LAKEHOUSE_LANE_CLAIMS", str(claims))
+    first = pytester.runpytest_subprocess("-p", "no:cacheprovider", "test_b.py")  # a lane that took test_b first
+    assert first.ret == 0, first.stdout.str()
+    first.assert_outcomes(passed=1)
+
+    second = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")  # a lane over every file
+    assert second.ret == pytest.ExitCode.TESTS_FAILED  # its own failure fails it
+    second.assert_outcomes(passed=2, failed=1, skipped=1)
+    assert "test_b1" not in second.stdout.str()  # the other lane's file is not run again
+    # one module at a time, each torn down before the next file's is set up (the next file is claimed ahead)
+    assert _order(order) == ["setup test_b", "teardown test_b", "setup test_a", "teardown test_a", "setup test_c",
+                             "teardown test_c"]
+    assert _record(record) == [["ran", "test_b.py::test_b1"], ["ran", "test_a.py::test_a1"],
+                               ["failed", "test_a.py::test_a2_fails"], ["ran", "test_c.py::test_c1"],
+                               ["skipped", "test_c.py::test_c2_skips"]]
+    third = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # every file claimed: nothing left to run
+    assert third.ret == 0, third.stdout.str()
+    third.assert_outcomes()
+
+    for key in ("LAKEHOUSE_LANE_RECORD", "LAKEHOUSE_LANE_CLAIMS"):
+        monkeypatch.delenv(key)
     monkeypatch.setenv("LAKEHOUSE_LANE_DONE", str(record))
-    monkeypatch.setenv("THREE_PASSES", "1")
+    monkeypatch.setenv("C2_RUNS", "1")
     rest = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
     assert rest.ret == 0, rest.stdout.str()
-    rest.assert_outcomes(passed=2, deselected=2)
-    out = rest.stdout.str()
-    assert "test_three_fails PASSED" in out and "test_four PASSED" in out and "test_one" not in out
-
-
-def test_a_failure_in_the_lane_fails_its_session_and_is_not_run_again(lane, monkeypatch):
-    pytester, record, stop = lane
-    monkeypatch.setenv("LAKEHOUSE_LANE_RECORD", str(record))
-    monkeypatch.setenv("LAKEHOUSE_LANE_STOP", str(stop))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(passed=3, failed=1)
-    assert ["failed", "test_made.py::test_three_fails"] in _record(record) and len(_record(record)) == 4
-
-    stop.touch()  # the stop file before the first test: that one test runs, then the session ends, still failing
-    record.unlink()
-    again = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "three or four")
-    assert again.ret == pytest.ExitCode.TESTS_FAILED
-    again.assert_outcomes(failed=1)
-    assert _record(record) == [["failed", "test_made.py::test_three_fails"]]
+    rest.assert_outcomes(passed=1, deselected=4)  # the skipped test runs again; the failed one is not run twice
+    assert "test_c2_skips PASSED" in rest.stdout.str()
 
 
 def test_without_the_lanes_variables_nothing_changes(lane):
-    pytester, record, _ = lane
+    pytester, record, claims, _ = lane
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(passed=3, failed=1)
-    assert not record.exists()
+    result.assert_outcomes(passed=3, failed=1, skipped=1)
+    assert not record.exists() and not claims.exists()
