@@ -10,12 +10,12 @@
 # it has run; then the classic tests they did not run (the integration and multi-host tests with time bounds, kills
 # and namespaces among them) run on a quiet machine. (A fresh clone, 2026-11-28, before any lane: the classic set-up
 # 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046 s, then
-# 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well with each other,
-# not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or mq-deadline)
-# `ionice` changes nothing (the stop whose set-ups ran beside the whole classic suite took 5,027 s in CI against
-# 4,334 s before). The vision venv of
-# this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes on 2 cores): its tier trains on DDP ranks. A
-# tier whose set-up failed is said, with its log's tail, and not run (a half-built venv gives only import errors).
+# 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well with
+# each other, not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or
+# mq-deadline) `ionice` changes nothing (the stop whose set-ups ran beside the whole classic suite took 5,027 s in CI
+# against 4,334 s before). The vision venv of this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes
+# on 2 cores): its tier trains on DDP ranks. A tier whose set-up failed is said, with its log's tail, and not run (a
+# half-built venv gives only import errors).
 # Every tier runs even when an earlier one fails; the exit status is the worst of them. One exception: a modern,
 # dbr-15.4 or vision set-up that refused to start for lack of disk (need_disk's message; the disk of a CI machine is
 # shared and varies, seen from 8 to 80 GiB free) is said in the summary as "not run (disk)" and does not fail the run;
@@ -126,15 +126,17 @@ if [ -n "$bg" ]; then
   # every set-up has ended, lane B starts on the same list. The two share it file by file (tests/conftest.py:
   # LAKEHOUSE_LANE_CLAIMS), beside the modern, dbr-15.4 and vision tiers and the classic unit tests, until every file
   # of it has run; then the integration and multi-host tests that wait for a quiet machine run, leaving out those the
-  # lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). A lane's tests use 0.4-1.5 cores of 2 (measured:
-  # test_small_table 76 % of the machine, test_tracking_outage 44 %), so two lanes and a tier keep both cores busy
-  # where one lane left the lane's tests that did not fit to run one at a time after the tiers (~640 s of them).
+  # lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which stopped when the tiers ended,
+  # ~640 s of the lane's tests were left to run one at a time on the quiet machine; with two, the whole list ran
+  # before the tiers ended, and a fresh clone took 3,996 s against 4,177 (docs/testing.md: the cores are now busy
+  # ~99 % of the time until the quiet phase, so a third lane would only share them).
   echo "== classic: lanes A and B (the bench's tests, then tests without tight timing), beside the other set-ups and" \
     "tiers (output: $LOGS/lane-a.log, $LOGS/lane-b.log)"
   rm -rf "$LANE_RECORD" "$LANE_CLAIMS"
   lane() {  # $1: the lane's name; its tests are those of the list whose file it claims first
     LAKEHOUSE_LANE_RECORD="$LANE_RECORD" LAKEHOUSE_LANE_CLAIMS="$LANE_CLAIMS" .venv/bin/python -m pytest \
-      "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$1.xml" > "$LOGS/lane-$1.log" 2>&1
+      "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$1.xml" \
+      > "$LOGS/lane-$1.log" 2>&1
   }
   lane a &
   lane_a=$!

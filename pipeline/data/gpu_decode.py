@@ -89,8 +89,9 @@ class GpuDecoder(Decoder):
             raise ValueError(f"config key 'data.decode_cpu_share': {cpu_share!r} is not between 0 and 1")
         self.cpu_share = float(cpu_share) if self.workers > 1 else 0.0  # one worker is a thread: no processes
         if float(cpu_share) > 0 and not self.cpu_share:
-            log.warning("config key 'data.decode_cpu_share' is %g but this rank has 1 decode worker (data.decode_workers"
-                        " or its cores per rank): nvJPEG decodes every row; the share needs 2 or more workers",
+            log.warning("config key 'data.decode_cpu_share' is %g but this rank has 1 decode worker "
+                        "(data.decode_workers or its cores per rank): nvJPEG decodes every row; the share needs 2 or "
+                        "more workers",
                         float(cpu_share))
         self.device = torch.device(device)
         self.tv_io = import_decode_jpeg()
