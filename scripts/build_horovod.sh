@@ -46,6 +46,18 @@ fi
 
 CACHE_ROOT=${LAKEHOUSE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lakehouse-wheels}
 CACHE="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY"
+mkdir -p "$CACHE_ROOT"
+# One build per key at a time: `make test` sets up the classic and modern venvs side by side, and both want the same
+# wheel (the fresh clone of 2026-11-28 built it twice at once: ~4 minutes of both cores spent twice). The second
+# waits on a lock on the key (the kernel's: it goes with a build that dies) and then installs the first's wheel.
+LOCK="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY.lock"
+if command -v flock >/dev/null 2>&1; then
+  exec 9> "$LOCK"
+  if ! flock -n 9; then
+    echo "another set-up is building $LAKEHOUSE_HVD_CACHE_KEY: waiting for its wheel (lock $LOCK, at most 30 minutes)"
+    flock -w 1800 9 || { echo "horovod: the build holding $LOCK did not end within 30 minutes" >&2; exit 1; }
+  fi
+fi
 if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   echo "building horovod ${HVD_VERSION} ($LAKEHOUSE_HVD_CACHE_KEY) with ${MAKEFLAGS}; about 4 minutes on 2 cores, 2 on 16"
   # Horovod's setup imports cffi before anything else.
@@ -82,7 +94,6 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
     mkdir -p "$(dirname "${pair%%=*}")"
     ln -sfn "${pair#*=}" "${pair%%=*}"
   done
-  mkdir -p "$CACHE_ROOT"
   OUTDIR=$(mktemp -d "$CACHE_ROOT/.building-XXXXXX")
   LOG="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY.build.log"
   if ! (cd "$SRC" && "$PY" -m pip wheel -v --no-deps --no-build-isolation . -w "$OUTDIR") > "$LOG" 2>&1; then
@@ -95,6 +106,7 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   mv "$OUTDIR"/horovod-*.whl "$CACHE/"
   rm -rf "$OUTDIR"
 fi
+exec 9>&-  # the wheel is in the cache: a set-up waiting for it goes on
 "$PY" -m pip install -q --no-deps --force-reinstall "$CACHE"/horovod-*.whl 2>&1 | { grep -v "^WARNING: Location" || true; }
 # horovod's own runtime deps (not its [spark] extra, which pins pyarrow < 11)
 "$PY" -c "import cloudpickle, psutil, yaml, packaging" 2>/dev/null || pip_get cloudpickle psutil pyyaml packaging

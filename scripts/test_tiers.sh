@@ -3,18 +3,18 @@
 # (`-m datapath`), then the vision tier (timm) in .venv-vision; one summary line at the end.
 #
 # All four venvs are set up at once: the classic one in the foreground, the modern, dbr-15.4 and vision ones one after
-# another beside it, each into its own log. Once the classic venv is ready, lane A starts: the bench's tests (they
-# check what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS),
-# beside the set-ups still going; once every set-up has ended, lane B starts on the same list, and the modern, dbr-15.4
-# and vision tiers and the classic unit tests run beside the two. The lanes share the list file by file until all of
-# it has run; then the classic tests they did not run (the integration and multi-host tests with time bounds, kills
-# and namespaces among them) run on a quiet machine. (A fresh clone, 2026-11-28, before any lane: the classic set-up
-# 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046 s, then
-# 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well with
-# each other, not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or
+# another beside it, each into its own log. Once the classic venv is ready, lane A starts: the bench's tests (they check
+# what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS), beside the
+# set-ups still going; once every set-up has ended, lane B starts on its own two files, then on the same list, and the
+# modern, dbr-15.4 and vision tiers and the classic unit tests run beside the two. The lanes share the list file by file
+# until all of it has run; then the classic tests they did not run (the integration and multi-host tests with time
+# bounds, kills and namespaces among them) run on a quiet machine. (A fresh clone, 2026-11-28, before any lane: the
+# classic set-up 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046
+# s, then 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well
+# with each other, not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or
 # mq-deadline) `ionice` changes nothing (the stop whose set-ups ran beside the whole classic suite took 5,027 s in CI
-# against 4,334 s before). The vision venv of this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes
-# on 2 cores): its tier trains on DDP ranks. A tier whose set-up failed is said, with its log's tail, and not run (a
+# against 4,334 s before). The vision venv of this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes on 2
+# cores): its tier trains on DDP ranks. A tier whose set-up failed is said, with its log's tail, and not run (a
 # half-built venv gives only import errors).
 # Every tier runs even when an earlier one fails; the exit status is the worst of them. One exception: a modern,
 # dbr-15.4 or vision set-up that refused to start for lack of disk (need_disk's message; the disk of a CI machine is
@@ -57,17 +57,22 @@ fi
 status=0
 summary=""
 BENCH_TESTS=tests/integration/test_bench.py
-# The lane's tests after the bench's, larger files first: none asserts a tight time bound (a hang guard of minutes
-# at most), kills a process on a timer, needs the network namespaces or a heartbeat of a few seconds kept beside the
-# vision set-up's writes (test_tune_resume's 2 s, 6 s of grace; test_gate_race's lease settled in 0.5 s), or looks
-# for processes by name across the machine (test_early_start_jobs), so none minds sharing the cores, the disk and the
-# process table. (A rank killed at a given step or checkpoint write, as in test_fsdp, is not a kill on a timer.)
+# The lane's tests after the bench's, larger files first: none asserts a tight time bound (a hang guard of minutes at
+# most), kills a process on a timer, needs the network namespaces or a heartbeat of a few seconds kept beside the vision
+# set-up's writes (test_tune_resume's 2 s, 6 s of grace; test_gate_race's lease settled in 0.5 s: lane B's own, below),
+# or looks for processes by name across the machine (test_early_start_jobs), so none minds sharing the cores, the disk
+# and the process table. (A rank killed at a given step or checkpoint write, as in test_fsdp, is not a kill on a timer.)
 LANE_TESTS=(training tune fsdp horovod_strategy notebooks small_table photos_decode lakehouse data_path direct_train
   cache_leases tracking secrets predict_races gate_fair spark_session_ownership databricks_install ingest_races
   ingest_accounting spark_on_demand gate_chance horovod_one_rank table_location_gate run_checkpoints sync_resume
   doctor_notebook direct_source ingest_formats)
 LANE_TESTS=("${LANE_TESTS[@]/#/tests/integration/test_}")
 LANE_TESTS=("${LANE_TESTS[@]/%/.py}")
+# Lane B's own, first: tests whose heartbeat or lease needs writes to land within seconds, which the set-ups' disk
+# writes could stall (the vision venv writes ~6 GB) but no longer can once they ended, when lane B starts. In the
+# quiet phase they used the cores 16-17 % of the time (test_gate_race 84 s, test_tune_resume 21 s, fresh clone of
+# 2026-11-28): they mostly wait.
+LANE_B_TESTS=(tests/integration/test_gate_race.py tests/integration/test_tune_resume.py)
 LANE_RECORD=$PWD/work/lane-ran.tsv  # absolute: a test may change the working directory
 LANE_CLAIMS=$PWD/$LOGS/lane-claims  # the files the lanes took (tests/conftest.py)
 DISK_REFUSAL="needs about [0-9]* GiB free"  # scripts/need_disk.sh
@@ -123,26 +128,28 @@ other_tiers() {  # the modern and dbr-15.4 data-path tests, then the vision tier
 if [ -n "$bg" ]; then
   # The lanes: once the classic venv is ready, lane A starts on the bench's tests (~15 minutes; they check what the
   # bench reports, never how fast it was) and then the classic tests that assert no tight timing (LANE_TESTS); once
-  # every set-up has ended, lane B starts on the same list. The two share it file by file (tests/conftest.py:
-  # LAKEHOUSE_LANE_CLAIMS), beside the modern, dbr-15.4 and vision tiers and the classic unit tests, until every file
-  # of it has run; then the integration and multi-host tests that wait for a quiet machine run, leaving out those the
-  # lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which stopped when the tiers ended,
-  # ~640 s of the lane's tests were left to run one at a time on the quiet machine; with two, the whole list ran
-  # before the tiers ended, and a fresh clone took 3,996 s against 4,177 (docs/testing.md: the cores are now busy
-  # ~99 % of the time until the quiet phase, so a third lane would only share them).
+  # every set-up has ended, lane B starts on its own files (LANE_B_TESTS), then on the same list. The two share it file
+  # by file (tests/conftest.py: LAKEHOUSE_LANE_CLAIMS), beside the modern, dbr-15.4 and vision tiers and the classic
+  # unit tests, until every file of it has run; then the integration and multi-host tests that wait for a quiet machine
+  # run, leaving out those the lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which
+  # stopped when the tiers ended, ~640 s of the lane's tests were left to run one at a time on the quiet machine; with
+  # two, the whole list ran before the tiers ended, and a fresh clone took 3,996 s against 4,177 (docs/testing.md: the
+  # cores are now busy ~99 % of the time until the quiet phase, so a third lane would only share them).
   echo "== classic: lanes A and B (the bench's tests, then tests without tight timing), beside the other set-ups and" \
     "tiers (output: $LOGS/lane-a.log, $LOGS/lane-b.log)"
   rm -rf "$LANE_RECORD" "$LANE_CLAIMS"
-  lane() {  # $1: the lane's name; its tests are those of the list whose file it claims first
+  lane() {  # $1: the lane's name, then its own files; its tests are those of its files whose file it claims first
+    local name=$1
+    shift
     LAKEHOUSE_LANE_RECORD="$LANE_RECORD" LAKEHOUSE_LANE_CLAIMS="$LANE_CLAIMS" .venv/bin/python -m pytest \
-      "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$1.xml" \
-      > "$LOGS/lane-$1.log" 2>&1
+      "$@" "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$name.xml" \
+      > "$LOGS/lane-$name.log" 2>&1
   }
   lane a &
   lane_a=$!
   wait "$bg"
   echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s; lane B starts"
-  lane b &
+  lane b "${LANE_B_TESTS[@]}" &
   lane_b=$!
   other_tiers
   echo "== classic: unit tests"
