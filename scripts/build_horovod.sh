@@ -51,12 +51,18 @@ mkdir -p "$CACHE_ROOT"
 # wheel (the fresh clone of 2026-11-28 built it twice at once: ~4 minutes of both cores spent twice). The second
 # waits on a lock on the key (the kernel's: it goes with a build that dies) and then installs the first's wheel.
 LOCK="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY.lock"
-if command -v flock >/dev/null 2>&1; then
-  exec 9> "$LOCK"
-  if ! flock -n 9; then
+HELD=75  # flock's exit status when the lock is held (-E); any other failure is the lock's own (a file system
+#          without locks): the build then goes on unlocked, as before the lock
+if command -v flock >/dev/null 2>&1 && exec 9> "$LOCK"; then
+  rc=0
+  flock -n -E $HELD 9 || rc=$?
+  if [ $rc = $HELD ]; then
     echo "another set-up is building $LAKEHOUSE_HVD_CACHE_KEY: waiting for its wheel (lock $LOCK, at most 30 minutes)"
-    flock -w 1800 9 || { echo "horovod: the build holding $LOCK did not end within 30 minutes" >&2; exit 1; }
+    rc=0
+    flock -w 1800 -E $HELD 9 || rc=$?
+    [ $rc != $HELD ] || { echo "horovod: the build holding $LOCK did not end within 30 minutes" >&2; exit 1; }
   fi
+  [ $rc = 0 ] || echo "build_horovod: cannot lock $LOCK (flock exit $rc): building without the lock" >&2
 fi
 if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   echo "building horovod ${HVD_VERSION} ($LAKEHOUSE_HVD_CACHE_KEY) with ${MAKEFLAGS}; about 4 minutes on 2 cores, 2 on 16"
@@ -96,7 +102,8 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   done
   OUTDIR=$(mktemp -d "$CACHE_ROOT/.building-XXXXXX")
   LOG="$CACHE_ROOT/$LAKEHOUSE_HVD_CACHE_KEY.build.log"
-  if ! (cd "$SRC" && "$PY" -m pip wheel -v --no-deps --no-build-isolation . -w "$OUTDIR") > "$LOG" 2>&1; then
+  # 9>&-: the compilers never hold the lock (one outliving an interrupted build would keep the next one waiting)
+  if ! (cd "$SRC" && "$PY" -m pip wheel -v --no-deps --no-build-isolation . -w "$OUTDIR" 9>&-) > "$LOG" 2>&1; then
     tail -40 "$LOG" >&2
     echo "horovod build failed; full log: $LOG" >&2
     rm -rf "$OUTDIR"

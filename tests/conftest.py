@@ -73,26 +73,29 @@ def pytest_runtestloop(session):
     if session.testsfailed and not session.config.option.continue_on_collection_errors:
         raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
     os.makedirs(claims, exist_ok=True)
-    owned: dict = {}
+    items, owned = session.items, {}
 
-    def claimed():
-        for item in session.items:
-            test_file = item.nodeid.split("::", 1)[0]
+    def next_mine(start: int):
+        """The index of the first test from `start` on whose file this session holds or claims now; None: none."""
+        for i in range(start, len(items)):
+            test_file = items[i].nodeid.split("::", 1)[0]
             if test_file not in owned:
                 owned[test_file] = _claim(claims, test_file)
             if owned[test_file]:
-                yield item
+                return i
+        return None
 
-    tests = claimed()
-    item = next(tests, None)
-    while item is not None:
-        nextitem = next(tests, None)  # a next file is claimed before this test runs: its teardown must know it
-        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+    i = next_mine(0)
+    while i is not None:
+        # the teardown after a file's last test needs only to know that the next test is in another file: the next
+        # in the list stands for it, unclaimed, so the next file is claimed once this session is free to run it
+        nextitem = items[i + 1] if i + 1 < len(items) else None
+        items[i].config.hook.pytest_runtest_protocol(item=items[i], nextitem=nextitem)
         if session.shouldfail:
             raise session.Failed(session.shouldfail)
         if session.shouldstop:
             raise session.Interrupted(session.shouldstop)
-        item = nextitem
+        i = next_mine(i + 1)
     return True
 
 

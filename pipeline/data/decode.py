@@ -120,18 +120,18 @@ class Decoder:
         self._procs: Optional[ProcessPoolExecutor] = None
         self._ring: Optional[Ring] = None
         self._lock = threading.Lock()
-        self._closed = False
         self.handovers: Counter = Counter()  # batches decoded by the processes: "ring" or "pickled" (did not fit)
 
-    def processes(self, first: Optional[EncodedBatch] = None) -> Optional[ProcessPoolExecutor]:
-        """The decode worker processes (workers > 1), started on first use with the ring of slots sized by `first`
-        (the first batch submitted; none: no ring, every batch pickled); None: decode in the rank's threads."""
+    def processes(self, first: Optional[EncodedBatch] = None, start: bool = True) -> Optional[ProcessPoolExecutor]:
+        """The decode worker processes (workers > 1), started on first use of a pass with the ring of slots sized by
+        `first` (the first batch submitted; none: no ring, every batch pickled); None: decode in the rank's threads.
+        Only the consumer's thread starts them (`start`; they are forked right here, in that thread): a decode thread
+        asks with `start=False` and, once close() ended the pass under it, gets None and decodes in its own thread.
+        The next pass (a resumed stream, the next fit) starts them again."""
         if self.workers <= 1:
             return None
         with self._lock:
-            if self._closed:  # a decode thread still running after close(): it decodes in its own thread
-                return None
-            if self._procs is None:
+            if self._procs is None and start:
                 import multiprocessing
 
                 self._ring = self._make_ring(first) if first is not None else None
@@ -141,6 +141,9 @@ class Decoder:
                 # state. The fork also gives the workers the ring's mapping, which no other start method could pass
                 self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                                   initializer=_start_worker, initargs=(os.getpid(), self._ring))
+                # a fork pool forks all its workers at its first submit: this one, in this thread, not a later
+                # one in a decode thread (a fork beside a thread inside nvJPEG or torch copies its held locks)
+                self._procs.submit(int)
             return self._procs
 
     def _make_ring(self, first: EncodedBatch) -> Optional[Ring]:
@@ -194,10 +197,9 @@ class Decoder:
         chunk = max(1, math.ceil(n / self.workers))
         if procs is not None:
             handle = self._submit_to_ring(procs, batch, chunk)
+            self._count("ring" if handle is not None else "pickled")
             if handle is not None:
-                self.handovers["ring"] += 1
                 return handle
-            self.handovers["pickled"] += 1
         out, pool = self._empty(n), self.pool()
         if procs is not None:  # each process: its share's headers, boxes and decodes; a thread here copies it back
             draws = crop_draws(self.seed, batch.index, n) if self.train else None
@@ -267,13 +269,17 @@ class Decoder:
         where there are no processes or the rows do not go through the ring (the caller decodes them itself).
         `take_ring` waits for them."""
         n = len(batch.rows)
-        procs = self.processes(batch) if start < n else None
+        procs = self.processes(batch, start=False) if start < n else None  # started by the consumer's submit
         if procs is None:
             return None
         handle = self._submit_to_ring(procs, batch, max(1, math.ceil((n - start) / self.workers)), start)
         if handle is not None:
-            self.handovers["ring"] += 1
+            self._count("ring")
         return handle
+
+    def _count(self, handover: str) -> None:
+        with self._lock:  # the share's batches are submitted from several decode threads
+            self.handovers[handover] += 1
 
     def drop_share(self, handle: RingBatch) -> None:
         """`submit_share`'s rows are not wanted after all: its chunks not started are dropped, and its slot frees once
@@ -337,8 +343,9 @@ class Decoder:
             handle.use.release()  # the slot frees when its chunks that had started end
 
     def close(self) -> None:
+        """The end of a pass: the threads and processes go (a decode thread still running ends on its own); the next
+        submit starts them again."""
         with self._lock:
-            self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None

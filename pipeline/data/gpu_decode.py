@@ -203,7 +203,9 @@ class GpuDecoder(Decoder):
         return out.contiguous(memory_format=torch.channels_last) if self.channels_last else out
 
     def close(self) -> None:
-        with self._lock:  # the decode threads first: one still running must not find the processes gone
+        # the decode threads' queue goes; a thread still running ends on its own (its CPU share, should the processes
+        # be gone by then, decoded in that thread)
+        with self._lock:
             if self._gpu_pool is not None:
                 self._gpu_pool.shutdown(wait=False, cancel_futures=True)
                 self._gpu_pool = None

@@ -554,6 +554,28 @@ def test_a_corrupt_row_in_the_ring_is_named_and_the_decoder_goes_on_or_closes():
     decoder.close()
 
 
+def test_after_close_the_next_pass_decodes_in_worker_processes_again_forked_by_the_consumer():
+    """close() ends a pass (the loader's close: a resumed stream's resume_at, a fit's teardown); the next pass must
+    decode in worker processes again, not silently in the rank's threads. A decode thread that asks for them after
+    close gets none (it decodes in its own thread), and the workers are forked by the consumer's call that starts
+    them, not at a later submit from a decode thread."""
+    good = [_photo(i) for i in range(6)]
+    decoder = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        first = decoder.decode(_batch(good, 0))
+        decoder.close()
+        assert decoder.submit_share(_batch(good, 1), 3) is None and decoder._procs is None  # a decode thread's ask
+        assert torch.equal(decoder.decode(_batch(good, 0)), first)
+        assert decoder.handovers == {"ring": 2}  # both passes through the worker processes' ring
+    finally:
+        decoder.close()
+    fresh = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        assert len(fresh.processes(_batch(good, 0))._processes) == 2  # forked in this call, in this thread
+    finally:
+        fresh.close()
+
+
 def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
     import signal
     from concurrent.futures import ThreadPoolExecutor

@@ -22,8 +22,10 @@ def module_state(request):
     with log.open("a") as f:
         f.write(f"{os.getpid()} setup {name}\\n")
     yield
+    claims = os.environ.get("LAKEHOUSE_LANE_CLAIMS")
+    held = f" ({len(os.listdir(claims))} files claimed)" if claims else ""
     with log.open("a") as f:
-        f.write(f"{os.getpid()} teardown {name}\\n")
+        f.write(f"{os.getpid()} teardown {name}{held}\\n")
 """
 
 FILES = {
@@ -79,9 +81,10 @@ def test_lanes_share_the_files_each_runs_once_and_the_next_session_runs_only_the
     assert second.ret == pytest.ExitCode.TESTS_FAILED  # its own failure fails it
     second.assert_outcomes(passed=2, failed=1, skipped=1)
     assert "test_b1" not in second.stdout.str()  # the other lane's file is not run again
-    # one module at a time, each torn down before the next file's is set up (the next file is claimed ahead)
-    assert _order(order) == ["setup test_b", "teardown test_b", "setup test_a", "teardown test_a", "setup test_c",
-                             "teardown test_c"]
+    # one module at a time, each torn down before the next file's is set up, and the next file claimed only then,
+    # once this lane is free to run it (at test_a's teardown: test_b, the other lane's, and test_a itself)
+    assert _order(order) == ["setup test_b", "teardown test_b (1 files claimed)", "setup test_a",
+                             "teardown test_a (2 files claimed)", "setup test_c", "teardown test_c (3 files claimed)"]
     assert _record(record) == [["ran", "test_b.py::test_b1"], ["ran", "test_a.py::test_a1"],
                                ["failed", "test_a.py::test_a2_fails"], ["ran", "test_c.py::test_c1"],
                                ["skipped", "test_c.py::test_c2_skips"]]
