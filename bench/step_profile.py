@@ -1,8 +1,9 @@
 """Where train()'s extra time per step goes: the product's train() and the plain loop of bench/step_overhead.py on the
-same device-resident batches in one Horovod rank of one, each under cProfile, the CPU time per step summed by where
-the code lives (Lightning, torch's Python, this project, C builtins) and the functions that differ most.
+same device-resident batches in Horovod ranks, each under cProfile, the CPU time per step summed by where the code
+lives (Lightning, torch's Python, this project, Horovod, C builtins) and the functions that differ most.
 
     python -m bench.step_profile [--steps 400] [--out step_profile.json] [--conf conf/local.yaml] [key=value ...]
+    horovodrun -np 2 -H localhost:2 python -m bench.step_profile ...   (each rank writes <out>.rank<r>.json)
 
 cProfile slows Python code down (~2x), so the figures locate the cost; the milliseconds of the overhead itself are
 `lakehouse bench --only step_overhead`'s.
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     import horovod.torch as hvd
     import torch
 
+    from bench.conversion import replan
     from bench.core import device
     from bench.datasets import converted_without_spark
     from bench.lightning_path import timed_train
@@ -76,23 +78,26 @@ def main(argv=None) -> int:
     from pipeline.distributed.horovod_strategy import HorovodStrategy
 
     hvd.init()
+    rank, world = hvd.rank(), hvd.size()
     cfg = tiny(load_config(args.conf, args.overrides))
     dev = device()
     precision = resolve_precision(cfg.train.precision, dev.type == "cuda",
                                   cuda_capability(dev.index or 0) if dev.type == "cuda" else None)
-    data = converted_without_spark(tempfile.mkdtemp(prefix="step_profile_"), BATCH * 2 * 256, IMAGE_SIZE, CHANNELS,
-                                   CLASSES, batch_size=BATCH)
+    data = converted_without_spark(tempfile.mkdtemp(prefix=f"step_profile_{rank}_"), BATCH * 2 * 256, IMAGE_SIZE,
+                                   CHANNELS, CLASSES, batch_size=BATCH)
+    if world > 1:
+        data = replan(cfg, data, world, BATCH)
     batches = [(x.to(dev), y.to(dev)) for x, y in memory_batch_list(data, batch_size=BATCH)]
-    kw = {"local_rank": 0, "local_world_size": 1}
+    kw = {"local_rank": hvd.local_rank(), "local_world_size": hvd.local_size()}
 
     def run_train(steps: int):
-        return timed_train(cfg, data, 0, 1, HorovodStrategy, 50, steps, 1, batches=batches, precision=precision,
-                           train_kwargs=kw)
+        return timed_train(cfg, data, rank, world, HorovodStrategy, 50, steps, 1, batches=batches,
+                           precision=precision, train_kwargs=kw)
 
     run_train(200)  # a process speeds up over its first hundreds of steps; the plain loop's imports happen here too
     plain_loop(cfg, data, batches, precision, 10, 50, 1, backend="horovod")
     out: Dict[str, Any] = {"device": str(dev), "precision": precision, "steps": args.steps,
-                           "torch": torch.__version__}
+                           "torch": torch.__version__, "rank": rank, "world_size": world}
     for name, fn in (("plain", lambda: plain_loop(cfg, data, batches, precision, 50, args.steps, 1,
                                                   backend="horovod")),
                      ("train", lambda: run_train(args.steps))):
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
     out["differences"] = difference(out["train"], out["plain"])
     for side in ("train", "plain"):
         out[side]["functions"] = dict(sorted(out[side]["functions"].items(), key=lambda kv: -kv[1][1])[:40])
-    with open(args.out, "w") as f:
+    path = args.out if world == 1 else f"{args.out.rsplit('.json', 1)[0]}.rank{rank}.json"
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
     log.info("step profile: train %s, plain %s (CPU ms per step by bucket); top differences: %s",
              out["train"]["buckets"], out["plain"]["buckets"],
