@@ -24,8 +24,9 @@ from pipeline.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
-WHERE = (("lightning", ("pytorch_lightning", "lightning_fabric", "lightning_utilities")), ("torch", ("/torch/",)),
-         ("project", ("/pipeline/", "/bench/")), ("horovod", ("/horovod/",)))
+# the first that matches: Horovod before torch (its torch binding lives under horovod/torch/)
+WHERE = (("lightning", ("pytorch_lightning", "lightning_fabric", "lightning_utilities")), ("horovod", ("/horovod/",)),
+         ("torch", ("/torch/",)), ("project", ("/pipeline/", "/bench/")))
 
 
 def where(filename: str) -> str:
@@ -58,6 +59,13 @@ def difference(train: Dict[str, Any], plain: Dict[str, Any], top: int = 30) -> L
     return [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:top]]
 
 
+def rank_path(out: str, rank: int, world: int) -> str:
+    """Where a rank writes its profile: `out` itself in a job of one rank, else `<out without .json>.rank<r>.json`."""
+    if world == 1:
+        return out
+    return f"{out[:-len('.json')] if out.endswith('.json') else out}.rank{rank}.json"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -80,6 +88,8 @@ def main(argv=None) -> int:
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     cfg = tiny(load_config(args.conf, args.overrides))
+    if cfg.train.threads_per_rank is not None:  # as the bench's ranks (and the product's): both sides on these threads
+        torch.set_num_threads(max(1, cfg.train.threads_per_rank))
     dev = device()
     precision = resolve_precision(cfg.train.precision, dev.type == "cuda",
                                   cuda_capability(dev.index or 0) if dev.type == "cuda" else None)
@@ -110,8 +120,7 @@ def main(argv=None) -> int:
     out["differences"] = difference(out["train"], out["plain"])
     for side in ("train", "plain"):
         out[side]["functions"] = dict(sorted(out[side]["functions"].items(), key=lambda kv: -kv[1][1])[:40])
-    path = args.out if world == 1 else f"{args.out.rsplit('.json', 1)[0]}.rank{rank}.json"
-    with open(path, "w") as f:
+    with open(rank_path(args.out, rank, world), "w") as f:
         json.dump(out, f, indent=1)
     log.info("step profile: train %s, plain %s (CPU ms per step by bucket); top differences: %s",
              out["train"]["buckets"], out["plain"]["buckets"],
