@@ -45,7 +45,7 @@ setup_tiers() {  # each tier's set-up in turn: its make target's output in $LOGS
 t0=$(date +%s)
 bg=""
 if [ "${LAKEHOUSE_SETUP_INLINE:-0}" != 1 ]; then
-  echo "== setting up the classic venv, and the modern, dbr-15.4 and vision venvs beside it (logs: $LOGS/)"
+  echo "== setting up the classic venv, and the vision, dbr-15.4 and modern venvs beside it (logs: $LOGS/)"
   setup_tiers &
   bg=$!
 fi
