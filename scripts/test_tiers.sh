@@ -6,22 +6,24 @@
 # another beside it, each into its own log. Once the classic venv is ready, lane A starts: the bench's tests (they check
 # what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS), beside the
 # set-ups still going; once every set-up has ended, lane B starts on its own two files, then on the same list, and the
-# modern, dbr-15.4 and vision tiers and the classic unit tests run beside the two. The lanes share the list file by file
-# until all of it has run; then the classic tests they did not run (the integration and multi-host tests with time
-# bounds, kills and namespaces among them) run on a quiet machine. (A fresh clone, 2026-11-28, before any lane: the
-# classic set-up 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the other tiers and unit tests at 2,046
-# s, then 2,956 s of integration and multi-host tests.) Set-ups (downloads, unpacking, one Horovod build) overlap well
-# with each other, not with timed tests: the vision venv writes ~6 GB, and with this machine's I/O scheduler (none or
-# mq-deadline) `ionice` changes nothing (the stop whose set-ups ran beside the whole classic suite took 5,027 s in CI
-# against 4,334 s before). The vision venv of this run has no Horovod build (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes on 2
-# cores): its tier trains on DDP ranks. A tier whose set-up failed is said, with its log's tail, and not run (a
-# half-built venv gives only import errors).
-# Every tier runs even when an earlier one fails; the exit status is the worst of them. One exception: a modern,
-# dbr-15.4 or vision set-up that refused to start for lack of disk (need_disk's message; the disk of a CI machine is
-# shared and varies, seen from 8 to 80 GiB free) is said in the summary as "not run (disk)" and does not fail the run;
-# LAKEHOUSE_REQUIRE_ALL_TIERS=1 makes it fail.
+# vision tier and the classic unit tests run beside the two, and the modern and dbr-15.4 data-path tiers in the
+# background at a low CPU weight (below: they soak up the idle cores until the end). The lanes share the list file by
+# file until all of it has run; then the classic tests they did not run (the integration and multi-host tests with time
+# bounds, kills and namespaces among them) run on a machine quiet but for that low-weight background. (A fresh clone,
+# 2026-11-28, before any lane: the classic set-up 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the
+# other tiers and unit tests at 2,046 s, then 2,956 s of integration and multi-host tests.) Set-ups (downloads,
+# unpacking, one Horovod build) overlap well with each other, not with timed tests: the vision venv writes ~6 GB, and
+# with this machine's I/O scheduler (none or mq-deadline) `ionice` changes nothing (the stop whose set-ups ran beside
+# the whole classic suite took 5,027 s in CI against 4,334 s before). The vision venv of this run has no Horovod build
+# (LAKEHOUSE_VISION_HOROVOD=0, ~4 minutes on 2 cores): its tier trains on DDP ranks. A tier whose set-up failed is said,
+# with its log's tail, and not run (a half-built venv gives only import errors). Every tier runs even when an earlier
+# one fails; the exit status is the worst of them. One exception: a modern, dbr-15.4 or vision set-up that refused to
+# start for lack of disk (need_disk's message; the disk of a CI machine is shared and varies, seen from 8 to 80 GiB
+# free) is said in the summary as "not run (disk)" and does not fail the run; LAKEHOUSE_REQUIRE_ALL_TIERS=1 makes it
+# fail.
 #   VISION_TESTS="..."   the vision tier's test files (the Makefile's list)
 #   LAKEHOUSE_SETUP_INLINE=1   the classic set-up and whole suite first, then the other set-ups one after another
+#   LAKEHOUSE_SOAK_SHARES=N   the data-path tiers' CPU weight in the background (default 64; 0: in the foreground)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MAKE=${MAKE:-make}
@@ -98,25 +100,39 @@ not_set_up() {  # $1 tier name: its set-up failed; a refusal for lack of disk is
     summary="$summary; $1: set-up failed"
   fi
 }
-other_tiers() {  # the modern and dbr-15.4 data-path tests, then the vision tier
-  local p name venv rc
+datapath_tiers() {  # the modern and dbr-15.4 profiles' data-path tests; each one's exit status in $LOGS/<name>.test-rc
+  local p name venv
   for p in modern:.venv-modern dbr-15.4:.venv-dbr154; do
     name=${p%%:*}
     venv=${p#*:}
-    if set_up "$name"; then
-      echo "== $name profile: data-path tests ($venv)"
-      "$venv/bin/python" -m pytest tests -m datapath -ra
-      rc=$?
-      if [ $rc -eq 5 ]; then
+    rm -f "$LOGS/$name.test-rc"
+    set_up "$name" || continue  # said in the summary by datapath_summary
+    echo "== $name profile: data-path tests ($venv)"
+    "$venv/bin/python" -m pytest tests -m datapath -ra
+    echo $? > "$LOGS/$name.test-rc"
+  done
+}
+datapath_summary() {  # the data-path tiers in the summary and the status (they may have run in the background)
+  local name rc
+  for name in modern dbr-15.4; do
+    if [ -f "$LOGS/$name.test-rc" ]; then
+      rc=$(cat "$LOGS/$name.test-rc")
+      if [ "$rc" = 5 ]; then
         echo "$name profile: no test is marked datapath"
-      elif [ $rc -ne 0 ]; then
+      elif [ "$rc" != 0 ]; then
         status=1
       fi
       summary="$summary; $name: pytest exit $rc"
+    elif [ "$(cat "$LOGS/$name.rc" 2>/dev/null)" = 0 ]; then
+      status=1
+      summary="$summary; $name: set up, but its tests left no exit status"
     else
       not_set_up "$name"
     fi
   done
+}
+vision_tier() {
+  local rc
   if set_up vision; then
     echo "== vision tier: timm backbones (.venv-vision)"
     # shellcheck disable=SC2086  # the Makefile's list of files, split on spaces
@@ -128,17 +144,39 @@ other_tiers() {  # the modern and dbr-15.4 data-path tests, then the vision tier
     not_set_up vision
   fi
 }
+# The data-path tiers soak up the quiet phase's idle cores. The quiet phase's tests (time bounds, kills, namespaces)
+# left the cores idle ~35 % of its 1,884 s (fresh clone of 2026-11-29: 62-77 % busy), while until then the cores were
+# busy ~99 % of the time, the modern and dbr-15.4 tiers' 1,141 s among it. So, from the time lane B starts, those two
+# run in the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default
+# 64 against 1,024 for each session of this run): where they contend for a core, the lanes and the quiet tests keep
+# nearly all of it; where a core is idle, the data-path tests take it. (Probe on this machine, three busy loops on 2
+# cores for 6 s: with the third in such a cgroup at 1,024 it took a whole core and the other two shared one; at 128 or
+# 16 the two ran as fast as one alone and the third still got about a third of a core.) Their own bounds (a command in
+# 120 s at the least) are minutes, not seconds. Where no such cgroup can be made (not root, no writable cgroup v1 cpu
+# controller; LAKEHOUSE_SOAK_SHARES=0), they run in the foreground before the vision tier, as before.
+SOAK_SHARES=${LAKEHOUSE_SOAK_SHARES:-64}
+soak_cgroup() {  # prints the path of a new cpu cgroup of weight SOAK_SHARES, or nothing where none can be made
+  local dir=/sys/fs/cgroup/cpu/lakehouse-soak-$$
+  [ "$SOAK_SHARES" -gt 0 ] 2>/dev/null && [ -w /sys/fs/cgroup/cpu ] && [ -f /sys/fs/cgroup/cpu/cpu.shares ] || return 0
+  mkdir "$dir" 2>/dev/null || return 0
+  if echo "$SOAK_SHARES" > "$dir/cpu.shares" 2>/dev/null; then
+    echo "$dir"
+  else
+    rmdir "$dir" 2>/dev/null
+  fi
+}
 
 if [ -n "$bg" ]; then
   # The lanes: once the classic venv is ready, lane A starts on the bench's tests (~15 minutes; they check what the
   # bench reports, never how fast it was) and then the classic tests that assert no tight timing (LANE_TESTS); once
   # every set-up has ended, lane B starts on its own files (LANE_B_TESTS), then on the same list. The two share it file
-  # by file (tests/conftest.py: LAKEHOUSE_LANE_CLAIMS), beside the modern, dbr-15.4 and vision tiers and the classic
-  # unit tests, until every file of it has run; then the integration and multi-host tests that wait for a quiet machine
-  # run, leaving out those the lanes ran (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which
-  # stopped when the tiers ended, ~640 s of the lane's tests were left to run one at a time on the quiet machine; with
-  # two, the whole list ran before the tiers ended, and a fresh clone took 3,996 s against 4,177 (docs/testing.md: the
-  # cores are now busy ~99 % of the time until the quiet phase, so a third lane would only share them).
+  # by file (tests/conftest.py: LAKEHOUSE_LANE_CLAIMS), beside the vision tier and the classic unit tests (and the
+  # data-path tiers, at a low weight, where a soak cgroup could be made), until every file of it has run; then the
+  # integration and multi-host tests that wait for a quiet machine run, leaving out those the lanes ran
+  # (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which stopped when the tiers ended, ~640 s of
+  # the lane's tests were left to run one at a time on the quiet machine; with two, the whole list ran before the tiers
+  # ended, and a fresh clone took 3,996 s against 4,177 (docs/testing.md: the cores are now busy ~99 % of the time until
+  # the quiet phase, so a third lane would only share them).
   echo "== classic: lanes A and B (the bench's tests, then tests without tight timing), beside the other set-ups and" \
     "tiers (output: $LOGS/lane-a.log, $LOGS/lane-b.log)"
   rm -rf "$LANE_RECORD" "$LANE_CLAIMS"
@@ -155,7 +193,21 @@ if [ -n "$bg" ]; then
   echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s; lane B starts"
   lane b "${LANE_B_TESTS[@]}" &
   lane_b=$!
-  other_tiers
+  soak=$(soak_cgroup)
+  soak_pid=""
+  if [ -n "$soak" ]; then
+    trap 'rmdir "$soak" 2>/dev/null' EXIT
+    echo "== the modern and dbr-15.4 data-path tiers run in the background, beside the lanes and then the quiet" \
+      "phase, at a low CPU weight (cpu.shares $SOAK_SHARES in $soak; output: $LOGS/datapath.log)"
+    (
+      echo "$BASHPID" > "$soak/cgroup.procs" || echo "== could not join $soak: the data-path tiers run at full weight"
+      datapath_tiers
+    ) > "$LOGS/datapath.log" 2>&1 &
+    soak_pid=$!
+  else
+    datapath_tiers
+  fi
+  vision_tier
   echo "== classic: unit tests"
   .venv/bin/python -m pytest tests/unit -ra
   rc_unit=$?
@@ -174,6 +226,13 @@ if [ -n "$bg" ]; then
   rc=$?
   [ $rc -ne 0 ] || rc=$rc_unit
   [ $rc -ne 0 ] || rc=$rc_lane
+  if [ -n "$soak_pid" ]; then
+    echo "== the quiet phase ended ($(( $(date +%s) - t0 )) s in); waiting for the data-path tiers"
+    wait "$soak_pid"
+    echo "== the data-path tiers ended ($(( $(date +%s) - t0 )) s in); their output:"
+    cat "$LOGS/datapath.log"
+    rmdir "$soak" 2>/dev/null
+  fi
 else
   .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml
   rc=$?
@@ -182,8 +241,10 @@ fi
 summary="classic: pytest exit $rc$summary"
 if [ -z "$bg" ]; then
   setup_tiers
-  other_tiers
+  datapath_tiers
+  vision_tier
 fi
+datapath_summary
 
 echo "== make test: $summary"
 exit $status

@@ -29,11 +29,23 @@ def _ok(out: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProc
     return out
 
 
-def _rank_processes_since(t0: float) -> list:
+def _rank_processes_since(t0: float, tmp: Path) -> list:
+    """This job's rank processes started since t0. Ranks inherit the job's TMPDIR (`_run`), which is this test's own:
+    another test's ranks started beside it (`make test` runs other tiers beside this one) are not counted."""
     found = []
+    since = t0 - 1.0  # psutil's create_time counts from a boot time in whole seconds: it can read up to 1 s early
     for proc in psutil.process_iter(["cmdline", "create_time"]):
         argv = " ".join(proc.info["cmdline"] or [])
-        if proc.info["create_time"] and proc.info["create_time"] >= t0 and any(m in argv for m in RANK_MARKERS):
+        started = proc.info["create_time"]
+        if not (started and started >= since and any(m in argv for m in RANK_MARKERS)):
+            continue
+        try:
+            ours = proc.environ().get("TMPDIR") == str(tmp / "tmp")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):  # it ended meanwhile
+            continue
+        except psutil.AccessDenied:  # another user's process: not this test's job
+            continue
+        if ours:
             found.append((proc.pid, argv[:200]))
     return found
 
@@ -85,7 +97,7 @@ def test_a_job_whose_preparation_fails_calls_the_early_ranks_off(digits, backend
     assert "99" in out.stderr and "version" in out.stderr.lower(), out.stderr[-3000:]
     assert took < 120, f"the failed job took {took:.0f} s"
     deadline = time.time() + 15  # a rank still importing when called off leaves once its imports are done
-    while _rank_processes_since(t0) and time.time() < deadline:
+    while _rank_processes_since(t0, tmp) and time.time() < deadline:
         time.sleep(0.5)
-    assert _rank_processes_since(t0) == []
+    assert _rank_processes_since(t0, tmp) == []
     assert not list((tmp / "tmp").glob("lakehouse-start-*"))
