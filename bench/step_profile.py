@@ -1,9 +1,10 @@
 """Where train()'s extra time per step goes: the product's train() and the plain loop of bench/step_overhead.py on the
-same device-resident batches in Horovod ranks, each under cProfile, the CPU time per step summed by where the code
-lives (Lightning, torch's Python, this project, Horovod, C builtins) and the functions that differ most.
+same device-resident batches in Horovod or DDP ranks, each under cProfile, the CPU time per step summed by where the
+code lives (Lightning, torch's Python, this project, Horovod, C builtins) and the functions that differ most.
 
     python -m bench.step_profile [--steps 400] [--out step_profile.json] [--conf conf/local.yaml] [key=value ...]
     horovodrun -np 2 -H localhost:2 python -m bench.step_profile ...   (each rank writes <out>.rank<r>.json)
+    python -m torch.distributed.run --nproc_per_node 2 -m bench.step_profile --backend ddp ...   (DDP over gloo/NCCL)
 
 cProfile slows Python code down (~2x), so the figures locate the cost; the milliseconds of the overhead itself are
 `lakehouse bench --only step_overhead`'s.
@@ -66,15 +67,49 @@ def rank_path(out: str, rank: int, world: int) -> str:
     return f"{out[:-len('.json')] if out.endswith('.json') else out}.rank{rank}.json"
 
 
+def start_ranks(backend: str):
+    """This process's rank: (rank, world size, the strategy's factory, train()'s rank keywords, what ends it). Horovod:
+    hvd.init() in a rank horovodrun started (or alone); DDP: the process group from torch.distributed.run's
+    environment (alone: a group of one), with the strategy the bench's DDP ranks use."""
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        from pipeline.distributed.horovod_strategy import HorovodStrategy
+
+        hvd.init()
+        kw = {"local_rank": hvd.local_rank(), "local_world_size": hvd.local_size()}
+        return hvd.rank(), hvd.size(), HorovodStrategy, kw, lambda: None
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from pipeline.distributed.devices import ddp_backend
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
+        os.environ.setdefault(key, value)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    pg_backend = ddp_backend(torch.cuda.is_available())
+    timeout = timedelta(seconds=600)
+    dist.init_process_group(pg_backend, rank=rank, world_size=world, timeout=timeout)
+    kw = {"devices": world, "num_nodes": 1, "local_rank": rank, "local_world_size": world}
+    return (rank, world, lambda: DDPStrategy(process_group_backend=pg_backend, timeout=timeout), kw,
+            dist.destroy_process_group)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default="step_profile.json")
     ap.add_argument("--conf", default=None)
+    ap.add_argument("--backend", choices=("horovod", "ddp"), default="horovod",
+                    help="ddp: ranks started by torch.distributed.run (its RANK/WORLD_SIZE/MASTER_* environment)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     setup_logging()
-    import horovod.torch as hvd
     import torch
 
     from bench.conversion import replan
@@ -83,10 +118,8 @@ def main(argv=None) -> int:
     from bench.lightning_path import timed_train
     from bench.reference import memory_batch_list
     from pipeline.distributed.devices import cuda_capability, resolve_precision
-    from pipeline.distributed.horovod_strategy import HorovodStrategy
 
-    hvd.init()
-    rank, world = hvd.rank(), hvd.size()
+    rank, world, make_strategy, kw, finish = start_ranks(args.backend)
     cfg = tiny(load_config(args.conf, args.overrides))
     if cfg.train.threads_per_rank is not None:  # as the bench's ranks (and the product's): both sides on these threads
         torch.set_num_threads(max(1, cfg.train.threads_per_rank))
@@ -98,18 +131,17 @@ def main(argv=None) -> int:
     if world > 1:
         data = replan(cfg, data, world, BATCH)
     batches = [(x.to(dev), y.to(dev)) for x, y in memory_batch_list(data, batch_size=BATCH)]
-    kw = {"local_rank": hvd.local_rank(), "local_world_size": hvd.local_size()}
 
     def run_train(steps: int):
-        return timed_train(cfg, data, rank, world, HorovodStrategy, 50, steps, 1, batches=batches,
+        return timed_train(cfg, data, rank, world, make_strategy, 50, steps, 1, batches=batches,
                            precision=precision, train_kwargs=kw)
 
     run_train(200)  # a process speeds up over its first hundreds of steps; the plain loop's imports happen here too
-    plain_loop(cfg, data, batches, precision, 10, 50, 1, backend="horovod")
-    out: Dict[str, Any] = {"device": str(dev), "precision": precision, "steps": args.steps,
+    plain_loop(cfg, data, batches, precision, 10, 50, 1, backend=args.backend)
+    out: Dict[str, Any] = {"device": str(dev), "precision": precision, "steps": args.steps, "backend": args.backend,
                            "torch": torch.__version__, "rank": rank, "world_size": world}
     for name, fn in (("plain", lambda: plain_loop(cfg, data, batches, precision, 50, args.steps, 1,
-                                                  backend="horovod")),
+                                                  backend=args.backend)),
                      ("train", lambda: run_train(args.steps))):
         prof = cProfile.Profile()
         prof.enable()
@@ -125,6 +157,7 @@ def main(argv=None) -> int:
     log.info("step profile: train %s, plain %s (CPU ms per step by bucket); top differences: %s",
              out["train"]["buckets"], out["plain"]["buckets"],
              [(d["function"], round(d["train_ms"] - d["plain_ms"], 3)) for d in out["differences"][:8]])
+    finish()
     return 0
 
 
