@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from collections import namedtuple
 
 import numpy as np
@@ -585,21 +586,46 @@ def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
     decoder = Decoder(224, 3, train=True, seed=0, workers=2)
     try:
         handle = decoder.submit(batch)
-        pids = list(decoder.processes()._processes)
+        pool = decoder.processes()
+        pids = list(pool._processes)
         os.kill(pids[0], signal.SIGKILL)
         with ThreadPoolExecutor(1) as waiter:
             with pytest.raises(BrokenProcessPool):
                 waiter.submit(decoder.result, handle).result(timeout=60)
         _gone_within(pids, 20)  # the pool ends the other workers too: nothing is left to hold the rank at its exit
+        _pool_thread_ends_within(pool, 20)
     finally:
         decoder.close()
 
 
 def _gone_within(pids, seconds: float) -> None:
+    """The processes `pids` ended (exited, reaped or not) within `seconds`. Never reaps them: they are the pool's
+    children, and a pool whose child was reaped by someone else sees it alive forever (multiprocessing's poll takes
+    ECHILD for "not started yet"), so its manager thread spins at full CPU and the interpreter's exit joins it for
+    ever (psutil.wait_procs reaped them here, and a `make test` hung after its unit tests' summary)."""
     import psutil
 
-    _, alive = psutil.wait_procs([p for p in map(_process, pids) if p is not None], timeout=seconds)
-    assert not alive, f"decode workers still running after {seconds} s: {[p.pid for p in alive]}"
+    def running(pid: int) -> bool:
+        proc = _process(pid)
+        try:
+            return proc is not None and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + seconds
+    alive = [pid for pid in pids if running(pid)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [pid for pid in alive if running(pid)]
+    assert not alive, f"decode workers still running after {seconds} s: {alive}"
+
+
+def _pool_thread_ends_within(pool, seconds: float) -> None:
+    """The broken pool's manager thread has ended: one left spinning keeps the interpreter from exiting."""
+    thread = getattr(pool, "_executor_manager_thread", None)  # CPython's; None once it was joined
+    if thread is not None:
+        thread.join(timeout=seconds)
+        assert not thread.is_alive(), f"the broken pool's manager thread still runs after {seconds} s"
 
 
 def _process(pid: int):
@@ -621,10 +647,12 @@ def test_a_decode_worker_ends_on_sigterm_though_the_rank_handles_sigterm():
     decoder = Decoder(64, 3, train=True, seed=0, workers=2)
     try:
         decoder.decode(_batch([_photo(i) for i in range(8)]))
-        pids = list(decoder.processes()._processes)
+        pool = decoder.processes()
+        pids = list(pool._processes)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         _gone_within(pids, 10)
+        _pool_thread_ends_within(pool, 20)
     finally:
         signal.signal(signal.SIGTERM, old)
         decoder.close()
