@@ -249,11 +249,23 @@ def ddp_rank(rank: int, size: int, port: int, env: Dict[str, str], cfg: Config, 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "GROUP_RANK": "0",
                        "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "TORCHELASTIC_RUN_ID": "bench-step-overhead"})
-    from datetime import timedelta
-
     from pipeline.log import setup_logging
 
     setup_logging()
+    import torch.distributed as dist
+
+    make_strategy, kw = ddp_process_group(rank, size, cfg.train.stall_timeout_s)
+    try:
+        results.put(rank_runs(cfg, data, "ddp", rank, size, make_strategy, kw, warmups, steps, windows))
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_process_group(rank: int, size: int, timeout_s: float):
+    """A DDP rank's process group (gloo on a CPU, NCCL on CUDA), and what train() takes for it there: the strategy's
+    factory (the one rank_process.ddp_worker builds) and train()'s rank keywords."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
     from pytorch_lightning.strategies import DDPStrategy
@@ -261,16 +273,10 @@ def ddp_rank(rank: int, size: int, port: int, env: Dict[str, str], cfg: Config, 
     from pipeline.distributed.devices import ddp_backend
 
     backend = ddp_backend(torch.cuda.is_available())
-    timeout = timedelta(seconds=cfg.train.stall_timeout_s)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout)
-    try:
-        out = rank_runs(cfg, data, "ddp", rank, size,
-                        lambda: DDPStrategy(process_group_backend=backend, timeout=timeout),
-                        {"devices": size, "num_nodes": 1, "local_rank": rank, "local_world_size": size},
-                        warmups, steps, windows)
-        results.put(out)
-    finally:
-        dist.destroy_process_group()
+    return (lambda: DDPStrategy(process_group_backend=backend, timeout=timeout),
+            {"devices": size, "num_nodes": 1, "local_rank": rank, "local_world_size": size})
 
 
 # ------------------------------------------------------------------ the driver

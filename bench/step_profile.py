@@ -19,7 +19,7 @@ import pstats
 import tempfile
 from typing import Any, Dict, List
 
-from bench.step_overhead import BATCH, CHANNELS, CLASSES, IMAGE_SIZE, plain_loop, tiny
+from bench.step_overhead import BATCH, CHANNELS, CLASSES, IMAGE_SIZE, ddp_process_group, plain_loop, tiny
 from pipeline.config import load_config
 from pipeline.log import get_logger, setup_logging
 
@@ -80,24 +80,15 @@ def start_ranks(backend: str):
         kw = {"local_rank": hvd.local_rank(), "local_world_size": hvd.local_size()}
         return hvd.rank(), hvd.size(), HorovodStrategy, kw, lambda: None
     import os
-    from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
-    from pytorch_lightning.strategies import DDPStrategy
-
-    from pipeline.distributed.devices import ddp_backend
 
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
         os.environ.setdefault(key, value)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    pg_backend = ddp_backend(torch.cuda.is_available())
-    timeout = timedelta(seconds=600)
-    dist.init_process_group(pg_backend, rank=rank, world_size=world, timeout=timeout)
-    kw = {"devices": world, "num_nodes": 1, "local_rank": rank, "local_world_size": world}
-    return (rank, world, lambda: DDPStrategy(process_group_backend=pg_backend, timeout=timeout), kw,
-            dist.destroy_process_group)
+    make_strategy, kw = ddp_process_group(rank, world, 600)
+    return rank, world, make_strategy, kw, dist.destroy_process_group
 
 
 def main(argv=None) -> int:

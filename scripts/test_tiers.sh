@@ -147,9 +147,9 @@ vision_tier() {
 # The data-path tiers soak up the quiet phase's idle cores. The quiet phase's tests (time bounds, kills, namespaces)
 # left the cores idle ~35 % of its 1,884 s (fresh clone of 2026-11-29: 62-77 % busy), while until then the cores were
 # busy ~99 % of the time, the modern and dbr-15.4 tiers' 1,141 s among it. So, from the time lane B starts, those two
-# run in the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default
-# 64 against 1,024 for each session of this run): where they contend for a core, the lanes and the quiet tests keep
-# nearly all of it; where a core is idle, the data-path tests take it. (Probe on this machine, three busy loops on 2
+# run in the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default 64 against 1,024 for
+# each session of this run): where they contend for a core, the lanes and the quiet tests keep nearly all of it; where
+# a core is idle, the data-path tests take it. (Probe on this machine, three busy loops on 2
 # cores for 6 s: with the third in such a cgroup at 1,024 it took a whole core and the other two shared one; at 128 or
 # 16 the two ran as fast as one alone and the third still got about a third of a core.) Their own bounds (a command in
 # 120 s at the least) are minutes, not seconds. Where no such cgroup can be made (not root, no writable cgroup v1 cpu
@@ -230,8 +230,7 @@ if [ -n "$bg" ]; then
     echo "== the quiet phase ended ($(( $(date +%s) - t0 )) s in); waiting for the data-path tiers"
     wait "$soak_pid"
     echo "== the data-path tiers ended ($(( $(date +%s) - t0 )) s in); their output:"
-    cat "$LOGS/datapath.log"
-    rmdir "$soak" 2>/dev/null
+    cat "$LOGS/datapath.log"  # the EXIT trap removes the cgroup
   fi
 else
   .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml

@@ -41,9 +41,7 @@ def _rank_processes_since(t0: float, tmp: Path) -> list:
             continue
         try:
             ours = proc.environ().get("TMPDIR") == str(tmp / "tmp")
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):  # it ended meanwhile
-            continue
-        except psutil.AccessDenied:  # another user's process: not this test's job
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):  # ended meanwhile, or another user's
             continue
         if ours:
             found.append((proc.pid, argv[:200]))
