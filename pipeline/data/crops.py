@@ -234,13 +234,17 @@ def boxes_for(sizes: Sequence[Tuple[int, int]], train: bool, seed: int, batch_in
 
 
 def decode_chunk(contents: Sequence[Any], paths: Sequence[Any], draws: Optional[np.ndarray], size: int, channels: int,
-                 max_pixels: int = MAX_PIXELS, out: Optional[np.ndarray] = None) -> np.ndarray:
+                 max_pixels: int = MAX_PIXELS, out: Optional[np.ndarray] = None,
+                 on_row: Optional[Callable[[int], None]] = None) -> np.ndarray:
     """Rows of one batch -> uint8 (k, size, size, channels), each row's header read once for its box and its decode
     (a decode worker's whole task), into `out` when given. `draws`: those rows' crop_draws (training), None: the
-    central crop. Raises RowDecodeError naming a row."""
+    central crop. `on_row(i)`: called before row i is decoded (a worker notes where it is). Raises RowDecodeError
+    naming a row."""
     if out is None:
         out = np.empty((len(contents), size, size, channels), dtype=np.uint8)
     for i, (content, path) in enumerate(zip(contents, paths)):
+        if on_row is not None:
+            on_row(i)
         _bytes_of_row(content, path)
         u = draws[i] if draws is not None else None
         try:

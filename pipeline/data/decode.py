@@ -21,15 +21,18 @@ them as it shuffles pixel rows and hands over `EncodedBatch`es, which a `Decoder
   within the same batch.
 - Every row's header is read first (once, for its box and its decode, on the CPU path), through `pipeline.images`
   (the pixel bound and the format allow-list): an undecodable or over-large image stops the job with a
-  `RowDecodeError` naming the row's path, on both paths.
+  `RowDecodeError` naming the row's path, on both paths. A worker process that dies on a row (a crash inside a
+  decoder library, the host's out-of-memory killer) stops it with a `DecodeWorkerDied` naming that row and the signal.
 """
 from __future__ import annotations
 
 import math
 import os
 import threading
-from collections import Counter, deque
+import time
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,8 +41,9 @@ import torch
 from pipeline.data.crops import (CROP_RATIO, CROP_SCALE, DECODE_MODES, DRAWS, VAL_CROP, RowDecodeError,  # noqa: F401
                                  boxes_for, center_crop_decode, crop_draws, decode_chunk, decode_crop, header,
                                  train_box, val_box)
-from pipeline.data.decode_workers import (RING_INPUT_FACTOR, RING_MIN_INPUT, RING_SLOTS, Ring, RingBatch, RingTask,
-                                          SlotUse, _ring_chunk, _shared_chunk, _start_worker, input_bytes)
+from pipeline.data.decode_workers import (RING_INPUT_FACTOR, RING_MIN_INPUT, RING_SLOTS, DecodeWorkerDied,  # noqa: F401
+                                          Doing, Ring, RingBatch, RingTask, SlotUse, _ring_chunk, _shared_chunk,
+                                          _start_worker, died, ended_how, exit_text, input_bytes)
 from pipeline.images import MAX_PIXELS
 from pipeline.log import get_logger
 
@@ -119,6 +123,8 @@ class Decoder:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._procs: Optional[ProcessPoolExecutor] = None
         self._ring: Optional[Ring] = None
+        self._doing: Optional[Doing] = None  # the row each worker process is on (names the row a dead worker was on)
+        self._recent: "OrderedDict[int, np.ndarray]" = OrderedDict()  # batch index -> paths, of the last batches
         self._lock = threading.Lock()
         self.handovers: Counter = Counter()  # batches decoded by the processes: "ring" or "pickled" (did not fit)
 
@@ -135,25 +141,40 @@ class Decoder:
                 import multiprocessing
 
                 self._ring = self._make_ring(first) if first is not None else None
+                self._doing = Doing(self.workers)
                 # fork, as DataLoader's workers on Linux: spawn and forkserver re-run the user's main module in
                 # every worker (a notebook's or a script's without a __main__ guard fails); a worker only decodes
                 # (numpy, simplejpeg, Pillow, torch on one thread), never touches CUDA or the rank's other threads'
                 # state. The fork also gives the workers the ring's mapping, which no other start method could pass
                 self._procs = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                                  initializer=_start_worker, initargs=(os.getpid(), self._ring))
+                                                  initializer=_start_worker,
+                                                  initargs=(os.getpid(), self._ring, self._doing))
                 # a fork pool forks all its workers at its first submit: this one, in this thread, not a later
                 # one in a decode thread (a fork beside a thread inside nvJPEG or torch copies its held locks)
                 self._procs.submit(int)
             return self._procs
 
     def _make_ring(self, first: EncodedBatch) -> Optional[Ring]:
-        """RING_SLOTS slots of len(first) rows, their input areas RING_INPUT_FACTOR times its bytes; None when it
-        holds a row without bytes."""
+        """RING_SLOTS slots of len(first) rows, their input areas RING_INPUT_FACTOR times its bytes (where the host
+        cannot map that much, once its bytes); None when it holds a row without bytes, or no ring can be mapped.
+
+        Only the pages written cost memory, but the kernel's default overcommit refuses one mapping larger than the
+        host's memory and swap: a first batch of ~10 MB photos (256 rows) asked ~30 GB of it. Without a ring every
+        batch's rows are pickled to the workers (slower, never wrong)."""
         used = input_bytes(first.rows)
         if used is None or len(first.rows) == 0:
             return None
-        return Ring(RING_SLOTS, len(first.rows), self.size * self.size * self.channels,
-                    max(RING_MIN_INPUT, RING_INPUT_FACTOR * used))
+        row_bytes = self.size * self.size * self.channels
+        for factor in (RING_INPUT_FACTOR, 1):
+            try:
+                return Ring(RING_SLOTS, len(first.rows), row_bytes, max(RING_MIN_INPUT, factor * used))
+            except OSError as exc:
+                wanted = RING_SLOTS * (len(first.rows) * row_bytes + max(RING_MIN_INPUT, factor * used))
+                log.warning("the decode ring (%d slots, %.1f GB for batch %d's %d rows of %.1f MB of encoded bytes) "
+                            "could not be mapped: %s", RING_SLOTS, wanted / 1e9, first.index, len(first.rows),
+                            used / 1e6, exc)
+        log.warning("decoding without the ring: each batch's rows are pickled to the decode workers")
+        return None
 
     def pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -196,6 +217,7 @@ class Decoder:
         procs = self.processes(batch)
         chunk = max(1, math.ceil(n / self.workers))
         if procs is not None:
+            self._remember(batch)
             handle = self._submit_to_ring(procs, batch, chunk)
             self._count("ring" if handle is not None else "pickled")
             if handle is not None:
@@ -209,7 +231,7 @@ class Decoder:
                 hi = min(n, lo + chunk)
                 view[lo:hi] = procs.submit(_shared_chunk, list(batch.rows[lo:hi, 0]), list(batch.rows[lo:hi, 1]),
                                            None if draws is None else draws[lo:hi], self.size, self.channels,
-                                           self.max_pixels).result().numpy()
+                                           self.max_pixels, int(batch.index), lo).result().numpy()
 
             return out, [pool.submit(share, lo) for lo in range(0, n, chunk)]
         draws, view = (crop_draws(self.seed, batch.index, n) if self.train else None), out.numpy()
@@ -261,7 +283,8 @@ class Decoder:
         n = len(batch.rows)
         draws = (self.seed, int(batch.index), n) if self.train else None
         return [RingTask(slot, lo, min(n, lo + chunk), offsets[2 * (lo - start):2 * (min(n, lo + chunk) - start) + 1],
-                         draws, self.size, self.channels, self.max_pixels) for lo in range(start, n, chunk)]
+                         draws, self.size, self.channels, self.max_pixels, int(batch.index))
+                for lo in range(start, n, chunk)]
 
     def submit_share(self, batch: EncodedBatch, start: int) -> Optional[RingBatch]:
         """Start decoding rows [start, n) of `batch` in the worker processes (the CPU's share of a batch the GPU
@@ -272,10 +295,51 @@ class Decoder:
         procs = self.processes(batch, start=False) if start < n else None  # started by the consumer's submit
         if procs is None:
             return None
+        self._remember(batch)
         handle = self._submit_to_ring(procs, batch, max(1, math.ceil((n - start) / self.workers)), start)
         if handle is not None:
             self._count("ring")
         return handle
+
+    def _remember(self, batch: EncodedBatch, keep: int = 16) -> None:
+        """`batch`'s paths, kept for its decode's errors while it is among the last `keep` batches sent to the
+        processes (those decoding, a few at a time)."""
+        with self._lock:
+            self._recent[int(batch.index)] = batch.rows[:, 1]
+            self._recent.move_to_end(int(batch.index))
+            while len(self._recent) > keep:
+                self._recent.popitem(last=False)
+
+    def _path_of(self, batch: int, row: int) -> Optional[str]:
+        with self._lock:
+            paths = self._recent.get(batch)
+        return str(paths[row]) if paths is not None and 0 <= row < len(paths) else None
+
+    def _wait(self, futures: Iterable[Any]) -> None:
+        """Each future's result, in batch order: the first error (a RowDecodeError naming its row) is raised here; a
+        pool broken by a worker's end as DecodeWorkerDied, naming the row it was on."""
+        try:
+            for f in futures:
+                f.result()
+        except DecodeWorkerDied:
+            raise
+        except BrokenProcessPool as exc:
+            raise died(self._doing, self._path_of, self._ended_how) from exc
+
+    def _ended_how(self, pid: int, wait_s: float = 1.0) -> Optional[str]:
+        """How worker `pid` ended: the exit code its pool collected (kept on its Process, read without a system
+        call), else what /proc says without reaping it (decode_workers.ended_how); a process reaped a moment ago
+        has its code on the Process within `wait_s`."""
+        popen = getattr((getattr(self._procs, "_processes", None) or {}).get(pid), "_popen", None)
+        deadline = time.monotonic() + wait_s
+        while True:
+            code = getattr(popen, "returncode", None)
+            if code is not None:
+                return exit_text(code)
+            how = ended_how(pid)
+            if how != "ended" or popen is None or time.monotonic() > deadline:
+                return how
+            time.sleep(0.01)
 
     def _count(self, handover: str) -> None:
         with self._lock:  # the share's batches are submitted from several decode threads
@@ -291,8 +355,7 @@ class Decoder:
         `consume` of them, a uint8 (n - start, size, size, channels) view of the shared slot, valid only during the
         call: the slot is the next batches' once released, here, however the call ends."""
         try:
-            for f in handle.futures:
-                f.result()  # the first error (a RowDecodeError naming its row) is raised here, in batch order
+            self._wait(handle.futures)
             view = handle.use.ring.output(handle.use.slot, handle.n, (self.size, self.size, self.channels))
             return consume(view[start:])
         except BaseException:
@@ -304,12 +367,15 @@ class Decoder:
 
     def result(self, handle: Any) -> torch.Tensor:
         if isinstance(handle, RingBatch):
-            out = self._empty(handle.n)  # a batch of its own, copied out of the slot
+            try:
+                out = self._empty(handle.n)  # a batch of its own, copied out of the slot
+            except BaseException:
+                self.cancel(handle)  # the slot goes back (take_ring would have released it)
+                raise
             self.take_ring(handle, 0, out.copy_)
             return self._layout(out)
         out, futures = handle
-        for f in futures:
-            f.result()  # the first error (a RowDecodeError naming its row) is raised here, in batch order
+        self._wait(futures)
         return self._layout(out)
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:

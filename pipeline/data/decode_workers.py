@@ -1,14 +1,17 @@
 """The CPU decode's worker processes and what they share with the rank: the ring of shared slots a batch is decoded
 in (`Ring`, anonymous shared memory made before the fork), who still uses a slot (`SlotUse`), a worker's task
 (`RingTask`: a slot's rows and their offsets, never the bytes), the worker's initializer and its decode of a task,
-and the way of a batch too large for a slot (`_shared_chunk`). `pipeline.data.decode.Decoder` drives them."""
+the way of a batch too large for a slot (`_shared_chunk`), and the row each worker is on (`Doing`: a worker that
+dies is named with its row). `pipeline.data.decode.Decoder` drives them."""
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 import signal
 import threading
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -152,27 +155,131 @@ class RingTask(NamedTuple):
     size: int
     channels: int
     max_pixels: int
+    batch: int = -1  # the batch's index in its stream (what `Doing` records)
+
+
+class DecodeWorkerDied(BrokenProcessPool):
+    """A decode worker process ended in the middle of its work (a signal: the host's out-of-memory killer, a crash
+    inside a decoder library): the message names the row(s) it was decoding and how it ended. The pool cannot go on
+    (it ends its other workers), so the job stops."""
+
+
+class Doing:
+    """The row each decode worker process is on, in anonymous shared memory made before the fork: per worker its pid,
+    the batch's index in its stream and the row in the batch (-1: between tasks). A worker writes two integers before
+    each row; the rank reads them only once a worker died, to name the row it died on (`died`)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, int(workers))
+        self.memory = mmap.mmap(-1, 8 * 3 * self.workers)  # MAP_SHARED | MAP_ANONYMOUS: shared with a fork
+        self.table = np.frombuffer(self.memory, dtype=np.int64).reshape(self.workers, 3)
+        self.table[:] = (0, -1, -1)
+        self._claim = multiprocessing.get_context("fork").Lock()  # inherited by the fork as the mapping is
+
+    def claim(self) -> int:
+        """In a worker, once: the row of the table it writes to (-1: none left)."""
+        with self._claim:
+            for i in range(self.workers):
+                if self.table[i, 0] == 0:
+                    self.table[i] = (os.getpid(), -1, -1)
+                    return i
+        return -1
+
+    def in_flight(self) -> List[Tuple[int, int, int]]:
+        """(pid, batch, row) of every worker that is on a row."""
+        return [(int(pid), int(batch), int(row)) for pid, batch, row in self.table.tolist() if pid and row >= 0]
+
+
+def exit_text(code: int) -> str:
+    """A process's exit code as multiprocessing reports it (-N: killed by signal N) in words."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def ended_how(pid: int) -> Optional[str]:
+    """How process `pid` ended, read from /proc without reaping it (the pool reaps its own children: one reaped by
+    anyone else it would wait for forever): "killed by SIGKILL", "exit code 1", "ended" (already reaped: unknown);
+    None while it runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "ended"
+    if fields[0] != "Z":
+        return None
+    status = int(fields[49]) if len(fields) > 49 else -1  # exit_code (Linux >= 3.5), as waitpid reports it
+    if status < 0:
+        return "ended"
+    return exit_text(-(status & 0x7F) if status & 0x7F else status >> 8)
+
+
+def died(doing: Optional[Doing], path_of: Callable[[int, int], Optional[str]],
+         how_of: Callable[[int], Optional[str]] = ended_how) -> DecodeWorkerDied:
+    """The error for a decode pool broken by a worker's end: the rows the ended workers were on (`path_of(batch,
+    row)`: the row's path, None when the rank no longer holds that batch; `how_of(pid)`: how it ended, None while it
+    runs), a SIGTERM last (the pool's own, to the workers left once one died)."""
+    rows = []
+    for pid, batch, row in (doing.in_flight() if doing is not None else []):
+        how = how_of(pid)
+        if how is None:
+            continue
+        path = path_of(batch, row)
+        where = f"row {path!r} (batch {batch}, row {row})" if path is not None else f"batch {batch}, row {row}"
+        rows.append((how.endswith("SIGTERM"), f"worker {pid} ({how}) on {where}"))
+    rows.sort(key=lambda r: r[0])
+    if rows:
+        what = "; ".join(text for _, text in rows)
+        return DecodeWorkerDied(f"a decode worker process ended while decoding: {what}. The decode pool cannot go on: "
+                                f"a row that crashes the decoder, or the host ending the worker (out of memory), "
+                                f"stops the job here; the pool ends its other workers with SIGTERM")
+    return DecodeWorkerDied("a decode worker process ended between rows (none was being decoded): the host ended it "
+                            "(out of memory?) or it crashed; the decode pool cannot go on")
 
 
 _worker_ring: Optional[Ring] = None  # in a decode worker process: the ring it was forked with
+_worker_doing: Optional[Doing] = None  # ... the table of rows in flight, and its row there
+_worker_row = -1
 
 
-def _start_worker(parent: int, ring: Optional[Ring]) -> None:
+def _start_worker(parent: int, ring: Optional[Ring], doing: Optional[Doing] = None) -> None:
     """A decode worker process's initializer: `_exit_with_parent`, the ring of its pool (inherited by the fork, never
-    pickled), and one torch thread: the pool forks in the thread that submits first, the consumer's, whose OpenMP
-    team the fork copies without its threads, so a parallel torch op in the worker (a shared tensor's copy) would wait
-    on them forever (seen: a batch too large for a slot hung); DataLoader's workers take one thread too.
+    pickled), its row of the pool's `Doing`, and one torch thread: the pool forks in the thread that submits first,
+    the consumer's, whose OpenMP team the fork copies without its threads, so a parallel torch op in the worker (a
+    shared tensor's copy) would wait on them forever (seen: a batch too large for a slot hung); DataLoader's workers
+    take one thread too.
 
     Signals: SIGTERM back to its default, SIGINT ignored. The fork copies the rank's Python handlers (the graceful
     stop's SIGTERM handler, Lightning's), and a worker running one survives the SIGTERM with which the pool ends its
     workers once one of them died; left alive, it kept its rank (and a test session) waiting at exit for ever. A
     Ctrl-C reaches the whole process group: the rank handles it and ends the pool."""
-    global _worker_ring
+    global _worker_ring, _worker_doing, _worker_row
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _worker_ring = ring
+    _worker_doing, _worker_row = doing, (doing.claim() if doing is not None else -1)
     _exit_with_parent(parent)
+
+
+def _noting(batch: int, lo: int) -> Optional[Callable[[int], None]]:
+    """In a decode worker: decode_chunk's `on_row`, writing (batch, lo + i) to this worker's row of `Doing`."""
+    if _worker_doing is None or _worker_row < 0:
+        return None
+    table, row = _worker_doing.table, _worker_row
+
+    def note(i: int) -> None:
+        table[row, 1:] = (batch, lo + i)
+
+    return note
+
+
+def _done_noting() -> None:
+    if _worker_doing is not None and _worker_row >= 0:
+        _worker_doing.table[_worker_row, 1:] = (-1, -1)
 
 
 def _ring_chunk(task: RingTask) -> None:
@@ -187,8 +294,11 @@ def _ring_chunk(task: RingTask) -> None:
     paths = [mem[at + off[2 * j + 1]:at + off[2 * j + 2]].decode() for j in range(k)]
     draws = None if task.draws is None else crop_draws(*task.draws)[task.lo:task.hi]
     out = np.frombuffer(mem, dtype=np.uint8, count=k * ring.row_bytes, offset=base + task.lo * ring.row_bytes)
-    decode_chunk(contents, paths, draws, task.size, task.channels, task.max_pixels,
-                 out=out.reshape(k, task.size, task.size, task.channels))
+    try:
+        decode_chunk(contents, paths, draws, task.size, task.channels, task.max_pixels,
+                     out=out.reshape(k, task.size, task.size, task.channels), on_row=_noting(task.batch, task.lo))
+    finally:
+        _done_noting()
 
 
 class RingBatch(NamedTuple):
@@ -200,10 +310,13 @@ class RingBatch(NamedTuple):
 
 
 def _shared_chunk(contents: Sequence[Any], paths: Sequence[Any], draws: Optional[np.ndarray], size: int,
-                  channels: int, max_pixels: int) -> torch.Tensor:
+                  channels: int, max_pixels: int, batch: int = -1, lo: int = 0) -> torch.Tensor:
     """In a decode worker process: `crops.decode_chunk` into a tensor in shared memory, whose handle travels back (a
     file descriptor, which the rank fetches through a connection to the worker). The way of a batch that does not
     fit a slot of the ring: its rows' bytes are pickled through the pool's one call pipe."""
     out = torch.empty((len(contents), size, size, channels), dtype=torch.uint8).share_memory_()
-    decode_chunk(contents, paths, draws, size, channels, max_pixels, out=out.numpy())
+    try:
+        decode_chunk(contents, paths, draws, size, channels, max_pixels, out=out.numpy(), on_row=_noting(batch, lo))
+    finally:
+        _done_noting()
     return out

@@ -598,6 +598,101 @@ def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
         decoder.close()
 
 
+@pytest.mark.parametrize("fits_ring", [True, False])
+def test_a_decode_worker_that_dies_on_a_row_is_named_with_the_row_and_its_signal(monkeypatch, fits_ring):
+    """A worker killed while decoding a row (the host's out-of-memory killer, a crash inside libjpeg) stops the batch
+    with an error that names that row's path and the signal, through the ring and the pickled way alike."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    import pipeline.data.crops as crops
+    from pipeline.data.decode_workers import DecodeWorkerDied
+
+    real = crops._bytes_of_row
+
+    def dying(content, path):  # in the forked worker: dies as a crash inside the decoder would, on that row
+        if "evil" in str(path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(content, path)
+
+    monkeypatch.setattr(crops, "_bytes_of_row", dying)  # before the fork: the workers inherit it
+    first = _batch([_jpeg((10 * i, 40, 90)) for i in range(8 if fits_ring else 2)], index=0)
+    batch = _batch([_jpeg((10 * i, 40, 90)) for i in range(8)], index=3)
+    batch.rows[6, 1] = "/t/evil.jpg"
+    decoder = Decoder(SIZE, 3, train=True, seed=0, workers=2)
+    try:
+        decoder.decode(first)  # the ring is sized by the first batch: 2 rows leaves the 8-row batch to the pickled way
+        handle = decoder.submit(batch)
+        with ThreadPoolExecutor(1) as waiter:
+            with pytest.raises(BrokenProcessPool) as err:
+                waiter.submit(decoder.result, handle).result(timeout=60)
+        assert decoder.handovers["ring" if fits_ring else "pickled"] >= 1
+    finally:
+        decoder.close()
+    assert isinstance(err.value, DecodeWorkerDied)
+    message = str(err.value)
+    assert "'/t/evil.jpg' (batch 3, row 6)" in message and "SIGKILL" in message, message
+    assert message.index("SIGKILL") < message.index("/t/evil.jpg") or "SIGTERM" not in message.split("evil")[0]
+
+
+def test_a_failed_batch_buffer_gives_its_ring_slot_back():
+    """A batch's buffer that cannot be allocated (pinned memory refused, an interrupt) fails that batch and gives its
+    slot back: the next batches still go through the ring, not the slower pickled way."""
+    decoder = Decoder(SIZE, 3, train=False, seed=0, workers=2)
+    real = decoder._empty
+    failures = [3]
+
+    def refused(n):
+        if n and failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("pinned memory refused")
+        return real(n)
+
+    decoder._empty = refused
+    try:
+        for i in range(3):
+            handle = decoder.submit(_batch([_jpeg((30 * i, 40, 90)) for _ in range(6)], index=i))
+            with pytest.raises(RuntimeError, match="pinned memory refused"):
+                decoder.result(handle)
+        ring = decoder._ring
+        deadline = time.monotonic() + 20  # a slot frees once its chunks, still decoding, end
+        while len(ring._free) < ring.slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(ring._free) == list(range(ring.slots))
+        for i in range(3, 6):
+            assert decoder.decode(_batch([_jpeg((30 * i, 40, 90)) for _ in range(6)], index=i)).shape[0] == 6
+        assert decoder.handovers == {"ring": 6}
+    finally:
+        decoder.close()
+
+
+def test_a_first_batch_too_large_to_map_a_ring_for_decodes_without_it(caplog):
+    """A first batch whose ring the host cannot map (the kernel refuses one mapping larger than its memory and swap)
+    is decoded all the same: a ring of its bytes once, or none (each batch's rows pickled to the workers), and the
+    log says why, instead of a bare OSError from every submit."""
+    huge = bytes(64 << 20)  # one 64 MB object; 256 rows refer to it: 16 GB of a batch, 64 GB of a ring's input
+    rows = np.empty((256, 2), dtype=object)
+    rows[:, 0] = [huge] * 256
+    rows[:, 1] = [f"/t/big{i}.jpg" for i in range(256)]
+    decoder = Decoder(SIZE, 3, train=False, seed=0, workers=2)
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.decode"):
+        ring = decoder._make_ring(EncodedBatch(rows, 0))
+    whole = 3 * (256 * SIZE * SIZE * 3 + 4 * 256 * len(huge))
+    if ring is None:
+        assert "decoding without the ring" in caplog.text
+    elif ring.input_bytes < 4 * 256 * len(huge):
+        assert "could not be mapped" in caplog.text and ring.input_bytes == 256 * len(huge)
+    else:
+        assert ring.slots * ring.slot_bytes == whole  # this host maps 200 GB (overcommit allowed): nothing to say
+    small = _batch([_jpeg((20 * i, 40, 90)) for i in range(4)])
+    try:
+        decoder._ring = ring
+        assert decoder.decode(small).shape == (4, 3, SIZE, SIZE)
+    finally:
+        decoder.close()
+
+
 def _gone_within(pids, seconds: float) -> None:
     """The processes `pids` ended (exited, reaped or not) within `seconds`. Never reaps them: they are the pool's
     children, and a pool whose child was reaped by someone else sees it alive forever (multiprocessing's poll takes
