@@ -324,20 +324,22 @@ class Decoder:
         except DecodeWorkerDied:
             raise
         except BrokenProcessPool as exc:
-            raise died(self._doing, self._path_of, self._ended_how) from exc
+            deadline = time.monotonic() + 2.0  # for all of them: the pool ends the others right after the first
+            raise died(self._doing, self._path_of, lambda pid: self._ended_how(pid, deadline)) from exc
 
-    def _ended_how(self, pid: int, wait_s: float = 1.0) -> Optional[str]:
+    def _ended_how(self, pid: int, deadline: float) -> Optional[str]:
         """How worker `pid` ended: the exit code its pool collected (kept on its Process, read without a system
-        call), else what /proc says without reaping it (decode_workers.ended_how); a process reaped a moment ago
-        has its code on the Process within `wait_s`."""
+        call), else what /proc says without reaping it (decode_workers.ended_how); None if it still runs at
+        `deadline`. The pool learns of a death when the process's pipes close, which is before the kernel has made
+        it a zombie: the dying process, or one the pool reaped a moment ago, gets until `deadline` to show how it
+        ended."""
         popen = getattr((getattr(self._procs, "_processes", None) or {}).get(pid), "_popen", None)
-        deadline = time.monotonic() + wait_s
         while True:
             code = getattr(popen, "returncode", None)
             if code is not None:
                 return exit_text(code)
             how = ended_how(pid)
-            if how != "ended" or popen is None or time.monotonic() > deadline:
+            if (how is not None and (how != "ended" or popen is None)) or time.monotonic() > deadline:
                 return how
             time.sleep(0.01)
 

@@ -209,6 +209,8 @@ def ended_how(pid: int) -> Optional[str]:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return "ended"
+    if fields[0] == "X":  # dead, being reaped right now
+        return "ended"
     if fields[0] != "Z":
         return None
     status = int(fields[49]) if len(fields) > 49 else -1  # exit_code (Linux >= 3.5), as waitpid reports it
