@@ -305,7 +305,7 @@ class Decoder:
         """`batch`'s paths, kept for its decode's errors while it is among the last `keep` batches sent to the
         processes (those decoding, a few at a time)."""
         with self._lock:
-            self._recent[int(batch.index)] = batch.rows[:, 1]
+            self._recent[int(batch.index)] = batch.rows[:, 1].copy()  # the paths alone: a view would keep the bytes
             self._recent.move_to_end(int(batch.index))
             while len(self._recent) > keep:
                 self._recent.popitem(last=False)

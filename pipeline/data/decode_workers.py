@@ -233,6 +233,10 @@ def died(doing: Optional[Doing], path_of: Callable[[int, int], Optional[str]],
         where = f"row {path!r} (batch {batch}, row {row})" if path is not None else f"batch {batch}, row {row}"
         rows.append((how.endswith("SIGTERM"), f"worker {pid} ({how}) on {where}"))
     rows.sort(key=lambda r: r[0])
+    if rows and all(term for term, _ in rows):  # only the pool's own SIGTERMs: none died on its own
+        what = "; ".join(text for _, text in rows)
+        return DecodeWorkerDied(f"the decode pool broke without a worker dying on its own (its cause is chained "
+                                f"below) and ended its workers, which were decoding: {what}")
     if rows:
         what = "; ".join(text for _, text in rows)
         return DecodeWorkerDied(f"a decode worker process ended while decoding: {what}. The decode pool cannot go on: "

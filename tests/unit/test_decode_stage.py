@@ -632,8 +632,31 @@ def test_a_decode_worker_that_dies_on_a_row_is_named_with_the_row_and_its_signal
         decoder.close()
     assert isinstance(err.value, DecodeWorkerDied)
     message = str(err.value)
-    assert "'/t/evil.jpg' (batch 3, row 6)" in message and "SIGKILL" in message, message
-    assert message.index("SIGKILL") < message.index("/t/evil.jpg") or "SIGTERM" not in message.split("evil")[0]
+    import re
+
+    workers = re.findall(r"worker \d+ \(([^)]*)\) on row '([^']*)'", message)
+    assert workers and workers[0] == ("killed by SIGKILL", "/t/evil.jpg"), message  # the one that died, first
+    assert "'/t/evil.jpg' (batch 3, row 6)" in message
+    assert all(how == "killed by SIGTERM" for how, _ in workers[1:]), message  # any other: the pool's own SIGTERM
+
+
+def test_a_pool_broken_with_no_worker_dead_on_its_own_blames_no_row():
+    """Where every worker found ended by the pool's own SIGTERM (the pool broke for another reason, chained as the
+    cause), the error says no worker died on its own instead of naming their rows as the culprits; a worker that died
+    on its own is named first, the SIGTERMs after it; one still running is left out."""
+    from pipeline.data.decode_workers import Doing, died
+
+    doing = Doing(3)
+    doing.table[:] = [(101, 4, 7), (102, 4, 9), (103, -1, -1)]  # two on rows, one between tasks
+    paths = {(4, 7): "/t/a.jpg", (4, 9): "/t/b.jpg"}
+    sigterm = str(died(doing, lambda b, r: paths.get((b, r)), lambda pid: "killed by SIGTERM"))
+    assert sigterm.startswith("the decode pool broke without a worker dying on its own"), sigterm
+    assert "'/t/a.jpg'" in sigterm and "'/t/b.jpg'" in sigterm
+    how = {101: "killed by SIGTERM", 102: "killed by SIGSEGV"}
+    one = str(died(doing, lambda b, r: paths.get((b, r)), how.get))
+    assert one.index("worker 102 (killed by SIGSEGV) on row '/t/b.jpg' (batch 4, row 9)") < one.index("worker 101"), one
+    alive = str(died(doing, lambda b, r: paths.get((b, r)), {102: "exit code 1"}.get))
+    assert "worker 102 (exit code 1)" in alive and "worker 101" not in alive, alive
 
 
 def test_a_failed_batch_buffer_gives_its_ring_slot_back():
@@ -667,24 +690,29 @@ def test_a_failed_batch_buffer_gives_its_ring_slot_back():
         decoder.close()
 
 
-def test_a_first_batch_too_large_to_map_a_ring_for_decodes_without_it(caplog):
+@pytest.mark.parametrize("row_mb", [16, 64])
+def test_a_first_batch_too_large_to_map_a_ring_for_decodes_without_it(caplog, row_mb):
     """A first batch whose ring the host cannot map (the kernel refuses one mapping larger than its memory and swap)
     is decoded all the same: a ring of its bytes once, or none (each batch's rows pickled to the workers), and the
-    log says why, instead of a bare OSError from every submit."""
-    huge = bytes(64 << 20)  # one 64 MB object; 256 rows refer to it: 16 GB of a batch, 64 GB of a ring's input
+    log says why, instead of a bare OSError from every submit. 256 rows refer to one object of `row_mb`: a batch of
+    4 or 16 GB, whose ring asks 3 x 4 x that (on this 24 GB host: 16 maps a ring of its bytes once, 64 none)."""
+    from pipeline.data.decode_workers import input_bytes
+
+    huge = bytes(row_mb << 20)
     rows = np.empty((256, 2), dtype=object)
     rows[:, 0] = [huge] * 256
     rows[:, 1] = [f"/t/big{i}.jpg" for i in range(256)]
     decoder = Decoder(SIZE, 3, train=False, seed=0, workers=2)
     with caplog.at_level(logging.WARNING, logger="pipeline.data.decode"):
         ring = decoder._make_ring(EncodedBatch(rows, 0))
-    whole = 3 * (256 * SIZE * SIZE * 3 + 4 * 256 * len(huge))
+    used = input_bytes(rows)  # the bytes and the paths
     if ring is None:
         assert "decoding without the ring" in caplog.text
-    elif ring.input_bytes < 4 * 256 * len(huge):
-        assert "could not be mapped" in caplog.text and ring.input_bytes == 256 * len(huge)
+    elif ring.input_bytes < 4 * used:
+        assert "could not be mapped" in caplog.text and ring.input_bytes == used
+        assert ring.slots * ring.slot_bytes == 3 * (256 * SIZE * SIZE * 3 + used)
     else:
-        assert ring.slots * ring.slot_bytes == whole  # this host maps 200 GB (overcommit allowed): nothing to say
+        assert ring.slots * ring.slot_bytes == 3 * (256 * SIZE * SIZE * 3 + 4 * used)  # overcommit allowed
 
 
 def _gone_within(pids, seconds: float) -> None:
