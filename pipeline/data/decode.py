@@ -43,7 +43,7 @@ from pipeline.data.crops import (CROP_RATIO, CROP_SCALE, DECODE_MODES, DRAWS, VA
                                  train_box, val_box)
 from pipeline.data.decode_workers import (RING_INPUT_FACTOR, RING_MIN_INPUT, RING_SLOTS, DecodeWorkerDied,  # noqa: F401
                                           Doing, Ring, RingBatch, RingTask, SlotUse, _ring_chunk, _shared_chunk,
-                                          _start_worker, died, ended_how, exit_text, input_bytes)
+                                          _start_worker, died, input_bytes, pool_ended_how)
 from pipeline.images import MAX_PIXELS
 from pipeline.log import get_logger
 
@@ -324,24 +324,8 @@ class Decoder:
         except DecodeWorkerDied:
             raise
         except BrokenProcessPool as exc:
-            deadline = time.monotonic() + 2.0  # for all of them: the pool ends the others right after the first
-            raise died(self._doing, self._path_of, lambda pid: self._ended_how(pid, deadline)) from exc
-
-    def _ended_how(self, pid: int, deadline: float) -> Optional[str]:
-        """How worker `pid` ended: the exit code its pool collected (kept on its Process, read without a system
-        call), else what /proc says without reaping it (decode_workers.ended_how); None if it still runs at
-        `deadline`. The pool learns of a death when the process's pipes close, which is before the kernel has made
-        it a zombie: the dying process, or one the pool reaped a moment ago, gets until `deadline` to show how it
-        ended."""
-        popen = getattr((getattr(self._procs, "_processes", None) or {}).get(pid), "_popen", None)
-        while True:
-            code = getattr(popen, "returncode", None)
-            if code is not None:
-                return exit_text(code)
-            how = ended_how(pid)
-            if (how is not None and (how != "ended" or popen is None)) or time.monotonic() > deadline:
-                return how
-            time.sleep(0.01)
+            # one deadline for all of them: the pool ends the others right after the first
+            raise died(self._doing, self._path_of, pool_ended_how(self._procs, time.monotonic() + 2.0)) from exc
 
     def _count(self, handover: str) -> None:
         with self._lock:  # the share's batches are submitted from several decode threads

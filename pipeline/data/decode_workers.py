@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -219,6 +220,27 @@ def ended_how(pid: int) -> Optional[str]:
     return exit_text(-(status & 0x7F) if status & 0x7F else status >> 8)
 
 
+def pool_ended_how(procs: Any, deadline: float) -> Callable[[int], Optional[str]]:
+    """`died`'s how_of for the workers of pool `procs`: the exit code the pool collected (kept on its Process, read
+    without a system call), else what /proc says without reaping (`ended_how`); None if it still runs at `deadline`.
+    The pool learns of a death when the process's pipes close, which is before the kernel has made it a zombie: the
+    dying process, or one the pool reaped a moment ago, gets until `deadline` to show how it ended."""
+    processes = getattr(procs, "_processes", None) or {}
+
+    def how_of(pid: int) -> Optional[str]:
+        popen = getattr(processes.get(pid), "_popen", None)
+        while True:
+            code = getattr(popen, "returncode", None)
+            if code is not None:
+                return exit_text(code)
+            how = ended_how(pid)
+            if (how is not None and (how != "ended" or popen is None)) or time.monotonic() > deadline:
+                return how
+            time.sleep(0.01)
+
+    return how_of
+
+
 def died(doing: Optional[Doing], path_of: Callable[[int, int], Optional[str]],
          how_of: Callable[[int], Optional[str]] = ended_how) -> DecodeWorkerDied:
     """The error for a decode pool broken by a worker's end: the rows the ended workers were on (`path_of(batch,
@@ -233,12 +255,11 @@ def died(doing: Optional[Doing], path_of: Callable[[int, int], Optional[str]],
         where = f"row {path!r} (batch {batch}, row {row})" if path is not None else f"batch {batch}, row {row}"
         rows.append((how.endswith("SIGTERM"), f"worker {pid} ({how}) on {where}"))
     rows.sort(key=lambda r: r[0])
+    what = "; ".join(text for _, text in rows)
     if rows and all(term for term, _ in rows):  # only the pool's own SIGTERMs: none died on its own
-        what = "; ".join(text for _, text in rows)
         return DecodeWorkerDied(f"the decode pool broke without a worker dying on its own (its cause is chained "
                                 f"below) and ended its workers, which were decoding: {what}")
     if rows:
-        what = "; ".join(text for _, text in rows)
         return DecodeWorkerDied(f"a decode worker process ended while decoding: {what}. The decode pool cannot go on: "
                                 f"a row that crashes the decoder, or the host ending the worker (out of memory), "
                                 f"stops the job here; the pool ends its other workers with SIGTERM")
