@@ -269,10 +269,16 @@ class Decoder:
                     raise
                 future.add_done_callback(use.chunk_done)
                 futures.append(future)
-        except BaseException:
+        except BaseException as exc:
             for f in futures:
                 f.cancel()
             use.release()
+            if isinstance(exc, RuntimeError) and self._procs is not procs:
+                # close() ended the pass between this thread's ask and its submit (the pool refuses new work once
+                # shut down): a decode thread's share decodes in that thread, as when it asks after close()
+                log.debug("the decode pool closed under batch %d's share: its rows decode in this thread",
+                          batch.index)
+                return None
             raise
         return RingBatch(n, use, futures)
 

@@ -577,6 +577,31 @@ def test_after_close_the_next_pass_decodes_in_worker_processes_again_forked_by_t
         fresh.close()
 
 
+def test_a_close_between_a_decode_threads_ask_and_its_submit_leaves_the_share_to_that_thread(monkeypatch):
+    """close() can end the pass while a GPU decode thread is between `processes(start=False)` and its chunks' submit:
+    the shut pool refuses them ("cannot schedule new futures after shutdown"). The share is then the thread's to
+    decode (None), as for a thread that asks after close, not a RuntimeError in a closed pass."""
+    good = [_photo(i) for i in range(6)]
+    decoder = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        decoder.decode(_batch(good, 0))  # the pass's processes and ring
+        ring, tasks = decoder._ring, decoder.ring_tasks
+
+        def close_then_tasks(*args, **kwargs):  # the consumer's close() lands after the slot is taken
+            decoder.close()
+            return tasks(*args, **kwargs)
+
+        monkeypatch.setattr(decoder, "ring_tasks", close_then_tasks)
+        assert decoder.submit_share(_batch(good, 1), 3) is None
+        assert sorted(ring._free) == list(range(ring.slots))  # the slot it took is given back
+        monkeypatch.undo()
+        assert torch.equal(decoder.decode(_batch(good, 0)), Decoder(SIZE, 3, train=True, seed=7).decode(
+            _batch(good, 0)))  # the next pass decodes in its processes again
+        assert decoder.handovers == {"ring": 2}
+    finally:
+        decoder.close()
+
+
 def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
     import signal
     from concurrent.futures import ThreadPoolExecutor

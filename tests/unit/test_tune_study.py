@@ -59,7 +59,9 @@ def test_failure_reason_of_a_trial_failed_by_heartbeat():
     assert failure_reason(SimpleNamespace(user_attrs={"error": "TrialFailed: x"})) == "TrialFailed: x"
 
 
-def _study(tmp_path, heartbeat_s=1):
+def _study(tmp_path, heartbeat_s=2):
+    """A study on a real SQLite storage with Optuna's heartbeat rule on. The tests' own heartbeats beat every second,
+    so the grace period (3 x 2 s) leaves a live trial 5 s of slack on a loaded CI machine."""
     import optuna
 
     quiet_optuna()
@@ -142,9 +144,11 @@ def test_a_trial_lost_before_its_first_heartbeat_is_failed_by_its_age(tmp_path):
     beating = study.ask()
     with Heartbeat(storage, beating, 1):
         time.sleep(stale.grace_s + 1.5)  # a live trial older than the grace period, beating
+        other, _, other_stale = _study(tmp_path)  # another sweep, opened before the trial below is asked
         just_asked = study.ask()  # a live sweep's trial between ask and its first beat
-        other, _, other_stale = _study(tmp_path)
+        asked_at = time.monotonic()
         failed = fail_stale(other, other_stale)
+        assert time.monotonic() - asked_at < stale.grace_s, "the check itself outlasted the grace period"
         assert [t.number for t in failed] == [lost.number]
         assert fail_stale(study, stale) == []  # failed once, by one sweep
     states = {t.number: t.state for t in study.get_trials()}
