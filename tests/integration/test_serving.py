@@ -316,7 +316,7 @@ def test_served_model_refuses_a_decompression_bomb_from_its_header_and_a_request
         grown = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
         print(f"bomb answered in {took:.3f} s; peak memory growth by process (MB): {grown}")
         assert max(grown.values()) < 100, grown
-        assert took < 5, took  # a hang guard; the figure itself is in docs/PERFORMANCE.md
+        assert took < 30, took  # a hang guard; the figure itself is in docs/PERFORMANCE.md
 
         status, answer = _post(url, {"instances": [{"content": good}] * 3, "params": {"max_rows": 2}})
         assert status == 400 and "3 rows in one call, over the limit of 2 (param 'max_rows')" in answer["message"]
@@ -327,7 +327,7 @@ def test_served_model_refuses_a_decompression_bomb_from_its_header_and_a_request
         assert status == 400, (status, str(answer)[:500])
         assert (f"param 'max_rows': {2**62:,} is over this model's limit of 10,000 rows per call"
                 in answer["message"]), answer["message"]
-        assert time.monotonic() - t0 < 5  # refused before any row is decoded
+        assert time.monotonic() - t0 < 30  # refused before any row is decoded (a hang guard: the status says it)
         status, answer = _post(url, {"instances": [{"content": good}], "params": {"max_rows": 10_001}})
         assert status == 400 and "over this model's limit of 10,000" in answer["message"], answer
         assert _post(url, {"instances": [{"content": good}], "params": {"max_rows": 10_000}})[0] == 200

@@ -109,6 +109,15 @@ class _Outage:
         self.server, self.uri = start_mlflow_server(self.store, self.port)
         self.proc = _start_train(tmp, table, self.uri, *extra)
 
+    def kill_server(self, tmp: Path) -> int:
+        """The server gone at once (SIGKILL to its group: a SIGTERM's graceful stop outlasted two epochs of a
+        single-process job on a loaded CI machine) and its port refusing; returns the last epoch rank 0 had logged
+        by then, after which the server took nothing."""
+        os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait(timeout=30)
+        assert _refuses(self.port), f"port {self.port} still takes connections after the server's group was killed"
+        return _last_epoch(tmp)
+
     def restart_server(self) -> None:  # same backend store, same port
         self.server, _ = start_mlflow_server(self.store, self.port)
 
@@ -142,12 +151,7 @@ def test_server_killed_at_epoch_1_and_back_at_epoch_3_loses_nothing(table, tmp_p
     proc, uri = outage.proc, outage.uri
     try:
         _wait_epoch(proc, tmp_path, 0)
-        # gone during epoch 1: killed at once (a SIGTERM's graceful stop took long enough on a loaded machine for two
-        # epochs to reach the server before it was gone), then two epoch ends with no server
-        os.killpg(outage.server.pid, signal.SIGKILL)
-        outage.server.wait(timeout=30)
-        assert _refuses(outage.port), f"port {outage.port} still takes connections after the server's group was killed"
-        gone_after = _last_epoch(tmp_path)
+        gone_after = outage.kill_server(tmp_path)  # gone during epoch 1, then two epoch ends with no server
         assert gone_after + 2 < EPOCHS - 1, f"the server went away only after epoch {gone_after}"
         _wait_epoch(proc, tmp_path, gone_after + 2)
         # the outage seen by rank 0 (an epoch's metrics refused) before the server is back: a fresh-clone CI once
@@ -183,7 +187,8 @@ def test_server_that_never_comes_back_leaves_the_run_for_sync_run(table, tmp_pat
     proc, uri = outage.proc, outage.uri
     try:
         _wait_epoch(proc, tmp_path, 0)
-        stop_mlflow_server(outage.server)  # gone during epoch 1, for good
+        gone_after = outage.kill_server(tmp_path)  # gone during epoch 1, for good
+        assert gone_after < EPOCHS - 1, f"the server went away only after epoch {gone_after}"
         t0 = time.monotonic()
         summary = _finish(proc, timeout=600)
         assert proc.returncode == 3, _log(tmp_path)[-4000:]  # trained, but the run is offline: nothing registered
@@ -197,7 +202,8 @@ def test_server_that_never_comes_back_leaves_the_run_for_sync_run(table, tmp_pat
         assert info["status"] == "FINISHED" and info["register"] and info["run_id"] == summary["run_id"]
         lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert sorted({m["step"] for m in lines if m["key"] == "val_loss"}) == list(range(EPOCHS))
-        assert [m["step"] for m in lines if m["key"] == "val_loss" and m["sent"]] == [0]  # the rest never got there
+        sent = [m["step"] for m in lines if m["key"] == "val_loss" and m["sent"]]
+        assert sent == list(range(len(sent))) and len(sent) <= gone_after + 1  # the rest never got there
         # the driver could not end the run: recorded, to be ended FINISHED at the next connection
         journal = [json.loads(line) for line in (tmp_path / "unended.jsonl").read_text().splitlines()]
         assert [(j["run_id"], j["status"]) for j in journal] == [(summary["run_id"], "FINISHED")]
@@ -273,14 +279,14 @@ def test_rank_zero_never_waits_on_a_server_that_accepts_and_never_answers(tmp_pa
         tracker.record_precision("32-true")
         for step in range(4):
             tracker.log_epoch({"train_loss": 1.0 / (step + 1), "val_acc": 0.2 * step}, step)
-        assert time.monotonic() - t0 < 1.0  # synchronous, that was (1 + 4) x (2 x 2 s + backoff)
+        assert time.monotonic() - t0 < 4.0  # one synchronous call is 2 x 2 s + backoff; all five, 25 s and more
         deadline = time.monotonic() + 10
         while not silent.connections and time.monotonic() < deadline:  # the batch really went out
             time.sleep(0.05)
         assert silent.connections
         t0 = time.monotonic()
         tracker.close()
-        assert time.monotonic() - t0 < bound + 1.5
+        assert time.monotonic() - t0 < bound + 5  # one call's bound (6 s), not two
         lines = [json.loads(x) for x in (tmp_path / f"unsent_metrics_{'a' * 32}.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [0, 1, 2, 3] and tracker.sent == set()
         assert [s for s, _ in tracker.pending] == [0, 1, 2, 3]  # finish(): the server waited for, else left offline
@@ -307,8 +313,9 @@ def test_two_ranks_finish_while_the_server_accepts_and_never_answers(table, tmp_
     silent = None
     try:
         _wait_epoch(proc, tmp_path, 0)
-        stop_mlflow_server(outage.server)
+        gone_after = outage.kill_server(tmp_path)
         silent = _Silent(outage.port)  # the same address now accepts and never answers
+        assert gone_after < EPOCHS - 1, f"the server went away only after epoch {gone_after}"
         t0 = time.monotonic()
         summary = _finish(proc, timeout=600)
         took = time.monotonic() - t0
@@ -320,16 +327,18 @@ def test_two_ranks_finish_while_the_server_accepts_and_never_answers(table, tmp_
         folder = Path(summary["offline_run"])
         lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert sorted({m["step"] for m in lines if m["key"] == "val_loss"}) == list(range(EPOCHS))
-        assert {m["step"] for m in lines if m["sent"]} <= {0}  # nothing after the server hung was taken
+        assert {m["step"] for m in lines if m["sent"]} <= set(range(gone_after + 1))  # nothing after it hung was taken
         info = json.loads((folder / "run.json").read_text())
-        assert int(info["tags"]["lakehouse.metrics_left_offline"]) >= (EPOCHS - 1) * 4  # named, in the run's tags
+        left = int(info["tags"]["lakehouse.metrics_left_offline"])
+        assert left >= (EPOCHS - 1 - gone_after) * 4  # named, in the run's tags
         # the training thread never waited on the server: from one epoch end to the next, no more than the epoch
-        # itself and less than one HTTP timeout besides (a synchronous call: 3 x 5 s + backoff)
+        # itself and its end's own work (checkpoint, collectives: a few seconds on a loaded machine), less than one
+        # blocked synchronous call (3 x 5 s + backoff) would add
         ends = {m["step"]: m["timestamp"] for m in lines if m["key"] == "val_loss"}
         took_epoch = {m["step"]: m["value"] for m in lines if m["key"] == "epoch_time_s"}
         for step in range(1, EPOCHS):
             overhead = (ends[step] - ends[step - 1]) / 1000 - took_epoch[step]
-            assert overhead < timeout_s, (step, overhead)
+            assert overhead < 12, (step, overhead)
         # after the last epoch: rank 0's bounded flush, its probe, the driver's bounded end of the run
         assert took < 300, took
         silent.close()

@@ -105,23 +105,33 @@ def test_a_process_that_exits_without_releasing_leaves_no_lease(tmp_path):
 
 
 def test_taking_a_lease_waits_for_the_cache_lock(tmp_path):
-    """A deleter holds the lock while it checks leases and deletes: a lease cannot slip in between."""
+    """A deleter holds the lock while it checks leases and deletes: a lease cannot slip in between. The other process
+    holds the lock until told to let go, so the wait is seen however slow the machine is."""
+    import threading
+
     root = str(tmp_path)
-    code = ("import time, pyarrow.fs as f; from pipeline.data.leases import cache_lock\n"
+    code = ("import sys, pyarrow.fs as f; from pipeline.data.leases import cache_lock\n"
             f"with cache_lock(f.LocalFileSystem(), {root!r}):\n"
-            "    print('locked', flush=True); time.sleep(2)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            "    print('locked', flush=True); sys.stdin.readline()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(ConversionError, match=f"pid {proc.pid} on host"):
             with cache_lock(FS, root, timeout_s=0.3):
                 pass
-        t0 = time.monotonic()
+        taken = []
         with JobLeases("train") as job:
-            job.take(FS, root, "k")
-            waited = time.monotonic() - t0
-        assert waited > 0.8, waited  # it waited for the other process's lock
+            taker = threading.Thread(target=lambda: taken.append(job.take(FS, root, "k")), daemon=True)
+            taker.start()
+            taker.join(1.0)
+            assert taker.is_alive() and not taken  # it waits for the other process's lock
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            taker.join(60)
+            assert [h.key for h in taken] == ["k"] and read_holders(FS, root)["k"]  # taken once the lock was let go
     finally:
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
         proc.wait(timeout=30)
 
 

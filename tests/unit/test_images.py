@@ -138,7 +138,7 @@ def test_bomb_is_refused_in_milliseconds_without_allocating_it(bomb):
     assert refused["error"] and "too many pixels" in refused["error"]
     # measured ~1 ms (the header only), 158 ms once on a loaded machine: a bound against a hang, not a speed claim; the
     # memory figure below is what says nothing was decoded
-    assert refused["elapsed_s"] < 1.0, refused
+    assert refused["elapsed_s"] < 5.0, refused
     assert refused["peak_growth_kb"] < 16 * 1024, refused  # measured ~0 MB: nothing of the 169 MB allocated
     # the control: the same measurement, with the bound lifted, sees the decode (so the numbers above mean something)
     decoded = _measure(bomb, 10 ** 9)

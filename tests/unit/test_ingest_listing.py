@@ -116,7 +116,7 @@ def test_links_out_of_the_source_are_not_followed(tmp_path):
     os.symlink(outside / "o.png", src / "cat" / "out.png")
     started = time.monotonic()
     got = _by_path(list_source(str(src), EXTS, 1))
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # a followed loop would never end
     assert got == {a: ("read", "cat"), str(src / "loop"): ("skipped", "symlinked_folder"),
                    str(src / "cat" / "again"): ("skipped", "symlinked_folder"),
                    str(src / "cat" / "root"): ("skipped", "symlink_outside"),

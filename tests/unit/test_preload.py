@@ -6,11 +6,14 @@ from pipeline import preload
 
 
 def test_modules_load_on_the_background_thread_and_wait_joins_it(tmp_path, monkeypatch):
-    (tmp_path / "preload_probe_a.py").write_text(
-        "import threading, time\ntime.sleep(0.3)\nLOADED_ON = threading.current_thread().name\n")
+    release = tmp_path / "release"
+    (tmp_path / "preload_probe_a.py").write_text(  # its import lasts until the test lets it end
+        f"import os, threading, time\nend = time.monotonic() + 30\nwhile not os.path.exists({str(release)!r}) and "
+        "time.monotonic() < end:\n    time.sleep(0.01)\nLOADED_ON = threading.current_thread().name\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     thread = preload.start(["no_such_module_for_preload", "preload_probe_a"])
-    assert thread.is_alive()  # still sleeping inside the probe's import: start() did not wait for it
+    assert thread.is_alive()  # still inside the probe's import: start() did not wait for it
+    release.touch()
     preload.wait()
     assert not thread.is_alive()
     assert sys.modules["preload_probe_a"].LOADED_ON == "lakehouse-preload" != threading.current_thread().name

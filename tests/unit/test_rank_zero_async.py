@@ -64,7 +64,7 @@ def test_a_server_that_never_answers_costs_the_training_thread_nothing(tracker):
     t0 = time.monotonic()
     for step in range(5):
         tracker.log_epoch({"val_loss": 1.0 / (step + 1), "val_acc": 0.1 * step}, step)
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.5  # one blocked call would be 2 s (a loaded machine stalls a thread ~1 s)
     assert len(tracker.client.calls) == 1 and tracker.client.steps(0) == [0]  # one batch in flight, no pile-up
     assert [s for s, _ in tracker.pending] == [0, 1, 2, 3, 4] and tracker.sent == set()
 
@@ -94,7 +94,7 @@ def test_close_waits_at_most_one_call_then_keeps_the_metrics(tracker, tmp_path, 
     t0 = time.monotonic()
     tracker.close()
     took = time.monotonic() - t0
-    assert 1.9 < took < 3.0, took  # http_call_bound_s(FAST) = 2 s, not a hang
+    assert 1.9 < took < 3.9, took  # http_call_bound_s(FAST) = 2 s: one call's bound, not two (nor a hang)
     assert "6 metric value(s) of 3 epoch(s) of run r1 not sent" in caplog.text
     lines = [json.loads(x) for x in (tmp_path / "unsent_metrics_r1.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]

@@ -78,12 +78,13 @@ def test_heartbeat_fails_only_the_trial_whose_beat_stopped(tmp_path):
     dead, live = study.ask(), study.ask()
     with Heartbeat(storage, dead, 1):
         pass  # one beat, then its process "dies"
-    with Heartbeat(storage, live, 1):
+    # another sweep on the same study (its own storage object and collector), opened before the clock matters
+    other, other_storage, other_stale = _study(tmp_path)
+    with Heartbeat(storage, live, 1) as beating:
         assert fail_stale(study, stale) == []  # both beat just now: nothing is stale
         time.sleep(stale.grace_s + 1.5)  # the dead one's last beat is now older than the grace period
-        # another sweep on the same study (its own storage object and collector) fails the dead trial only
-        other, other_storage, other_stale = _study(tmp_path)
-        failed = fail_stale(other, other_stale)
+        beating.beat()  # the live one's latest beat, whatever its thread's turn on a loaded machine
+        failed = fail_stale(other, other_stale)  # fails the dead trial only
         assert [t.number for t in failed] == [dead.number]
         assert fail_stale(study, stale) == []  # failed once, by one sweep
         assert [t.number for t in running(other)] == [live.number]
