@@ -6,6 +6,8 @@ import os
 import sys
 import warnings
 
+from pipeline.redact import redact_url
+
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK")
 
 
@@ -49,6 +51,15 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _RedactingFormatter(logging.Formatter):
+    """The line as formatted, traceback included, with every URL's password and secret query values hidden
+    (`redact_url`): a library's error quotes the URL it failed on (MLflow's `API request to http://user:pw@host/...
+    failed`), and a log line is written outward like a tag."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_url(super().format(record))
+
+
 def setup_logging(level: str = None) -> None:
     """Configure the root logger once: `time level [rank N] logger: message` on stderr."""
     level = level or os.environ.get("LAKEHOUSE_LOG_LEVEL", "INFO")
@@ -58,7 +69,7 @@ def setup_logging(level: str = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler._lakehouse = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s",
+    handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s [rank %(rank)s] %(name)s: %(message)s",
                                            datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)

@@ -31,6 +31,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import MlflowConfig
 from pipeline.lakehouse.split import held_out_by_all
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 from pipeline.tracking.heldout import (HeldOutRows, Scorer, chance_level, chance_what, comparable, held_out_rows,
                                        holdout_of, pinned_data, score_on_rows, split_of)
 from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseTimes
@@ -170,13 +171,14 @@ def _chain(holders: List[Optional[str]]) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}"
+    """The exception's first line, URL passwords hidden: it goes into a registry tag and the gate's reason."""
+    return redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
 
 
 def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str]) -> None:
     for key, val in tags.items():
         try:
-            client.set_model_version_tag(name, version, key, str(val)[:5000])
+            client.set_model_version_tag(name, version, key, redact_url(str(val))[:5000])
         except MlflowException as exc:  # the decision stands even if an audit tag cannot be written
             log.warning("could not tag model %r version %s with %s: %s", name, version, key, exc)
 

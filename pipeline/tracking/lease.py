@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -160,7 +161,7 @@ class Lease:
                     self.store.set(self.key, written)
                     took: Optional[float] = self._monotonic() - started
                 except Exception as exc:  # e.g. the SQLite store's upsert meeting a contender's insert: not claimed
-                    failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    failed = redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
                     log.info("lease %s: the write was refused (%s); trying again", self.key, failed)
                     took = None
                 if took is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -40,7 +41,7 @@ class RunRecord:
         """A restart (train.max_restarts): the `restarts` metric and a tag with its cause."""
         self._safely(f"restart {n}", lambda: (
             self.client.log_metric(self.run_id, "restarts", n, step=n),
-            self.client.set_tag(self.run_id, f"restart_{n}_cause", cause[:CAUSE_CHARS])))
+            self.client.set_tag(self.run_id, f"restart_{n}_cause", redact_url(cause)[:CAUSE_CHARS])))
 
     def world(self, world: int, cause: str) -> None:
         """An elastic relaunch (train.min_np) on fewer ranks: the `world_size_used` tag, the `world_size` metric and a
@@ -48,7 +49,7 @@ class RunRecord:
         self._safely(f"the elastic change to {world} rank(s)", lambda: (
             self.client.set_tag(self.run_id, "world_size_used", world),
             self.client.log_metric(self.run_id, "world_size", world),
-            self.client.set_tag(self.run_id, f"world_size_{world}_cause", cause[:CAUSE_CHARS])))
+            self.client.set_tag(self.run_id, f"world_size_{world}_cause", redact_url(cause)[:CAUSE_CHARS])))
 
     def batch(self, n: int, plan, cause: str) -> None:
         """An OOM back-off (data.batch_size=auto, train.oom_backoff): the `batch_size_used` tag, the `oom_backoffs`
@@ -56,7 +57,7 @@ class RunRecord:
         self._safely(f"OOM back-off {n}", lambda: (
             self.client.set_tag(self.run_id, "batch_size_used", plan.train.batch_size),
             self.client.log_metric(self.run_id, "oom_backoffs", n, step=n),
-            self.client.set_tag(self.run_id, f"oom_backoff_{n}_cause", cause[:CAUSE_CHARS]),
+            self.client.set_tag(self.run_id, f"oom_backoff_{n}_cause", redact_url(cause)[:CAUSE_CHARS]),
             self.client.log_dict(self.run_id, _plan_dict(plan), "shard_plan.json")))
 
     def _safely(self, what: str, record) -> None:

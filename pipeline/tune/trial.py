@@ -23,6 +23,7 @@ from pipeline.config import Config, apply_overrides
 from pipeline.data.plan import derive_plan
 from pipeline.distributed.backends import name_of
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 from pipeline.tune.space import conversion_settings
 from pipeline.tune.study import ATTR_ERROR, ATTR_METRICS, ATTR_MODEL_URI, ATTR_RUN_ID
 
@@ -230,7 +231,7 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
 
 def record_error(trial, exc: BaseException) -> str:
     """The failure reason, kept on the Optuna trial (the child run has it as tag `error`)."""
-    reason = f"{type(exc).__name__}: {exc}"
+    reason = redact_url(f"{type(exc).__name__}: {exc}")  # kept in the study and as the child run's tag
     try:
         trial.set_user_attr(ATTR_ERROR, reason[:2000])
     except Exception as attr_exc:

@@ -1,6 +1,7 @@
 """The secrets rule (pipeline/redact.py): which keys are secrets, what of a URL is hidden, and where it is applied
 (the config as params and YAML, tune's stored config, what executors and ranks other than 0 get)."""
 import os
+import sys
 
 import pytest
 import yaml
@@ -207,3 +208,26 @@ def test_a_run_left_offline_keeps_no_secret(tmp_path):
     assert info["tracking_uri"] == "https://bob:***@mlflow.example.com" and info["tags"] == {"np": "-2"}
     again = load_config(str(tmp_path / "offline_run" / "config.yaml"))
     assert again.tune.storage == "postgresql://optuna:***@db.example.com/optuna" and again.data.image_size == 16
+
+
+def test_a_log_line_and_its_traceback_hide_url_passwords():
+    """The project's log handler (`setup_logging`) writes every line with `redact_url` applied, the traceback too: a
+    library's error quotes the URL it failed on, and `log.warning("...: %s", exc)` passes it on."""
+    import logging
+
+    from pipeline.log import setup_logging
+
+    setup_logging()
+    (handler,) = [h for h in logging.getLogger().handlers if getattr(h, "_lakehouse", False)]
+    url = "http://alice:s3cretPW@127.0.0.1:9/api/2.0/mlflow/runs/get"
+    try:
+        raise ConnectionError(f"API request to {url} failed")
+    except ConnectionError as exc:
+        record = logging.LogRecord("pipeline.tracking.offline", logging.WARNING, __file__, 1,
+                                   "MLflow still unreachable: %s (token %s)", (exc, "https://tok123@host/x"),
+                                   exc_info=sys.exc_info())
+    assert handler.filter(record)  # the rank field
+    line = handler.format(record)
+    assert "s3cretPW" not in line and "tok123" not in line, line
+    assert "http://alice:***@127.0.0.1:9/api/2.0/mlflow/runs/get" in line and "Traceback" in line
+    assert line.count("alice:***@") == 2  # the message and the traceback's last line

@@ -167,6 +167,25 @@ def test_champion_that_cannot_be_scored_is_kept_with_an_error_naming_it(registry
 
 
 @pytest.mark.timeout(120)
+def test_a_scoring_error_quoting_a_url_with_its_password_is_recorded_without_it(registry):
+    """MLflow's errors quote the URL they failed on, credentials and all (`API request to http://user:pw@host/...
+    failed`): the gate's reason, its error and the challenger's tags keep the host and lose the password."""
+    from mlflow.exceptions import MlflowException
+
+    client, exp_id = registry
+    name = "gate_secret"
+    v1 = _version(client, exp_id, name)
+    v2 = _version(client, exp_id, name)
+    client.set_registered_model_alias(name, "champion", v1)
+    url = "http://alice:s3cretPW@127.0.0.1:9/api/2.0/mlflow/registered-models/get"
+    d = promote(client, name, v2, held_out=ROWS,
+                scorer=Scores({v1: MlflowException(f"API request to {url} failed with exception boom"), v2: 0.9}))
+    tags = client.get_model_version(name, v2).tags
+    assert not d.promoted and "http://alice:***@127.0.0.1:9" in d.error
+    assert all("s3cretPW" not in str(x) for x in (d.reason, d.error, *tags.values())), tags
+
+
+@pytest.mark.timeout(120)
 def test_challenger_without_data_or_score_is_refused_with_clear_error(registry):
     client, exp_id = registry
     name = "gate_missing"
