@@ -21,7 +21,7 @@ from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_METRICS, ATTR_MODEL_UR
                                  check_metric, counted, create_study, default_name, describe_pruner, fail_stale,
                                  failure_reason, load_study, make_storage, quiet_optuna, running, storage_url)
 from pipeline.tune.trial import SharedData, TrialOutcome, record_error, run_trial
-from pipeline.workflow import prepare_data, register_and_promote
+from pipeline.workflow import gate_version, prepare_data, register_version
 
 log = get_logger(__name__)
 
@@ -121,7 +121,9 @@ def _pin_version(study, shared: SharedData) -> None:
 
 
 def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
-    """Register the best trial's model once (a resumed sweep does not register it again), then the gate."""
+    """Register the best trial's model once, then the gate. Once per study: a resumed sweep, or a second sweep on the
+    same study ending at the same time, finds the version already registered (`_one_version`) instead of adding
+    another of the same weights."""
     done = study.user_attrs.get(ATTR_REGISTERED) or {}
     if done.get("trial") == best.number:
         log.info("trial %d's model is already registered as version %s", best.number, done.get("version"))
@@ -134,14 +136,35 @@ def _register_best(cfg: Config, client, study, best) -> Dict[str, Any]:
     tags = client.get_run(run_id).data.tags
     pinned = SimpleNamespace(table=tags.get("delta_table", cfg.delta.table),
                              version=int(tags.get("delta_version", -1)))
-    version, decision = register_and_promote(
-        client, cfg, model_uri, run_id, pinned, best.user_attrs.get(ATTR_METRICS) or {},
-        extra_tags={"optuna.study": study.study_name, "optuna.trial": best.number,
-                    f"tune_{cfg.tune.metric}": best.value})
+    mine = {"optuna.study": study.study_name, "optuna.trial": str(best.number)}
+    version = _one_version(client, cfg.mlflow.registered_model, run_id, mine)
+    if version is None:
+        registered = register_version(client, cfg, model_uri, run_id, pinned, best.user_attrs.get(ATTR_METRICS) or {},
+                                      extra_tags={**mine, f"tune_{cfg.tune.metric}": best.value})
+        version = _one_version(client, cfg.mlflow.registered_model, run_id, mine, registered)
+    decision = gate_version(client, cfg, version)
     done = {"trial": best.number, "version": str(version), "champion": bool(decision and decision.promoted),
             "gate": decision.reason if decision else "mlflow.promote is false"}
     study.set_user_attr(ATTR_REGISTERED, done)
     return done
+
+
+def _one_version(client, name: str, run_id: str, mine: Dict[str, str], registered: Optional[str] = None):
+    """The version of model `name` registered from `run_id` for this study's trial (`mine`: its tags), the lowest where
+    two sweeps registered it at once: the other one (`registered`, this sweep's own) is deleted before any gate judged
+    it, so both sweeps go on with the same version. None where there is none yet."""
+    found = sorted((int(v.version) for v in client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+                    if all(v.tags.get(k) == val for k, val in mine.items())))
+    if registered is not None and int(registered) not in found:
+        found = sorted([*found, int(registered)])  # not listed yet by a store that lags its writes
+    if not found:
+        return None
+    if registered is not None and int(registered) != found[0]:
+        log.warning("trial %s of study %r was registered by another sweep at the same time as version %d; this "
+                    "sweep's version %s is deleted and version %d kept", mine["optuna.trial"], mine["optuna.study"],
+                    found[0], registered, found[0])
+        client.delete_model_version(name, str(registered))
+    return str(found[0])
 
 
 def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
