@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -39,6 +40,7 @@ log = get_logger(__name__)
 READ_COLUMNS = (CONTENT, LABEL, PATH)  # what a rank reads of the table's files
 INDEX_THREADS = 4  # files whose split key column is read at once
 FILE_BITS = 32  # a row id is (file index << FILE_BITS) | row in the file
+OPEN_FILES_PER_THREAD = 4  # data files a read-ahead thread keeps open between its reads
 
 Run = Tuple[int, int, int]  # (file index, start, stop): rows [start, stop) of the split's rows of that file
 
@@ -154,6 +156,7 @@ class DirectSplit:
     positions: List[np.ndarray]
     runs: List[List[Run]]
     storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)
+    file_rows: List[int] = field(default_factory=list)  # each file's rows, both splits' (and rows without a key)
 
     @property
     def world_size(self) -> int:
@@ -178,9 +181,10 @@ class DirectSplit:
         return [(f, self.positions[f][start:stop]) for f, start, stop in self.runs[rank]]
 
     def encoded_row_bytes(self) -> int:
-        """An encoded row's bytes on average (the files' sizes over their split rows plus the other split's: the
-        whole files), for data.memory_cache_mb: `loader.encoded_row_bytes`'s rule without listing the files."""
-        rows = sum(len(p) for p in self.positions)
+        """An encoded row's bytes on average (the files' sizes over their rows, both splits': the whole files), for
+        data.memory_cache_mb: `loader.encoded_row_bytes`'s rule without listing the files. Without `file_rows` (a
+        split made by hand), over this split's rows."""
+        rows = sum(self.file_rows) if self.file_rows else sum(len(p) for p in self.positions)
         return max(1, sum(self.file_sizes) // max(1, rows))
 
 
@@ -226,6 +230,7 @@ def plan_direct(pinned: DeltaFiles, index: SplitIndex, world_size: int, batch_si
         PlanError: a rank would get no rows, with the numbers.
     """
     uris, sizes = [f.uri for f in pinned.files], [f.size for f in pinned.files]
+    file_rows = [f.rows for f in pinned.files]
     for name in ("train", "val"):
         rows = sum(index.counts(name))
         if 0 < rows < world_size:
@@ -234,7 +239,7 @@ def plan_direct(pinned: DeltaFiles, index: SplitIndex, world_size: int, batch_si
     splits = {}
     for name, drop in (("train", True), ("val", False)):
         runs = plan_ranges(index.counts(name), world_size, drop_remainder=drop)
-        splits[name] = DirectSplit(name, uris, sizes, getattr(index, name), runs, pinned.storage_options)
+        splits[name] = DirectSplit(name, uris, sizes, getattr(index, name), runs, pinned.storage_options, file_rows)
     left_out = sum(index.counts("train")) - splits["train"].rows
     if left_out:
         log.info("direct plan: %d train row(s) (fewer than the %d ranks) left out of this plan so every rank has "
@@ -253,7 +258,8 @@ class DirectShardReader(ArrowShardReader):
 
     A chunk is the rank's rows inside one row group of one file; `read` reads that row group's content, label and
     path columns and takes the rows (a zero-copy slice where they are consecutive). Footers are read once, when the
-    reader is made (metadata only).
+    reader is made (metadata only, each file closed again); a read-ahead thread keeps at most OPEN_FILES_PER_THREAD
+    files open, so a share of thousands of files stays within the process's open-file limit.
     """
 
     def __init__(self, split: DirectSplit, rank: int, world_size: int, workers: int = 2) -> None:
@@ -263,6 +269,7 @@ class DirectShardReader(ArrowShardReader):
         self.rank = rank
         self.workers = max(1, workers)
         self._local = threading.local()
+        self._footers: Dict[int, Tuple[object, int]] = {}  # file index -> (Parquet footer, the file's size then)
         self.groups: List[Tuple[int, int, np.ndarray]] = []  # (file index, row group, row numbers in the file)
         self._first_row: List[int] = []  # of each chunk: its row group's first row in the file
         for f, rows in split.rank_rows(rank):
@@ -274,24 +281,50 @@ class DirectShardReader(ArrowShardReader):
                     self._first_row.append(int(bounds[g]))
 
     def _group_bounds(self, file_index: int) -> np.ndarray:
-        meta = self._file(file_index).metadata
+        meta = self._footer(file_index)[0]
         return np.concatenate([[0], np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])])
 
+    def _footer(self, file_index: int) -> Tuple[object, int]:
+        """(Parquet footer, file size) of a file, read once (metadata only) and the file closed again: a rank's share
+        may hold more files than a process may keep open."""
+        import pyarrow.parquet as pq
+
+        if file_index not in self._footers:
+            url = self.split.file_urls[file_index]
+            try:
+                fs, path = arrow_filesystem(url, self.split.storage_options)
+                with fs.open_input_file(path) as fh:
+                    self._footers[file_index] = (pq.read_metadata(fh), fh.size())
+            except Exception as exc:
+                raise ConversionError(f"Delta table data file {url} cannot be opened ({type(exc).__name__}: "
+                                      f"{exc})") from None
+        return self._footers[file_index]
+
     def _file(self, file_index: int):
+        """The file as a ParquetFile on the footer read when the reader was made, from this thread's few open files
+        (at most OPEN_FILES_PER_THREAD: the least recently read one is closed to open another)."""
         import pyarrow.parquet as pq
 
         files = getattr(self._local, "files", None)
         if files is None:
-            files = self._local.files = {}
-        if file_index not in files:
-            url = self.split.file_urls[file_index]
-            try:
-                fs, path = arrow_filesystem(url, self.split.storage_options)
-                files[file_index] = pq.ParquetFile(fs.open_input_file(path))
-            except Exception as exc:
-                raise ConversionError(f"Delta table data file {url} cannot be opened ({type(exc).__name__}: "
-                                      f"{exc})") from None
-        return files[file_index]
+            files = self._local.files = OrderedDict()
+        if file_index in files:
+            files.move_to_end(file_index)
+            return files[file_index][1]
+        while len(files) >= OPEN_FILES_PER_THREAD:
+            files.popitem(last=False)[1][0].close()
+        meta, size = self._footer(file_index)
+        fs, path = arrow_filesystem(self.split.file_urls[file_index], self.split.storage_options)
+        fh = fs.open_input_file(path)
+        try:
+            if fh.size() != size:
+                raise OSError(f"{fh.size()} bytes, {size} when the reader was made: the file changed")
+            pf = pq.ParquetFile(fh, metadata=meta)
+        except BaseException:
+            fh.close()
+            raise
+        files[file_index] = (fh, pf)
+        return pf
 
     def rows(self) -> int:
         return sum(len(rows) for _, _, rows in self.groups)

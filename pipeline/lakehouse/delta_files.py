@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from pipeline.config_parse import ConfigError
 from pipeline.lakehouse.delta_common import (SAFE_READER_FEATURES, files_digest, local_path, refuse_catalog_name,
@@ -139,6 +139,19 @@ def arrow_filesystem(uri: str, storage_options: Optional[Mapping[str, str]] = No
                       f"reads (file, s3, gs, abfss)")
 
 
+def log_file_uri(root: str, path: str) -> str:
+    """The data file an add (or remove) action of the Delta log names, as the URI or local path it is at: the log's
+    `path` is a URI (RFC 2396), relative to the table's `root` or absolute, so it is URL-decoded once (delta-rs's
+    `file_uris()` does the same): a partition value "cam 1" is the folder `source=cam%201`, in the log
+    `source=cam%25201`. A `file:` URI becomes its local path."""
+    if path[:5].lower() == "file:":
+        return unquote(urlparse(path).path)
+    decoded = unquote(path)
+    if "://" in path or os.path.isabs(decoded):
+        return decoded
+    return f"{root.rstrip('/')}/{decoded}"
+
+
 def _pyarrow_version() -> str:
     import pyarrow
 
@@ -217,8 +230,7 @@ def pin_files(table: str, version: Optional[int] = None,
     actions = pa.table(dt.get_add_actions(flatten=True)).select(["path", "size_bytes", "num_records"]).to_pylist()
     entries = []
     for act in actions:
-        rel = act["path"]
-        full = rel if "://" in rel or os.path.isabs(rel) else f"{root}/{rel}"
+        full = log_file_uri(root, act["path"])
         entries.append((full, int(act["size_bytes"]), act["num_records"]))
     entries.sort(key=lambda e: e[0])
     missing = [full for full, _, _ in entries

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from pipeline.lakehouse.delta_common import (COMMIT_RETRIES, SAFE_READER_FEATURES, DeltaEngine, DeltaError, PinnedTable,
                                              _lost_race, _user_metadata, claims_after, files_digest, local_path,
                                              own_commit, refuse_catalog_name, table_uri)
+from pipeline.lakehouse.delta_files import log_file_uri
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -85,8 +86,7 @@ class DeltaRsEngine(DeltaEngine):
         missing = []
         groups: Dict[Tuple, List[str]] = {}
         for act in actions:
-            rel = act["path"]
-            full = rel if "://" in rel or os.path.isabs(rel) else f"{root.rstrip('/')}/{rel}"
+            full = log_file_uri(root, act["path"])
             lp = local_path(full)
             if lp is not None and not os.path.exists(lp):
                 missing.append(lp)
