@@ -14,6 +14,7 @@ from typing import List, Sequence
 # heavy dependencies (Spark, Petastorm, Horovod). Package __init__ files are shipped empty.
 SERVED_MODULES = (
     "pipeline/log.py",
+    "pipeline/redact.py",  # log.py formats every line through it
     "pipeline/data/transforms.py",
     "pipeline/data/crops.py",  # the center crop of a model whose ranks decoded its rows (meta center_crop)
     "pipeline/images.py",

@@ -370,3 +370,27 @@ def test_a_model_whose_ranks_decoded_its_rows_is_served_and_described_with_its_v
     assert not np.allclose(whole, val, atol=1e-2)  # the crop matters on these images
     with pytest.raises(ValueError, match="input.center_crop=0.5"):
         preprocess(contents, {**contract, "input": {**contract["input"], "center_crop": 0.5}})
+
+
+def test_every_pipeline_import_of_the_served_code_is_served_too():
+    """A logged model ships SERVED_MODULES only: a `pipeline` import in one of them (at module level or inside a
+    function) of a module not shipped fails the model's load wherever it is served (seen: log.py began to import
+    redact.py, and every log_model failed with "No module named 'lakehouse_model_....redact'")."""
+    import ast
+    from pathlib import Path
+
+    from pipeline.tracking.served_code import SERVED_MODULES
+
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    for rel in SERVED_MODULES:
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                if name == "pipeline" or not name.startswith("pipeline."):
+                    continue
+                path = name.replace(".", "/")
+                if f"{path}.py" not in SERVED_MODULES and not (root / path).is_dir():
+                    missing.append(f"{rel} imports {name}")
+    assert not missing, missing
