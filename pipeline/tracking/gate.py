@@ -34,8 +34,9 @@ from pipeline.log import get_logger
 from pipeline.redact import redact_url
 from pipeline.tracking.heldout import (HeldOutRows, Scorer, chance_level, chance_what, comparable, held_out_rows,
                                        holdout_of, pinned_data, score_on_rows, split_of)
-from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseTimes
+from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseOverrun, LeaseTimes
 from pipeline.tracking.registry import RegistryError, _error_code
+from pipeline.tracking.runs import temporary_env
 
 log = get_logger(__name__)
 
@@ -173,6 +174,15 @@ def _chain(holders: List[Optional[str]]) -> str:
 def _one_line(exc: BaseException) -> str:
     """The exception's first line, URL passwords hidden: it goes into a registry tag and the gate's reason."""
     return redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
+
+
+def _set_alias_within(client: MlflowClient, name: str, alias: str, version: str, bound_s: float) -> None:
+    """Move `alias` to `version` within about `bound_s` (the time left on the gate's lease): MLflow's HTTP retries
+    (whose defaults retry for minutes) fit in it, so a retried write cannot land long after the lease is gone."""
+    timeout = max(1, int(bound_s / 4))  # 3 attempts of `timeout` and backoffs of 1 + 2 s
+    with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout),
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}):
+        client.set_registered_model_alias(name, alias, version)
 
 
 def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str]) -> None:
@@ -326,8 +336,15 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
             decision = decide(version, value, holder, s.scores.get(holder), metric, mode, margin,
                               s.errors.get(holder), chance_level(metric, mode, rows.labels), min_lift)
             if decision.promoted and holder != version:
-                gate_lease.check()
-                client.set_registered_model_alias(name, alias, version)
+                try:
+                    gate_lease.guarded(lambda bound_s: _set_alias_within(client, name, alias, version, bound_s))
+                except LeaseOverrun as exc:  # moved, but maybe after another gate judged the holder it replaced
+                    why = (f"promotion gate for model {name!r} version {version}: alias {alias!r} was set to it, but "
+                           f"late: {exc}; that gate may have judged against version {holder} and been overwritten; "
+                           f"the alias is now on {_chain([holder_now()])}: run `lakehouse promote` on the versions "
+                           f"both gates judged")
+                    _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: why})
+                    raise RegistryError(why) from None
             break
         except LeaseLost as exc:  # stalled past its margin, or taken: nothing written, judge again
             log.warning("promotion gate for model %r version %s: %s; trying again", name, version, exc)

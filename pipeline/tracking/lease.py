@@ -18,7 +18,9 @@ Why this is correct (the assumptions, all bounded):
      it, one of them wrote more than `settle_s` after its read, which that one refuses.
   2. Hosts' clocks agree to well within `margin_s` (NTP): `expires` is wall-clock time written by the holder and
      judged by the reader's clock.
-  3. The holder's guarded work (a few registry calls) ends within `margin_s` of its last `check()`.
+  3. The holder's guarded write ends while the lease is still its own. `guarded()` enforces it: it tells the write
+     how long it has (the time left less `settle_s`), times it, and a write that ended later raises `LeaseOverrun`
+     unless the tag is still ours (nobody can have acted in between), naming who took the lease.
 A write the store refuses (the SQLite store's tag upsert can meet a contender's insert) is never claimed either.
 A holder that crashes blocks the others for at most `ttl_s`; a contender that cannot get the lease within
 `wait_s` fails with `LeaseHeld`, naming the holder and when its lease expires.
@@ -33,7 +35,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, TypeVar
 
 from pipeline.log import get_logger
 from pipeline.redact import redact_url
@@ -57,6 +59,14 @@ class LeaseHeld(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """The lease is no longer ours (taken after it expired) or too close to expiry to start the guarded write."""
+
+
+class LeaseOverrun(RuntimeError):
+    """The guarded write ended after the lease expired and another holder took it meanwhile: the write may have
+    landed after that holder acted. The message names the holder (when the tag still says) and how late it was."""
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -209,6 +219,34 @@ class Lease:
         if left < self.times.margin:
             raise LeaseLost(f"lease {self.key} of {self.owner} has {left:.1f} s left, less than the "
                             f"{self.times.margin:g} s the guarded write needs")
+
+    def guarded(self, write: Callable[[float], T]) -> T:
+        """The guarded write, assumption 3 enforced: `check()`, then `write(bound_s)`, which must bound itself to
+        `bound_s` (the time left on the lease less `settle_s`, for the hosts' clocks), timed. A write that ended
+        later is fine while the tag is still ours (nobody took the lease, so nobody acted); else LeaseOverrun.
+
+        Raises:
+            LeaseLost: from `check()`, before anything is written.
+            LeaseOverrun: the write ended past its bound and the lease was taken meanwhile.
+        """
+        self.check()
+        assert self._holder is not None  # check() passed
+        bound = self._holder.expires - self._clock() - self.times.settle_s
+        started = self._monotonic()
+        result = write(bound)
+        took = self._monotonic() - started
+        if took > bound:
+            raw = self.store.get(self.key)
+            if raw != self._written:
+                now_holder = parse_holder(raw)
+                who = (now_holder.describe(self._clock()) if now_holder else
+                       "another holder, since gone (the tag was released)")
+                self._written = None
+                raise LeaseOverrun(f"lease {self.key} of {self.owner}: the guarded write took {took:.1f} s, past the "
+                                   f"{bound:.1f} s it had; the lease was taken meanwhile by {who}")
+            log.warning("lease %s: the guarded write took %.1f s, past the %.1f s it had; nobody took the lease "
+                        "meanwhile", self.key, took, bound)
+        return result
 
     def release(self) -> None:
         """Delete the tag if it is still ours; a failure is logged (the lease then expires after `ttl_s`)."""

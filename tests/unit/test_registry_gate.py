@@ -260,6 +260,68 @@ def test_alias_moving_under_the_gate_is_rescored_and_bounded(registry):
     assert "gate_champion_moved_from" not in client.get_model_version(name, challenger).tags
 
 
+@pytest.mark.timeout(120)
+def test_an_alias_write_that_lands_after_its_lease_was_taken_fails_the_gate_saying_so(registry):
+    """A gate's alias write can outlast its lease (a 503 retried after a backoff): another gate takes the expired
+    lease, judges against the old holder and moves the alias; the late write then lands over it. The late gate must
+    fail saying so, not report a promotion that may have overwritten a better one (a review saw the worse model
+    crowned in silence). A late write with nobody taking the lease meanwhile is fine."""
+    import threading
+    import time
+
+    client, exp_id = registry
+    name = "gate_late"
+    v1, v2, v3 = (_version(client, exp_id, name) for _ in range(3))
+    client.set_registered_model_alias(name, "champion", v1)
+    scores = Scores({v1: 0.5, v2: 0.8, v3: 0.9})
+    times = LeaseTimes(settle_s=0.05, ttl_s=1.0, wait_s=20.0)  # scaled down from settle 2 s, ttl 30 s
+    lease_tag = f"{LEASE_TAG}.champion"
+    b_done = threading.Event()
+
+    class LateAlias(MlflowClient):  # A's alias write lands only once gate B has taken the expired lease and ended
+        def set_registered_model_alias(self, *args):
+            b_done.wait(30)
+            super().set_registered_model_alias(*args)
+
+    out = {}
+
+    def gate(tag, gate_client, version):
+        try:
+            out[tag] = promote(gate_client, name, version, held_out=ROWS, scorer=scores, min_lift=None, lease=times)
+        except RegistryError as exc:
+            out[tag] = exc
+        finally:
+            if tag == "B":
+                b_done.set()
+
+    a = threading.Thread(target=gate, args=("A", LateAlias(tracking_uri=client._tracking_client.tracking_uri), v2))
+    a.start()
+    deadline = time.monotonic() + 30
+    while lease_tag not in client.get_registered_model(name).tags and time.monotonic() < deadline:
+        time.sleep(0.01)  # A holds the lease: B starts now and waits for it to expire
+    b = threading.Thread(target=gate, args=("B", client, v3))
+    b.start()
+    b.join(60)
+    a.join(60)
+    assert out["B"].promoted and out["B"].champion_version == v1  # B judged against the holder A had not moved yet
+    assert isinstance(out["A"], RegistryError), out["A"]
+    assert f"alias 'champion' was set to it, but late" in str(out["A"]) and "taken meanwhile" in str(out["A"])
+    assert "late" in client.get_model_version(name, v2).tags["gate_decision"]
+
+    # late, but nobody wanted the lease meanwhile: the promotion stands
+    client.set_registered_model_alias(name, "champion", v1)
+    b_done.set()
+
+    class SlowAlias(MlflowClient):
+        def set_registered_model_alias(self, *args):
+            time.sleep(1.5)
+            super().set_registered_model_alias(*args)
+
+    d = promote(SlowAlias(tracking_uri=client._tracking_client.tracking_uri), name, v2, held_out=ROWS,
+                scorer=scores, min_lift=None, lease=times)
+    assert d.promoted and str(client.get_model_version_by_alias(name, "champion").version) == v2
+
+
 def test_the_version_description_lists_the_metrics_of_the_registered_weights(registry):
     """Issue 37, defect 11: with early stopping the run's last epoch is not the epoch whose weights are registered;
     the description lists the registered epoch's metrics, which register_model is given."""
