@@ -204,8 +204,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 summary = train(spark, cfg, run_name=args.run_name)
                 print(json.dumps(summary), flush=True)
                 if summary.get("offline_run"):  # trained, but MLflow never came back: nothing registered yet
-                    log.error("MLflow unreachable: run kept in %s; upload it with `lakehouse sync-run %s`",
-                              summary["offline_run"], summary["offline_run"])
+                    log.error("MLflow unreachable: run kept in %s; upload it with `lakehouse sync-run %s` (adding "
+                              "`mlflow.tracking_uri=<the URI with its credentials>` if the URI holds credentials: "
+                              "the folder keeps it redacted)", summary["offline_run"], summary["offline_run"])
                     return 3
                 return 0
         with spark_session(cfg) as spark:

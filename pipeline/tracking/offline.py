@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from pipeline.config import load_config
 from pipeline.distributed.job_folder import JobFolder
 from pipeline.log import get_logger
-from pipeline.redact import redact_url
+from pipeline.redact import URL_MASK, redact_url
 
 log = get_logger(__name__)
 
@@ -245,13 +245,33 @@ def _created_before(client, experiment_id: str, offline_run_id: str, folder: str
     return min(mine, key=lambda r: r.info.start_time or 0).info.run_id if mine else None
 
 
+def _redacted(uri: Any) -> bool:
+    """Whether `uri` was kept with its credentials replaced (pipeline.redact: `user:***@`, `?token=***`)."""
+    return isinstance(uri, str) and URL_MASK in uri
+
+
 def _logged_model_of(client, run_id: str) -> Optional[str]:
-    """`models:/<id>` of the model named MODEL_NAME that run `run_id` output (its artifacts are uploaded), or None."""
+    """`models:/<id>` of the newest READY model named MODEL_NAME that run `run_id` output, or None.
+
+    MLflow links a logged model to its run before it uploads the artifacts: one an earlier sync-run failed to upload
+    (FAILED; PENDING where the process died) has none, so it is never taken: the model is logged again."""
+    from mlflow.entities import LoggedModelStatus  # local: mlflow (a sync-run's alone)
+
     run = client.get_run(run_id)
+    ready = []
     for out in (run.outputs.model_outputs if run.outputs else []):
-        if client.get_logged_model(out.model_id).name == MODEL_NAME:
-            return f"models:/{out.model_id}"
-    return None
+        model = client.get_logged_model(out.model_id)
+        if model.name != MODEL_NAME:
+            continue
+        if str(model.status) == str(LoggedModelStatus.READY):
+            ready.append(model)
+        else:
+            log.warning("run %s has logged model %s (%r) in state %s: its upload did not complete; not resuming "
+                        "from it", run_id, model.model_id, model.name, model.status)
+    if not ready:
+        return None
+    newest = max(ready, key=lambda m: (m.creation_timestamp or 0, m.last_updated_timestamp or 0))
+    return f"models:/{newest.model_id}"
 
 
 def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
@@ -263,7 +283,8 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     A sync-run that failed part way is resumed (see `Upload`): the same run, no metric value logged twice.
 
     Raises:
-        SyncError: the folder is not a run left offline, or was uploaded already; the run an earlier sync-run of
+        SyncError: the folder is not a run left offline, or was uploaded already; its tracking URI was kept with
+            the credentials redacted and no `mlflow.tracking_uri=` is in `overrides`; the run an earlier sync-run of
             the folder created or continued is no longer on the server (deleted).
     """
     from mlflow.entities import Metric, RunTag
@@ -280,9 +301,15 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     if info.get("synced"):
         raise SyncError(f"{off.folder} was uploaded already: {json.dumps(info['synced'])}")
     overrides = list(overrides or [])
-    if not any(o.startswith("mlflow.tracking_uri=") for o in overrides) and info.get("tracking_uri"):
+    uri_given = any(o.startswith("mlflow.tracking_uri=") for o in overrides)
+    if not uri_given and info.get("tracking_uri"):
         overrides.insert(0, f"mlflow.tracking_uri={info['tracking_uri']}")
     cfg = load_config(os.path.join(off.folder, "config.yaml"), overrides)
+    if not uri_given and _redacted(cfg.mlflow.tracking_uri):  # it would connect as `user:***` (a 401, no hint)
+        raise SyncError(f"{off.folder}: the tracking URI it keeps, {redact_url(cfg.mlflow.tracking_uri)!r}, has its "
+                        "credentials redacted (no secret is written to the folder); give the URI with them under "
+                        f"config key 'mlflow.tracking_uri': `lakehouse sync-run {off.folder} "
+                        "mlflow.tracking_uri=<the URI with its credentials>`")
     client, experiment_id = _connect(cfg.mlflow)
     offline_run_id = str(info["run_id"])
     up = Upload(off=off, info=info, cfg=cfg, client=client, state=dict(info.get(SYNC_KEY) or {}),

@@ -227,10 +227,13 @@ class RankZeroTracker:
         self.offline.write_metrics((step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs)
         unsent = sum(len(metrics) for _, metrics in self.pending)
         self.offline.update(tags={**self.tags, "lakehouse.metrics_left_offline": str(unsent)})
+        redacted = redact_url(job.tracking_uri) != job.tracking_uri  # the folder keeps it so: sync-run needs it given
         log.warning("MLflow at %s did not come back within %.0f s (config key 'mlflow.reconnect_wait_s'): run %s's "
                     "metrics (%d value(s) the server never took), plots and model are kept in %s; upload them with "
-                    "`lakehouse sync-run %s`", redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s,
-                    self.run_id, unsent, self.offline.folder, self.offline.folder)
+                    "`lakehouse sync-run %s%s`%s", redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s,
+                    self.run_id, unsent, self.offline.folder, self.offline.folder,
+                    " mlflow.tracking_uri=<the URI with its credentials>" if redacted else "",
+                    " (the folder keeps the URI with its credentials redacted)" if redacted else "")
 
     def _plots(self, model, job, history, target) -> None:
         from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png  # local: numpy, rank 0 alone

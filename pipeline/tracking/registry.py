@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
@@ -33,16 +34,30 @@ def _model_id_of(model_uri: str) -> Optional[str]:
 
 
 def _logged_model_for_runs_uri(client: MlflowClient, model_uri: str) -> Optional[str]:
-    """`runs:/<run_id>/<name>` -> the id of the logged model named `name` that the run output, if any."""
+    """`runs:/<run_id>/<name>` -> the id of the READY logged model named `name` that the run output (the highest
+    step; of those, the last output), or None when the run output no model of that name.
+
+    Raises:
+        RegistryError: the run output models named `name`, none READY: MLflow links a model to its run before it
+            uploads the artifacts, so a FAILED or PENDING one has none and its version could not be loaded.
+    """
     rest = model_uri[len("runs:/"):].strip("/")
     run_id, _, name = rest.partition("/")
     run = client.get_run(run_id)
     outputs = run.outputs.model_outputs if run.outputs else []
     best: Optional[Tuple[int, str]] = None
+    not_ready = []
     for out in outputs:
         model = client.get_logged_model(out.model_id)
-        if model.name == name and (best is None or out.step >= best[0]):
+        if model.name != name:
+            continue
+        if str(model.status) != str(LoggedModelStatus.READY):
+            not_ready.append(f"{out.model_id} ({model.status})")
+        elif best is None or out.step >= best[0]:
             best = (out.step, out.model_id)
+    if best is None and not_ready:
+        raise RegistryError(f"{model_uri}: run {run_id}'s logged model(s) named {name!r} are not READY: "
+                            f"{', '.join(not_ready)} (the artifact upload failed or never ended); log the model again")
     return best[1] if best else None
 
 
