@@ -12,7 +12,7 @@ import functools
 import math
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.data import cache
@@ -370,18 +370,68 @@ def petastorm_row_group_rows(split: ConvertedSplit) -> List[int]:
     return [piece.get_metadata().row_group(piece.row_group).num_rows for piece in pieces]
 
 
+# The most classes a table may name (label_index 0 .. MAX_CLASSES - 1). The largest label sets trained as one
+# softmax head are ~10^4-10^5 classes (ImageNet-21k: 21,841); a head of 10^6 classes on a 512-wide feature is 5 * 10^8
+# weights (2 GB in fp32), and the driver builds the list of names, one per index: an index above this is a corrupt or
+# wrongly encoded label (label_index 3,000,000 made a 3,000,001-name list, +208 MB on the driver), not a class.
+MAX_CLASSES = 1_000_000
+
+
+def class_names_from(groups: Iterable[Tuple[Any, Any, Any]], where: Callable[[Any], str]) -> List[str]:
+    """Class names ordered by label_index (a gap gets a placeholder name) from the table's distinct (label,
+    label_index) pairs, each with a reference to a row that holds it: the one rule of both data paths.
+
+    Args:
+        groups: (label, label_index, row reference) for each distinct pair.
+        where: names the row a reference points to (its file or table, and its path), for the error.
+
+    Raises:
+        ConversionError: an index that is null, not an integer, negative or >= MAX_CLASSES, or one index with two
+            labels, naming the column, the value and a row that holds it.
+    """
+    pairs: Dict[int, Tuple[Any, Any]] = {}  # label_index -> (label, row reference)
+    for name, index, ref in groups:
+        if index is None:
+            raise ConversionError(f"{where(ref)}: column {LABEL} is null; every row needs its class's index")
+        try:
+            i = int(index)
+            if isinstance(index, float) and i != index:
+                raise ValueError(index)
+        except (TypeError, ValueError):
+            raise ConversionError(f"{where(ref)}: column {LABEL} is {index!r}, not an integer") from None
+        if not 0 <= i < MAX_CLASSES:
+            raise ConversionError(f"{where(ref)}: column {LABEL} is {i}, outside 0..{MAX_CLASSES - 1} (a class's index "
+                                  f"counts from 0, and a table names at most {MAX_CLASSES:,} classes)")
+        if i in pairs and pairs[i][0] != name:
+            raise ConversionError(f"{LABEL} {i} has two labels, {pairs[i][0]!r} ({where(pairs[i][1])}) and {name!r} "
+                                  f"({where(ref)}); one index names one class: repair the table")
+        pairs.setdefault(i, (name, ref))
+    if not pairs:
+        return []
+    return [pairs[i][0] if i in pairs else f"class_{i}" for i in range(max(pairs) + 1)]
+
+
 def _class_names_to_train(df, pinned) -> List[str]:
     """The table's class names (`class_names_of`); a table with no rows fails, naming it and its version."""
-    names = class_names_of(df)
+    table = f"Delta table {getattr(pinned, 'table', '?')} version {getattr(pinned, 'version', '?')}"
+    names = class_names_of(df, table)
     if not names:
-        raise PlanError(f"Delta table {getattr(pinned, 'table', '?')} version {getattr(pinned, 'version', '?')} has no "
-                        f"rows to train on")
+        raise PlanError(f"{table} has no rows to train on")
     return names
 
 
-def class_names_of(df) -> List[str]:
-    """Class names ordered by label_index (a gap gets a placeholder name)."""
-    pairs = {int(r["label_index"]): r["label"] for r in df.select("label", "label_index").distinct().collect()}
-    if not pairs:
-        return []
-    return [pairs.get(i, f"class_{i}") for i in range(max(pairs) + 1)]
+def class_names_of(df, table: str = "the Delta table") -> List[str]:
+    """Class names ordered by label_index (a gap gets a placeholder name): `class_names_from` over the DataFrame's
+    distinct (label, label_index) pairs, each with its least `path` to name a row (one Spark job).
+
+    Raises:
+        ConversionError: a null, negative, non-integer or too large index, or one index with two labels, naming
+            `table` and a row's path.
+    """
+    if PATH in df.columns:
+        rows = df.groupBy("label", LABEL).agg({PATH: "min"}).collect()
+        groups = [(r[0], r[1], r[2]) for r in rows]
+    else:
+        groups = [(r[0], r[1], None) for r in df.select("label", LABEL).distinct().collect()]
+    return class_names_from(groups, lambda path: f"{table}, the row with {PATH} {path!r}" if path is not None
+                            else table)

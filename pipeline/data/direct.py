@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pipeline.data.readers import ArrowShardReader, RowGroup, pass_order
+from pipeline.data.readers import OPEN_FILES_PER_THREAD, ArrowShardReader, RowGroup, pass_order  # noqa: F401
 from pipeline.data.shards import CONTENT, LABEL, PATH, ConversionError
 from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem
 from pipeline.lakehouse.partition import PlanError, ShardPlan, plan_shards
@@ -40,7 +39,6 @@ log = get_logger(__name__)
 READ_COLUMNS = (CONTENT, LABEL, PATH)  # what a rank reads of the table's files
 INDEX_THREADS = 4  # files whose split key column is read at once
 FILE_BITS = 32  # a row id is (file index << FILE_BITS) | row in the file
-OPEN_FILES_PER_THREAD = 4  # data files a read-ahead thread keeps open between its reads
 
 Run = Tuple[int, int, int]  # (file index, start, stop): rows [start, stop) of the split's rows of that file
 
@@ -71,6 +69,7 @@ def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, va
     try:
         with fs.open_input_file(path) as fh:
             pf = pq.ParquetFile(fh)
+            check_types(pf.schema_arrow, f"Delta table data file {uri}")
             if column not in pf.schema_arrow.names:
                 raise KeyError(f"no column {column!r} (data.split_key={split_key})")
             for g in range(pf.num_row_groups):
@@ -80,24 +79,65 @@ def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, va
                     if key is not None:
                         (val if is_validation(key, val_fraction) else train).append(row)
                     row += 1
+    except ConversionError:
+        raise
     except Exception as exc:
         raise ConversionError(f"Delta table data file {uri} row {row}: the split key cannot be read "
                               f"({type(exc).__name__}: {exc})") from None
     return np.asarray(train, np.int64), np.asarray(val, np.int64)
 
 
-def check_columns(pinned: DeltaFiles) -> None:
-    """Refuse a table whose files lack a column the ranks read (a partition column is not in the files).
+# What the ranks' loader takes of each column it reads (batches.py): (the type said in words, pyarrow type predicates)
+COLUMN_TYPES = {CONTENT: ("binary", ("is_binary", "is_large_binary")),
+                LABEL: ("an integer", ("is_integer",)),
+                PATH: ("a string", ("is_string", "is_large_string"))}
+
+
+def check_types(schema, where: str) -> None:
+    """Refuse a data file whose content, label_index or path column has a type the ranks cannot read (label_index as
+    text, say), before any rank starts. `schema`: the file's Arrow schema; `where`: the file, named in the error.
 
     Raises:
-        ConversionError: naming the table, its version and the columns.
+        ConversionError: naming the file, the column, its type and the type the direct path reads.
     """
+    import pyarrow as pa
+
+    for name, (want, predicates) in COLUMN_TYPES.items():
+        if name not in schema.names:
+            continue  # check_columns names a missing column
+        kind = schema.field(name).type
+        if not any(getattr(pa.types, p)(kind) for p in predicates):
+            fix = " or use data.source=converted, which casts it" if name == LABEL else ""
+            raise ConversionError(f"{where}: column {name} has type {kind}; the direct path reads it as {want}: "
+                                  f"rewrite the column as {want}{fix}")
+
+
+def check_columns(pinned: DeltaFiles) -> None:
+    """Refuse a table whose files lack a column the ranks read (a partition column is not in the files), or whose
+    first file holds one of another type (`check_types`; `split_index` checks every file's as it reads it).
+
+    Raises:
+        ConversionError: naming the table, its version and the columns, or the file, column and type.
+    """
+    import pyarrow.parquet as pq
+
     lacking = [c for c in READ_COLUMNS if c not in pinned.columns or c in pinned.partition_columns]
     if lacking:
         raise ConversionError(f"Delta table {pinned.table} version {pinned.version}: the direct path reads columns "
                               f"{', '.join(READ_COLUMNS)} from its data files, and {', '.join(lacking)} "
                               f"{'is' if len(lacking) == 1 else 'are'} not in them (missing, or a partition column); "
                               f"use data.source=converted")
+    if not pinned.files:
+        return
+    uri = pinned.files[0].uri
+    try:
+        fs, path = arrow_filesystem(uri, pinned.storage_options)
+        with fs.open_input_file(path) as fh:
+            schema = pq.read_schema(fh)
+    except Exception as exc:
+        raise ConversionError(f"Delta table data file {uri}: its Parquet footer cannot be read "
+                              f"({type(exc).__name__}: {exc})") from None
+    check_types(schema, f"Delta table {pinned.table} version {pinned.version} data file {uri}")
 
 
 def split_index(pinned: DeltaFiles, val_fraction: float, split_key: str, threads: int = INDEX_THREADS) -> SplitIndex:
@@ -259,7 +299,7 @@ class DirectShardReader(ArrowShardReader):
     A chunk is the rank's rows inside one row group of one file; `read` reads that row group's content, label and
     path columns and takes the rows (a zero-copy slice where they are consecutive). Footers are read once, when the
     reader is made (metadata only, each file closed again); a read-ahead thread keeps at most OPEN_FILES_PER_THREAD
-    files open, so a share of thousands of files stays within the process's open-file limit.
+    files open (the arrow reader's `_file`), so a share of thousands of files stays within the open-file limit.
     """
 
     def __init__(self, split: DirectSplit, rank: int, world_size: int, workers: int = 2) -> None:
@@ -284,47 +324,20 @@ class DirectShardReader(ArrowShardReader):
         meta = self._footer(file_index)[0]
         return np.concatenate([[0], np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])])
 
+    def _filesystem(self, url: str) -> Tuple[object, str]:
+        return arrow_filesystem(url, self.split.storage_options)
+
     def _footer(self, file_index: int) -> Tuple[object, int]:
-        """(Parquet footer, file size) of a file, read once (metadata only) and the file closed again: a rank's share
-        may hold more files than a process may keep open."""
-        import pyarrow.parquet as pq
+        """(Parquet footer, file size) of a file, read once (the arrow reader's `_footer`) when the reader is made.
 
-        if file_index not in self._footers:
-            url = self.split.file_urls[file_index]
-            try:
-                fs, path = arrow_filesystem(url, self.split.storage_options)
-                with fs.open_input_file(path) as fh:
-                    self._footers[file_index] = (pq.read_metadata(fh), fh.size())
-            except Exception as exc:
-                raise ConversionError(f"Delta table data file {url} cannot be opened ({type(exc).__name__}: "
-                                      f"{exc})") from None
-        return self._footers[file_index]
-
-    def _file(self, file_index: int):
-        """The file as a ParquetFile on the footer read when the reader was made, from this thread's few open files
-        (at most OPEN_FILES_PER_THREAD: the least recently read one is closed to open another)."""
-        import pyarrow.parquet as pq
-
-        files = getattr(self._local, "files", None)
-        if files is None:
-            files = self._local.files = OrderedDict()
-        if file_index in files:
-            files.move_to_end(file_index)
-            return files[file_index][1]
-        while len(files) >= OPEN_FILES_PER_THREAD:
-            files.popitem(last=False)[1][0].close()
-        meta, size = self._footer(file_index)
-        fs, path = arrow_filesystem(self.split.file_urls[file_index], self.split.storage_options)
-        fh = fs.open_input_file(path)
+        Raises:
+            ConversionError: naming the file when it cannot be opened or its footer read.
+        """
         try:
-            if fh.size() != size:
-                raise OSError(f"{fh.size()} bytes, {size} when the reader was made: the file changed")
-            pf = pq.ParquetFile(fh, metadata=meta)
-        except BaseException:
-            fh.close()
-            raise
-        files[file_index] = (fh, pf)
-        return pf
+            return super()._footer(file_index)
+        except Exception as exc:
+            raise ConversionError(f"Delta table data file {self.split.file_urls[file_index]} cannot be opened "
+                                  f"({type(exc).__name__}: {exc})") from None
 
     def rows(self) -> int:
         return sum(len(rows) for _, _, rows in self.groups)

@@ -7,10 +7,10 @@ Both hand over each row group as Arrow columns (`pixels`, `label_index`, `row_id
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -68,10 +68,16 @@ def load_reader(name: str) -> None:
         import petastorm.spark.spark_dataset_converter  # noqa: F401
 
 
+OPEN_FILES_PER_THREAD = 4  # Parquet files a read-ahead thread keeps open between its reads
+
+
 class ArrowShardReader:
     """Reads one rank's row groups of a converted split with pyarrow, `workers` row groups ahead of the consumer.
 
-    pyarrow releases the GIL while it reads and decompresses, so the read-ahead overlaps the training step.
+    pyarrow releases the GIL while it reads and decompresses, so the read-ahead overlaps the training step. Each
+    file's footer is read once (`_footer`) and a read-ahead thread keeps at most OPEN_FILES_PER_THREAD files open
+    (`_file`), so a shard of thousands of files stays within the process's open-file limit; the direct reader
+    (`direct.DirectShardReader`) keeps its files the same way.
     """
 
     def __init__(self, split: ConvertedSplit, rank: int, world_size: int, workers: int = 2) -> None:
@@ -79,22 +85,52 @@ class ArrowShardReader:
         self.groups = split.shard(rank, world_size)
         self.workers = max(1, workers)
         self._local = threading.local()
+        self._footers: Dict[int, Tuple[Any, int]] = {}  # file index -> (Parquet footer, the file's size then)
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def _file(self, file_index: int):
+    def _filesystem(self, url: str) -> Tuple[Any, str]:
+        """(pyarrow filesystem, path inside it) of one of the split's files."""
+        from pipeline.data.cache import filesystem
+
+        return filesystem(url)
+
+    def _footer(self, file_index: int) -> Tuple[Any, int]:
+        """(Parquet footer, file size) of a file, read once (metadata only) and the file closed again."""
         import pyarrow.parquet as pq
 
-        from pipeline.data.cache import filesystem
+        if file_index not in self._footers:
+            fs, path = self._filesystem(self.split.file_urls[file_index])
+            with fs.open_input_file(path) as fh:
+                self._footers[file_index] = (pq.read_metadata(fh), fh.size())
+        return self._footers[file_index]
+
+    def _file(self, file_index: int):
+        """The file as a ParquetFile on its footer read once (`_footer`), from this thread's few open files (at most
+        OPEN_FILES_PER_THREAD: the least recently read one is closed to open another)."""
+        import pyarrow.parquet as pq
 
         files = getattr(self._local, "files", None)
         if files is None:
-            files = self._local.files = {}
-        if file_index not in files:
-            fs, path = filesystem(self.split.file_urls[file_index])
-            files[file_index] = pq.ParquetFile(fs.open_input_file(path))
-        return files[file_index]
+            files = self._local.files = OrderedDict()
+        if file_index in files:
+            files.move_to_end(file_index)
+            return files[file_index][1]
+        while len(files) >= OPEN_FILES_PER_THREAD:
+            files.popitem(last=False)[1][0].close()
+        meta, size = self._footer(file_index)
+        fs, path = self._filesystem(self.split.file_urls[file_index])
+        fh = fs.open_input_file(path)
+        try:
+            if fh.size() != size:
+                raise OSError(f"{fh.size()} bytes, {size} when its footer was read: the file changed")
+            pf = pq.ParquetFile(fh, metadata=meta)
+        except BaseException:
+            fh.close()
+            raise
+        files[file_index] = (fh, pf)
+        return pf
 
     def read(self, local_index: int) -> RowGroup:
         """Row group `local_index` of this rank's shard.

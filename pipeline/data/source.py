@@ -6,9 +6,10 @@ import dataclasses
 from typing import Any, List, Tuple
 
 from pipeline.config import Config, world_size_of
+from pipeline.data.convert import class_names_from
 from pipeline.data.direct import DirectData, plan_direct, split_index
 from pipeline.data.plan import RunPlan, plan_lr, start_batch_size
-from pipeline.data.shards import LABEL, ConversionError
+from pipeline.data.shards import LABEL, PATH, ConversionError
 from pipeline.lakehouse.delta_common import PinnedTable
 from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem, pin_files
 from pipeline.lakehouse.partition import PlanError
@@ -21,15 +22,16 @@ LABEL_NAME = "label"  # the class name column beside LABEL (label_index), as the
 
 def class_names_direct(pinned: DeltaFiles) -> List[str]:
     """The table's class names ordered by label_index (a gap gets a placeholder name), read from its files' two
-    label columns: `convert.class_names_of`'s rule without Spark.
+    label columns: `convert.class_names_from`, the converted path's rule, without Spark.
 
     Raises:
         PlanError: the table has no rows, naming it and its version.
-        ConversionError: a file whose label columns cannot be read, named.
+        ConversionError: a file whose label columns cannot be read, or a label_index that is null, negative, too large
+            or given two labels, naming the file and the row (its path).
     """
     import pyarrow.parquet as pq
 
-    pairs = {}
+    groups = {}  # (label, label_index) -> (file, row): its first row
     for f in pinned.files:
         try:
             fs, path = arrow_filesystem(f.uri, pinned.storage_options)
@@ -38,12 +40,26 @@ def class_names_direct(pinned: DeltaFiles) -> List[str]:
         except Exception as exc:
             raise ConversionError(f"Delta table data file {f.uri}: its columns {LABEL_NAME}, {LABEL} cannot be read "
                                   f"({type(exc).__name__}: {exc})") from None
-        for name, index in set(zip(table.column(LABEL_NAME).to_pylist(), table.column(LABEL).to_pylist())):
-            if index is not None:
-                pairs[int(index)] = name
-    if not pairs:
+        for row, pair in enumerate(zip(table.column(LABEL_NAME).to_pylist(), table.column(LABEL).to_pylist())):
+            groups.setdefault(pair, (f.uri, row))
+    names = class_names_from(((name, index, ref) for (name, index), ref in groups.items()),
+                             lambda ref: _row_named(pinned, *ref))
+    if not names:
         raise PlanError(f"Delta table {pinned.table} version {pinned.version} has no rows to train on")
-    return [pairs.get(i, f"class_{i}") for i in range(max(pairs) + 1)]
+    return names
+
+
+def _row_named(pinned: DeltaFiles, uri: str, row: int) -> str:
+    """A row of a data file named for an error: the file, the row and its path value (read only for the error)."""
+    import pyarrow.parquet as pq
+
+    try:
+        fs, path = arrow_filesystem(uri, pinned.storage_options)
+        with fs.open_input_file(path) as fh:
+            value = pq.read_table(fh, columns=[PATH], use_threads=False).column(0)[row].as_py()
+        return f"Delta table data file {uri} row {row} ({PATH} {value!r})"
+    except Exception:  # the file and row still say where
+        return f"Delta table data file {uri} row {row}"
 
 
 def prepare_direct(cfg: Config, version: Any = None) -> Tuple[DirectData, PinnedTable]:
