@@ -1,11 +1,12 @@
 """The converted-data cache: content keys, entry manifests, listing, a size bound (least recently used first) and clearing.
 
 An entry is ``<data.cache_dir>/<key>/`` holding ``lakehouse-cache-entry.json`` (the marker, written before anything
-else: `mark_entry`), ``train/`` and ``val/`` Parquet files and ``manifest.json``, written last: an entry without a
-manifest is incomplete and is rebuilt. Only a folder carrying the marker is an entry: listing, the size bound and
-`clear` never touch anything else in `data.cache_dir` (a shared folder may hold Delta tables and checkpoints). The key
-is a hash of everything that decides the files' content, so a later job (or a tuning trial, or another process) on
-the same pinned table reuses them.
+else: `mark_entry`), a conversion's ``run-*/train/`` and ``run-*/val/`` Parquet files and ``manifest.json``, written
+last and naming its run: an entry without a manifest is incomplete and is rebuilt. An entry's size is its whole folder
+(`entry_bytes`): the run folders of earlier or concurrent conversions the manifest does not name count too. Only a
+folder carrying the marker is an entry: listing, the size bound and `clear` never touch anything else in
+`data.cache_dir` (a shared folder may hold Delta tables and checkpoints). The key is a hash of everything that decides
+the files' content, so a later job (or a tuning trial, or another process) on the same pinned table reuses them.
 
 An entry a job reads is leased (`pipeline.data.leases`: who holds it, taken before the job looks at the entry, held
 until its training ends): the size bound and `clear` delete only entries nobody live holds, under the cache's lock.
@@ -134,8 +135,30 @@ def remove_entry(url: str) -> None:
         log.warning("could not delete cache entry %s: %s", url, exc)
 
 
-def entry_bytes(manifest: Dict[str, Any]) -> int:
-    return sum(f["bytes"] for s in manifest.get("splits", {}).values() for f in s.get("files", []))
+def entry_bytes(url: str, manifest: Dict[str, Any]) -> int:
+    """What entry `url` takes on storage: the files its manifest lists (at the sizes written) and every other file in
+    its folder, the marker, the manifest and above all a `run-*` folder the manifest does not name (a conversion that
+    failed midway and was retried leaves the finished part files of the first run; of two jobs converting the entry at
+    once the last manifest wins, and the other run stays).
+
+    Such a folder is counted (against `data.cache_max_gb`, in `lakehouse cache ls`), never deleted but with its entry:
+    a run folder no manifest names may be another job's conversion still writing, and nothing tells it from a
+    leftover (a converting job's lease is the same as a reader's, and a job without leases takes none).
+    """
+    import pyarrow.fs as pafs
+
+    listed = {f"{s.get('folder', '')}/{f['name']}": int(f["bytes"])
+              for s in manifest.get("splits", {}).values() for f in s.get("files", [])}
+    fs, path = filesystem(url)
+    path = path.rstrip("/")
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except OSError as exc:
+        log.warning("could not list cache entry %s (%s): counting only the files its manifest lists", url, exc)
+        infos = []
+    unlisted = sum(info.size or 0 for info in infos
+                   if info.type == pafs.FileType.File and info.path[len(path) + 1:] not in listed)
+    return sum(listed.values()) + unlisted
 
 
 def _live(fs, root: str) -> Dict[str, List[Any]]:
@@ -176,7 +199,7 @@ def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None,
                         "held_by": held_by})
             continue
         inputs = manifest.get("inputs", {})
-        out.append({"key": info.base_name, "url": url, "complete": True, "bytes": entry_bytes(manifest),
+        out.append({"key": info.base_name, "url": url, "complete": True, "bytes": entry_bytes(url, manifest),
                     "last_used": manifest.get("last_used"), "created": manifest.get("created"),
                     "table": inputs.get("table"), "version": inputs.get("version"),
                     "world_size": inputs.get("world_size"), "image_size": inputs.get("image_size"),

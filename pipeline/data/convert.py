@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -40,14 +41,13 @@ def layout_of(cfg: Config) -> str:
 
 
 def prepare_split(df, cfg: Config, world_size: int):
-    """The columns to convert (encoded image, label, a stable row id from the path; the path itself for the encoded
-    layout), repartitioned for the ranks."""
+    """The columns to convert (encoded image, label, a stable row id from the path, the path itself), repartitioned
+    for the ranks. The encoded layout writes the path; the pixels layout only names a row it cannot decode by it."""
     from pyspark.sql import functions as F
 
     parts = partitions_for(cfg.data.partitions_per_worker, world_size)
-    columns = [F.col("content"), F.col("label_index").cast("int").alias(LABEL), F.xxhash64(F.col("path")).alias(ROW_ID)]
-    if layout_of(cfg) == "encoded":
-        columns.append(F.col("path").cast("string").alias(PATH))
+    columns = [F.col("content"), F.col("label_index").cast("int").alias(LABEL), F.xxhash64(F.col("path")).alias(ROW_ID),
+               F.col("path").cast("string").alias(PATH)]
     return df.select(*columns).repartition(parts)
 
 
@@ -101,6 +101,41 @@ def groups_to_write(pending: int, group_rows: int, final: bool, tail_groups: int
     return sizes
 
 
+def decoded_rows(batch, image_size: int, channels: int) -> List[bytes]:
+    """Each row's decoded pixels from an Arrow batch of content, label, row id and (when the batch has it) path.
+
+    Raises:
+        RowDecodeError: a row's image cannot be decoded, naming its path (its row id without one) and why, as the
+            ranks' decode does (`pipeline.data.crops.decode_crop`); `write_split` lifts it out of Spark's error.
+    """
+    from pipeline.images import ImageDecodeError, decode_image
+
+    contents = batch.column(0).to_pylist()
+    out = []
+    for i, content in enumerate(contents):
+        try:
+            out.append(decode_image(content, image_size, channels).tobytes())
+        except ImageDecodeError as exc:
+            from pipeline.data.crops import RowDecodeError  # torch: only on the way out
+
+            names = batch.schema.names
+            row = (batch.column(names.index(PATH))[i].as_py() if PATH in names
+                   else f"with {ROW_ID} {batch.column(2)[i].as_py()}")
+            raise RowDecodeError(f"row {row}: {exc}") from None
+    return out
+
+
+# The last line of a Python worker's traceback in the error Spark raises on the driver for a failed task
+_ROW_ERROR = re.compile(r"RowDecodeError: (row [^\n]*)")
+
+
+def _row_error(exc: BaseException) -> Optional[str]:
+    """The message of the RowDecodeError a Python worker raised, from the error Spark wraps it in on the driver
+    (PythonException, Py4JJavaError: the worker's traceback is inside their text), or None."""
+    found = _ROW_ERROR.findall(str(exc))
+    return found[-1].strip() if found else None
+
+
 def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int, encoded: bool = False):
     """The executor side of `write_split`: decode (or, `encoded`, keep the bytes and the path), then write this
     partition's file in row groups of `group_rows` (its last `tail_groups` evenly sized, see `groups_to_write`)."""
@@ -111,7 +146,6 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tai
         from pyspark import TaskContext
 
         from pipeline.data.cache import filesystem
-        from pipeline.images import decode_image
 
         ctx = TaskContext.get()
         fs, folder = filesystem(split_url)
@@ -142,8 +176,7 @@ def _writer(split_url: str, image_size: int, channels: int, group_rows: int, tai
                 if encoded:  # the bytes as the table holds them, and the path: the ranks decode
                     pending.append(pa.Table.from_batches([batch]).rename_columns(schema.names).cast(schema))
                 else:
-                    contents = batch.column(0).to_pylist()
-                    pixels = [decode_image(c, image_size, channels).tobytes() for c in contents]
+                    pixels = decoded_rows(batch, image_size, channels)
                     pending.append(pa.table({PIXELS: pa.array(pixels, pa.binary()),
                                              LABEL: batch.column(1).cast(pa.int32()),
                                              ROW_ID: batch.column(2).cast(pa.int64())}, schema=schema))
@@ -190,12 +223,24 @@ def decoded_frame(df, cfg: Config, world_size: int):
 
 def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int = 2,
                 encoded: bool = False) -> List[Dict[str, Any]]:
-    """Convert `df` (columns content, label_index, row_id; and path, `encoded`) into Parquet files under `split_url`,
-    one per non-empty partition; returns each file's name, size and row groups, sorted by name (the readers' order)."""
+    """Convert `df` (columns content, label_index, row_id, path: `prepare_split`'s; path written only when `encoded`)
+    into Parquet files under `split_url`, one per non-empty partition; returns each file's name, size and row groups,
+    sorted by name (the readers' order).
+
+    Raises:
+        ConversionError: a row's image cannot be decoded (data.decode=convert), naming its path and why.
+    """
     fs, folder = cache.filesystem(split_url)
     fs.create_dir(folder, recursive=True)
-    out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows, tail_groups, encoded),
-                        "file string, bytes long, groups array<long>").collect()
+    try:
+        out = df.mapInArrow(_writer(split_url, image_size, channels, group_rows, tail_groups, encoded),
+                            "file string, bytes long, groups array<long>").collect()
+    except Exception as exc:
+        row = _row_error(exc)
+        if row is None:
+            raise
+        raise ConversionError(f"converting into {split_url} (data.decode=convert): {row}; repair or remove that row "
+                              f"of the table") from None
     return sorted(({"name": r["file"], "bytes": int(r["bytes"]), "row_groups": [int(g) for g in r["groups"]]}
                    for r in out), key=lambda f: f["name"])
 
