@@ -345,6 +345,16 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
                            f"both gates judged")
                     _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: why})
                     raise RegistryError(why) from None
+                except MlflowException as exc:  # refused or timed out within the lease: it may still have landed
+                    try:
+                        where = f"the alias is on {_chain([holder_now()])}"
+                    except MlflowException:
+                        where = "the registry did not say where the alias is"
+                    why = (f"promotion gate for model {name!r} version {version}: moving alias {alias!r} to it "
+                           f"failed ({_one_line(exc)}); whether it landed is not known: {where}; run `lakehouse "
+                           f"promote` again")
+                    _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: why})
+                    raise RegistryError(why) from None
             break
         except LeaseLost as exc:  # stalled past its margin, or taken: nothing written, judge again
             log.warning("promotion gate for model %r version %s: %s; trying again", name, version, exc)

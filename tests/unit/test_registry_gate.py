@@ -354,3 +354,27 @@ def test_a_version_registered_with_no_known_metrics_lists_none_rather_than_the_r
     # a model logged outside a training run (metrics None) still lists its run's values
     version = register_model(client, f"models:/{model.model_id}", "undescribed", run_id, {})
     assert "val_acc=0.8" in client.get_model_version("undescribed", version).description
+
+
+@pytest.mark.timeout(120)
+def test_an_alias_write_the_registry_refuses_leaves_the_version_registered_and_names_it(registry):
+    """The alias write is bounded to the lease's time left, so a slow registry can fail it: the gate then says the
+    write failed and where the alias is (a RegistryError, which the job logs, its version registered), instead of
+    an MlflowException out of the job after training."""
+    from mlflow.exceptions import MlflowException
+
+    client, exp_id = registry
+    name = "gate_refused"
+    v1, v2 = _version(client, exp_id, name), _version(client, exp_id, name)
+    client.set_registered_model_alias(name, "champion", v1)
+
+    class Refusing(MlflowClient):
+        def set_registered_model_alias(self, *args):
+            raise MlflowException("API request to http://u:pw@h/api/2.0/mlflow/registered-models/alias failed: timeout")
+
+    with pytest.raises(RegistryError, match=rf"moving alias 'champion' to it failed .*not known: the alias is on "
+                                            rf"version {v1}; run `lakehouse promote` again") as err:
+        promote(Refusing(tracking_uri=client._tracking_client.tracking_uri), name, v2, held_out=ROWS,
+                scorer=Scores({v1: 0.5, v2: 0.9}), lease=FAST_LEASE)
+    assert "pw" not in str(err.value) and "failed" in client.get_model_version(name, v2).tags["gate_decision"]
+    assert f"{LEASE_TAG}.champion" not in client.get_registered_model(name).tags  # the lease released
