@@ -73,6 +73,11 @@ def setup_logging(level: str = None) -> None:
                                            datefmt="%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
+    # MLflow's own output bypasses this handler: at import it gives its loggers a handler of their own that does not
+    # propagate, and a REST client prints "View run at <tracking URI>", credentials and all, to stdout when a run ends.
+    # Its loggers propagate to this handler instead (where MLflow is imported after this), and the print is off.
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     for noisy in ("py4j", "urllib3", "alembic", "mlflow.store", "pyspark"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Petastorm warns about small Parquet files and float64 -> float32 on every conversion; the

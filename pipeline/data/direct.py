@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pipeline.data.readers import OPEN_FILES_PER_THREAD, ArrowShardReader, RowGroup, pass_order  # noqa: F401
+from pipeline.data.readers import ArrowShardReader, RowGroup, pass_order
 from pipeline.data.shards import CONTENT, LABEL, PATH, ConversionError
 from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem
 from pipeline.lakehouse.partition import PlanError, ShardPlan, plan_shards
@@ -298,7 +298,7 @@ class DirectShardReader(ArrowShardReader):
 
     A chunk is the rank's rows inside one row group of one file; `read` reads that row group's content, label and
     path columns and takes the rows (a zero-copy slice where they are consecutive). Footers are read once, when the
-    reader is made (metadata only, each file closed again); a read-ahead thread keeps at most OPEN_FILES_PER_THREAD
+    reader is made (metadata only, each file closed again); a read-ahead thread keeps at most `open_files`
     files open (the arrow reader's `_file`), so a share of thousands of files stays within the open-file limit.
     """
 
@@ -307,9 +307,7 @@ class DirectShardReader(ArrowShardReader):
             raise PlanError(f"{split.name} split was planned for {split.world_size} ranks, not {world_size}")
         self.split = split
         self.rank = rank
-        self.workers = max(1, workers)
-        self._local = threading.local()
-        self._footers: Dict[int, Tuple[object, int]] = {}  # file index -> (Parquet footer, the file's size then)
+        self._files_state(workers)
         self.groups: List[Tuple[int, int, np.ndarray]] = []  # (file index, row group, row numbers in the file)
         self._first_row: List[int] = []  # of each chunk: its row group's first row in the file
         for f, rows in split.rank_rows(rank):

@@ -68,24 +68,42 @@ def load_reader(name: str) -> None:
         import petastorm.spark.spark_dataset_converter  # noqa: F401
 
 
-OPEN_FILES_PER_THREAD = 4  # Parquet files a read-ahead thread keeps open between its reads
+OPEN_FILES_PER_THREAD = (4, 64)  # the fewest and most Parquet files a read-ahead thread keeps open between reads
+
+
+def open_files_per_thread(threads: int) -> int:
+    """How many files each of a reader's `threads` keeps open: an eighth of the process's soft open-file limit shared
+    among them (the rest is the process's: sockets, the other split's reader, Spark's), within OPEN_FILES_PER_THREAD.
+    Re-opening a file costs a request on an object store (chunks come in a shuffled order), and keeping every file
+    open ran a share of more than ~1,000 files out of descriptors."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft = 1 << 16 if soft == resource.RLIM_INFINITY else soft
+    fewest, most = OPEN_FILES_PER_THREAD
+    return max(fewest, min(most, soft // 8 // max(1, threads)))
 
 
 class ArrowShardReader:
     """Reads one rank's row groups of a converted split with pyarrow, `workers` row groups ahead of the consumer.
 
     pyarrow releases the GIL while it reads and decompresses, so the read-ahead overlaps the training step. Each
-    file's footer is read once (`_footer`) and a read-ahead thread keeps at most OPEN_FILES_PER_THREAD files open
-    (`_file`), so a shard of thousands of files stays within the process's open-file limit; the direct reader
+    file's footer is read once (`_footer`) and a read-ahead thread keeps at most `open_files` files open
+    (`open_files_per_thread`, `_file`), so a shard of thousands of files stays within the process's open-file limit; the direct reader
     (`direct.DirectShardReader`) keeps its files the same way.
     """
 
     def __init__(self, split: ConvertedSplit, rank: int, world_size: int, workers: int = 2) -> None:
         self.split = split
         self.groups = split.shard(rank, world_size)
+        self._files_state(workers)
+
+    def _files_state(self, workers: int) -> None:
+        """The read-ahead's threads and what they keep of the files: each file's footer, each thread's open files."""
         self.workers = max(1, workers)
         self._local = threading.local()
         self._footers: Dict[int, Tuple[Any, int]] = {}  # file index -> (Parquet footer, the file's size then)
+        self.open_files = open_files_per_thread(self.workers + 1)  # the read-ahead threads and the consumer's
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -107,8 +125,8 @@ class ArrowShardReader:
         return self._footers[file_index]
 
     def _file(self, file_index: int):
-        """The file as a ParquetFile on its footer read once (`_footer`), from this thread's few open files (at most
-        OPEN_FILES_PER_THREAD: the least recently read one is closed to open another)."""
+        """The file as a ParquetFile on its footer read once (`_footer`), from this thread's open files (at most
+        `open_files`: the least recently read one is closed to open another)."""
         import pyarrow.parquet as pq
 
         files = getattr(self._local, "files", None)
@@ -117,7 +135,7 @@ class ArrowShardReader:
         if file_index in files:
             files.move_to_end(file_index)
             return files[file_index][1]
-        while len(files) >= OPEN_FILES_PER_THREAD:
+        while len(files) >= self.open_files:
             files.popitem(last=False)[1][0].close()
         meta, size = self._footer(file_index)
         fs, path = self._filesystem(self.split.file_urls[file_index])

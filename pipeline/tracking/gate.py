@@ -176,12 +176,22 @@ def _one_line(exc: BaseException) -> str:
     return redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
 
 
+def _where_alias_is(holder_now) -> str:
+    """Where the alias is now, for a gate's failure message; a registry that cannot say is said (the failure being
+    reported must not turn into another)."""
+    try:
+        return f"the alias is on {_chain([holder_now()])}"
+    except MlflowException:
+        return "the registry did not say where the alias is"
+
+
 def _set_alias_within(client: MlflowClient, name: str, alias: str, version: str, bound_s: float) -> None:
     """Move `alias` to `version` within about `bound_s` (the time left on the gate's lease): MLflow's HTTP retries
     (whose defaults retry for minutes) fit in it, so a retried write cannot land long after the lease is gone."""
     timeout = max(1, int(bound_s / 4))  # 3 attempts of `timeout` and backoffs of 1 + 2 s
     with temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout),
-                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}):
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+                        "MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER": "false"}):  # a 503's Retry-After: 60 would outlast it
         client.set_registered_model_alias(name, alias, version)
 
 
@@ -341,18 +351,14 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
                 except LeaseOverrun as exc:  # moved, but maybe after another gate judged the holder it replaced
                     why = (f"promotion gate for model {name!r} version {version}: alias {alias!r} was set to it, but "
                            f"late: {exc}; that gate may have judged against version {holder} and been overwritten; "
-                           f"the alias is now on {_chain([holder_now()])}: run `lakehouse promote` on the versions "
-                           f"both gates judged")
+                           f"{_where_alias_is(holder_now)}: run `lakehouse promote` on the versions both gates "
+                           f"judged")
                     _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: why})
                     raise RegistryError(why) from None
                 except MlflowException as exc:  # refused or timed out within the lease: it may still have landed
-                    try:
-                        where = f"the alias is on {_chain([holder_now()])}"
-                    except MlflowException:
-                        where = "the registry did not say where the alias is"
                     why = (f"promotion gate for model {name!r} version {version}: moving alias {alias!r} to it "
-                           f"failed ({_one_line(exc)}); whether it landed is not known: {where}; run `lakehouse "
-                           f"promote` again")
+                           f"failed ({_one_line(exc)}); whether it landed is not known: {_where_alias_is(holder_now)}; "
+                           f"run `lakehouse promote` again")
                     _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: why})
                     raise RegistryError(why) from None
             break

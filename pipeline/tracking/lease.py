@@ -236,7 +236,13 @@ class Lease:
         result = write(bound)
         took = self._monotonic() - started
         if took > bound:
-            raw = self.store.get(self.key)
+            try:
+                raw = self.store.get(self.key)
+            except Exception as exc:  # the registry's own exception types: who holds it now cannot be known
+                self._written = None
+                raise LeaseOverrun(f"lease {self.key} of {self.owner}: the guarded write took {took:.1f} s, past the "
+                                   f"{bound:.1f} s it had, and the lease could not be read again "
+                                   f"({redact_url(f'{type(exc).__name__}: {exc}')[:300]})") from None
             if raw != self._written:
                 now_holder = parse_holder(raw)
                 who = (now_holder.describe(self._clock()) if now_holder else

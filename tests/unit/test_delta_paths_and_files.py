@@ -115,19 +115,21 @@ def _open_fds():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc/self/fd")
-def test_the_reader_holds_no_file_open_when_made_and_a_few_per_thread_when_reading(tmp_path):
+def test_the_reader_holds_no_file_open_when_made_and_a_few_per_thread_when_reading(tmp_path, monkeypatch):
+    from pipeline.data import readers
+
+    monkeypatch.setattr(readers, "OPEN_FILES_PER_THREAD", (4, 4))  # here the limit would allow all 60 open
     uris, sizes, counts = _many_files(tmp_path, 60)
     split = _split(uris, sizes, counts)
     before = _open_fds()
     reader = DirectShardReader(split, 0, 1, workers=2)
     assert _open_fds() == before
-    from pipeline.data.direct import OPEN_FILES_PER_THREAD
-
+    assert reader.open_files == 4
     got = {}
     for _, group in reader.iter_groups(range(len(reader))):
         for rid, content, path in zip(group.row_id.to_pylist(), group.pixels.to_pylist(), group.path.to_pylist()):
             got[decode_row_id(rid)] = (content, path)
-        assert _open_fds() - before <= (reader.workers + 1) * OPEN_FILES_PER_THREAD
+        assert _open_fds() - before <= (reader.workers + 1) * reader.open_files
     want = {(f, r): (f"{f}-{r}".encode(), f"/img/{f}/{r}.png") for f, p in enumerate(split.positions) for r in p}
     assert got == want
 

@@ -231,3 +231,27 @@ def test_a_log_line_and_its_traceback_hide_url_passwords():
     assert "s3cretPW" not in line and "tok123" not in line, line
     assert "http://alice:***@127.0.0.1:9/api/2.0/mlflow/runs/get" in line and "Traceback" in line
     assert line.count("alice:***@") == 2  # the message and the traceback's last line
+
+
+def test_mlflows_own_log_lines_and_its_run_url_print_are_kept_from_passwords(tmp_path):
+    """MLflow configures its loggers at import with a handler of its own that does not propagate, and its REST client
+    prints the tracking URI (credentials and all) to stdout when a run ends: after `setup_logging`, MLflow's lines go
+    through the project's redacting handler and the print is off (a fresh process: MLflow imported after it)."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import logging, os
+        from pipeline.log import setup_logging
+        setup_logging()
+        import mlflow
+        from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT
+        logging.getLogger("mlflow.tracking.fluent").warning("API request to http://u:s3cretPW@h:5000/api failed")
+        print("suppressed", MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "s3cretPW" not in done.stderr + done.stdout
+    assert "http://u:***@h:5000/api" in done.stderr and "suppressed True" in done.stdout
