@@ -40,6 +40,12 @@ class TooManyPixelsError(ImageDecodeError):
     """The image declares more pixels than the bound; it was not decoded. The message names its size."""
 
 
+class RowDecodeError(ImageDecodeError):
+    """A row's image cannot be decoded; the message names its path and why. The job stops: the table holds a row
+    that ingest would not have written (another writer's, or bytes changed after ingest). Here, below the data layer,
+    so that an executor converting rows raises it without importing torch."""
+
+
 def _reason(exc: Exception) -> str:
     text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
     if type(exc).__name__ == "UnidentifiedImageError":  # no accepted format's plugin took the bytes

@@ -108,7 +108,7 @@ def decoded_rows(batch, image_size: int, channels: int) -> List[bytes]:
         RowDecodeError: a row's image cannot be decoded, naming its path (its row id without one) and why, as the
             ranks' decode does (`pipeline.data.crops.decode_crop`); `write_split` lifts it out of Spark's error.
     """
-    from pipeline.images import ImageDecodeError, decode_image
+    from pipeline.images import ImageDecodeError, RowDecodeError, decode_image
 
     contents = batch.column(0).to_pylist()
     out = []
@@ -116,8 +116,6 @@ def decoded_rows(batch, image_size: int, channels: int) -> List[bytes]:
         try:
             out.append(decode_image(content, image_size, channels).tobytes())
         except ImageDecodeError as exc:
-            from pipeline.data.crops import RowDecodeError  # torch: only on the way out
-
             names = batch.schema.names
             row = (batch.column(names.index(PATH))[i].as_py() if PATH in names
                    else f"with {ROW_ID} {batch.column(2)[i].as_py()}")
@@ -207,18 +205,24 @@ def decoded_frame(df, cfg: Config, world_size: int):
     from pyspark.sql import functions as F
     from pyspark.sql.functions import pandas_udf
 
-    from pipeline.images import decode_image
+    from pipeline.images import ImageDecodeError, RowDecodeError, decode_image
 
     size, channels = cfg.data.image_size, cfg.data.channels
 
     @pandas_udf("binary")
-    def decode(content):
+    def decode(content, path):  # an undecodable row is named as the converter names it (decoded_rows)
         import pandas as pd
 
-        return pd.Series([decode_image(bytes(b), size, channels).tobytes() for b in content])
+        out = []
+        for b, p in zip(content, path):
+            try:
+                out.append(decode_image(bytes(b), size, channels).tobytes())
+            except ImageDecodeError as exc:
+                raise RowDecodeError(f"row {p}: {exc}") from None
+        return pd.Series(out)
 
     prepared = prepare_split(df, cfg, world_size)
-    return prepared.select(decode(F.col("content")).alias(PIXELS), F.col(LABEL), F.col(ROW_ID))
+    return prepared.select(decode(F.col("content"), F.col(PATH)).alias(PIXELS), F.col(LABEL), F.col(ROW_ID))
 
 
 def write_split(df, split_url: str, image_size: int, channels: int, group_rows: int, tail_groups: int = 2,

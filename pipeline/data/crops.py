@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.images import MAX_PIXELS, ImageDecodeError, is_jpeg, jpeg_frame, opened
+from pipeline.images import MAX_PIXELS, ImageDecodeError, RowDecodeError, is_jpeg, jpeg_frame, opened  # noqa: F401
 
 try:  # libjpeg-turbo straight into numpy (a dependency; without it Pillow decodes every image, to the same pixels)
     import simplejpeg as _simplejpeg
@@ -27,11 +27,6 @@ DRAFT_GAP = 2  # a JPEG is decoded at 1/2, 1/4 or 1/8 scale (DCT scaling) only w
 #                many times the output size at that scale (Pillow's thumbnail keeps the same gap): the resize after it
 #                still averages over 2+ pixels, so the pixels stay within a level or two of a full decode's
 DRAWS = 2 * CROP_ATTEMPTS + 3  # uniform draws per row: (area, log aspect) per attempt, top, left, flip
-
-
-class RowDecodeError(ImageDecodeError):
-    """A row's image cannot be decoded; the message names its path and why. The job stops: the table holds a row
-    that ingest would not have written (another writer's, or bytes changed after ingest)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- crops

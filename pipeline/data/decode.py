@@ -229,9 +229,21 @@ class Decoder:
 
             def share(lo: int) -> None:
                 hi = min(n, lo + chunk)
-                view[lo:hi] = procs.submit(_shared_chunk, list(batch.rows[lo:hi, 0]), list(batch.rows[lo:hi, 1]),
-                                           None if draws is None else draws[lo:hi], self.size, self.channels,
-                                           self.max_pixels, int(batch.index), lo).result().numpy()
+                share_draws = None if draws is None else draws[lo:hi]
+                try:
+                    future = procs.submit(_shared_chunk, list(batch.rows[lo:hi, 0]), list(batch.rows[lo:hi, 1]),
+                                          share_draws, self.size, self.channels, self.max_pixels, int(batch.index), lo)
+                except RuntimeError:
+                    if self._procs is procs:
+                        raise
+                    # close() (another thread's) ended the pass after this batch was submitted: the shut pool refuses
+                    # new work, so this thread decodes the share itself, as a pass's own threads do
+                    log.debug("the decode pool closed under batch %d: its rows %d-%d decode in this thread",
+                              batch.index, lo, hi - 1)
+                    decode_chunk(batch.rows[lo:hi, 0], batch.rows[lo:hi, 1], share_draws, self.size, self.channels,
+                                 self.max_pixels, out=view[lo:hi])
+                    return
+                view[lo:hi] = future.result().numpy()
 
             return out, [pool.submit(share, lo) for lo in range(0, n, chunk)]
         draws, view = (crop_draws(self.seed, batch.index, n) if self.train else None), out.numpy()

@@ -602,6 +602,29 @@ def test_a_close_between_a_decode_threads_ask_and_its_submit_leaves_the_share_to
         decoder.close()
 
 
+def test_a_close_under_a_consumers_pickled_shares_leaves_them_to_its_threads(monkeypatch):
+    """close() from another thread can end the pass after `submit` got the processes and before its shares (a batch
+    larger than the ring's slots goes pickled) reach them: each share is then decoded in the rank's thread, to the
+    same pixels, not failed with "cannot schedule new futures after shutdown"."""
+    good = [_photo(i) for i in range(6)]
+    decoder = Decoder(SIZE, 3, train=True, seed=7, workers=2)
+    try:
+        decoder.decode(_batch(good[:3], 0))  # the pass's processes, and a ring of 3-row slots
+        pool = decoder.pool
+
+        def close_then_pool():  # the other thread's close() lands between the ask and the shares' submit
+            decoder.close()
+            return pool()
+
+        monkeypatch.setattr(decoder, "pool", close_then_pool)
+        got = decoder.decode(_batch(good, 1))  # 6 rows: more than a slot holds, so pickled
+        monkeypatch.undo()
+        assert torch.equal(got, Decoder(SIZE, 3, train=True, seed=7).decode(_batch(good, 1)))
+        assert decoder.handovers == {"ring": 1, "pickled": 1}
+    finally:
+        decoder.close()
+
+
 def test_a_decode_worker_killed_mid_batch_fails_the_batch_instead_of_hanging():
     import signal
     from concurrent.futures import ThreadPoolExecutor
@@ -799,3 +822,22 @@ def test_a_decode_worker_ends_on_sigterm_though_the_rank_handles_sigterm():
         signal.signal(signal.SIGTERM, old)
         decoder.close()
     assert not seen  # the signal went to the workers, not to this process
+
+
+def test_the_converters_row_error_names_the_row_without_importing_torch_on_the_executor():
+    """data.decode=convert decodes on Spark's Python workers: an undecodable row raises the RowDecodeError that names
+    it (the driver lifts it out of Spark's error by its class name) from the ground layer, so a worker that meets one
+    does not import torch to say so."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pyarrow as pa\n"
+            "from pipeline.data.convert import decoded_rows\n"
+            "b = pa.record_batch([pa.array([b'not an image']), pa.array([1]), pa.array([5]), pa.array(['/t/bad.jpg'])],"
+            " names=['content', 'label_index', 'row_id', 'path'])\n"
+            "try:\n    decoded_rows(b, 32, 1)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.splitlines()[0].startswith("RowDecodeError row /t/bad.jpg: not a decodable image"), out
+    assert out.splitlines()[-1] == "False", out
