@@ -92,6 +92,9 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
                                               "resized crop and flip to 224 px) with one worker per core / a plain "
                                               "Pillow decode loop on one core, ImageNet-shaped JPEGs "
                                               "(bench/photo_decode.py)"),
+    "cpu_photos_decode_over_pillow_every_core": (">=", 0.9, "images/s of the rank's CPU decoder with one worker per "
+                                                            "core / a plain Pillow decode loop run on every core at "
+                                                            "once, same ImageNet-shaped JPEGs (bench/photo_decode.py)"),
     "gpu_photos_loader_images_per_s": (">=", 6000.0, "images/s of the train ShardLoader alone with data.decode=gpu "
                                                      "(nvJPEG, crop, flip), each batch normalised into bf16 on the "
                                                      "GPU"),

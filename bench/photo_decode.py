@@ -121,35 +121,53 @@ def cores() -> int:
 
 def measure_decode_per_core(sizes, quick: bool = False) -> List[Result]:
     """`cpu_photos_decode_per_core`: images/s per decode worker of the rank's CPU decoder with one worker per core /
-    a plain Pillow decode loop on one core (open, decode, RGB), on the same ImageNet-shaped JPEGs, the two taking
-    turns (sizes.repeats rounds after a warm-up); the parts also give one worker's figure, so the scaling shows."""
-    from bench.photos_data import pillow_images_per_s
+    a plain Pillow decode loop on one core (open, decode, RGB), on the same ImageNet-shaped JPEGs; and
+    `cpu_photos_decode_over_pillow_every_core`: the decoder's images/s with one worker per core / the same Pillow loop
+    run on every core at once (what the host decodes when all its cores decode: on a VM its cores may share one
+    physical core's caches and units). All take turns (sizes.repeats rounds after a warm-up); the parts also give one
+    worker's figure and the host's own scaling (Pillow on every core, per core, / Pillow on one)."""
+    from bench.photos_data import pillow_every_core_images_per_s, pillow_images_per_s
 
     photos, batch, all_cores = imagenet_photos(128 if quick else 512), 64 if quick else 128, cores()
     workers = sorted({1, all_cores})
     pillow_images_per_s(photos)  # warm-up
     for w in workers:
         _decoder_images_per_s(photos[:2 * batch], w, batch)
-    pillow, per_workers = [], {w: [] for w in workers}
+    pillow, every, per_workers = [], [], {w: [] for w in workers}
     for r in range(sizes.repeats):
         order = workers if r % 2 == 0 else workers[::-1]
         if r % 2 == 0:
             pillow.append(pillow_images_per_s(photos))
+            every.append(pillow_every_core_images_per_s(photos, all_cores))
         for w in order:
             per_workers[w].append(_decoder_images_per_s(photos, w, batch))
         if r % 2:
+            every.append(pillow_every_core_images_per_s(photos, all_cores))
             pillow.append(pillow_images_per_s(photos))
     per_core = {w: [ratio(v / w, p) for v, p in zip(per_workers[w], pillow)] for w in workers}
+    over_every = [ratio(v, e) for v, e in zip(per_workers[all_cores], every)]
     parts: Dict[str, Any] = {
-        "pillow_one_core_images_per_s": median(pillow), "cores": all_cores, "photos": len(photos),
+        "pillow_one_core_images_per_s": median(pillow), "pillow_every_core_images_per_s": median(every),
+        "pillow_every_core_per_core_over_one": median([ratio(e / all_cores, p) for e, p in zip(every, pillow)]),
+        "cores": all_cores, "photos": len(photos),
         "batch": batch, "crop_px": CROP, "mean_jpeg_kb": float(np.mean([len(p) for p in photos])) / 1e3,
         "decoder": {str(w): {"images_per_s": median(per_workers[w]), "per_core_over_pillow": median(per_core[w])}
                     for w in workers}}
-    log.info("photo decode per core: %s; Pillow alone %.0f img/s on one core", json.dumps(parts["decoder"]),
-             parts["pillow_one_core_images_per_s"])
+    log.info("photo decode per core: %s; Pillow alone %.0f img/s on one core, %.0f on all %d at once",
+             json.dumps(parts["decoder"]), parts["pillow_one_core_images_per_s"],
+             parts["pillow_every_core_images_per_s"], all_cores)
     figure, one = median(per_core[all_cores]), median(per_core[1])
     note = ("" if figure >= 0.9 or all_cores == 1 else
             f"one worker decodes at {one:.2f} of Pillow per core; with {all_cores} workers on {all_cores} cores the "
-            "rank's own work (each batch's bytes into the ring, its pixels out) takes a share of the same cores")
+            "rank's own work (each batch's bytes into the ring, its pixels out) takes a share of the same cores, and "
+            f"the host's cores decode {parts['pillow_every_core_per_core_over_one']:.2f} of one core's rate each when "
+            "all decode at once (Pillow alone, pillow_every_core_per_core_over_one)")
+    every_note = ("" if median(over_every) >= 0.9 or all_cores == 1 else
+                  "the rank's own work (each batch's bytes into the ring, its pixels out) takes a share of the "
+                  "cores the workers decode on")
     return [Result("cpu_photos_decode_per_core", IMAGENET_DATASET, figure, parts, len(per_core[all_cores]),
-                   per_core[all_cores], note=note)]
+                   per_core[all_cores], note=note),
+            Result("cpu_photos_decode_over_pillow_every_core", IMAGENET_DATASET, median(over_every),
+                   {k: parts[k] for k in ("pillow_every_core_images_per_s", "cores", "photos", "batch")}
+                   | {"decoder_images_per_s": parts["decoder"][str(all_cores)]["images_per_s"]},
+                   len(over_every), over_every, note=every_note)]

@@ -118,24 +118,59 @@ def train_contents(data, count: int) -> List[Tuple[bytes, str, int]]:
     return out[:count]
 
 
-def pillow_images_per_s(contents: List[bytes], channels: int = 3) -> float:
-    """The reference: a plain Pillow decode loop on one thread (open, decode, convert to the channels' mode), images/s.
-    No crop or resize: what one core decodes when it does nothing else."""
+def _pillow_decode(contents: List[bytes], channels: int) -> None:
+    """The plain Pillow loop: open, decode, convert to the channels' mode; no crop or resize."""
     import io
 
     from PIL import Image
 
     mode = "L" if channels == 1 else "RGB"
+    for content in contents:
+        with Image.open(io.BytesIO(content)) as img:
+            img.convert(mode).load()
 
-    def decode(batch: List[bytes]) -> None:
-        for content in batch:
-            with Image.open(io.BytesIO(content)) as img:
-                img.convert(mode).load()
 
-    decode(contents[:8])  # Pillow's plugins loaded, as the decoder's warm-up does
+def pillow_images_per_s(contents: List[bytes], channels: int = 3) -> float:
+    """The reference: a plain Pillow decode loop on one thread, images/s: what one core decodes when it does nothing
+    else."""
+    _pillow_decode(contents[:8], channels)  # Pillow's plugins loaded, as the decoder's warm-up does
     t0 = time.perf_counter()
-    decode(contents)
+    _pillow_decode(contents, channels)
     return len(contents) / (time.perf_counter() - t0)
+
+
+def _pillow_timed(contents: List[bytes], channels: int, barrier, out) -> None:
+    """In one of `pillow_every_core_images_per_s`' processes: warm up, wait for the others, time one loop."""
+    _pillow_decode(contents[:8], channels)
+    barrier.wait()
+    t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+    _pillow_decode(contents, channels)
+    out.put((t0, time.monotonic()))
+
+
+def pillow_every_core_images_per_s(contents: List[bytes], processes: int, channels: int = 3,
+                                   timeout_s: float = 600.0) -> float:
+    """The same plain Pillow loop in `processes` processes at once (one per core), all of `contents` each, started
+    together: their images over the time from the first start to the last end. What the host's cores decode when all
+    of them decode at once (shared caches, memory bandwidth, a VM's cores that are another's hyperthreads), the
+    reference a decoder using every core can be held to."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_pillow_timed, args=(contents, channels, barrier, out), daemon=True)
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        times = [out.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    wall = max(t1 for _, t1 in times) - min(t0 for t0, _ in times)
+    return processes * len(contents) / wall
 
 
 def decoder_images_per_s(rows: List[Tuple[bytes, str, int]], size: int, channels: int, seed: int = 0) -> float:

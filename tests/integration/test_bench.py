@@ -21,7 +21,7 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
           "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step",
-          "cpu_decode_large_photo_speedup", "cpu_photos_decode_per_core"]
+          "cpu_decode_large_photo_speedup", "cpu_photos_decode_per_core", "cpu_photos_decode_over_pillow_every_core"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
@@ -183,7 +183,7 @@ def test_bench_photo_decode_quick(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["only"] == ["photo_decode"] and report["datasets"] == {}
-    r, per_core = report["results"]
+    r, per_core, every = report["results"]
     p = r["parts"]
     assert r["name"] == "cpu_decode_large_photo_speedup" and r["dataset"] == "photos_4032x3024"
     assert r["repeats"] == 2 and len(r["per_repeat"]) == 2 and math.isfinite(r["ratio"]) and r["ratio"] > 0
@@ -199,6 +199,12 @@ def test_bench_photo_decode_quick(tmp_path: Path):
     assert set(p["decoder"]) == {"1", str(p["cores"])}, p
     assert all(d["images_per_s"] > 0 and d["per_core_over_pillow"] > 0 for d in p["decoder"].values())
     assert per_core["ratio"] == p["decoder"][str(p["cores"])]["per_core_over_pillow"]
+    # the same decoder against Pillow run on every core at once: the host's own scaling beside it
+    assert p["pillow_every_core_images_per_s"] > 0 and p["pillow_every_core_per_core_over_one"] > 0
+    assert every["name"] == "cpu_photos_decode_over_pillow_every_core" and every["target"] == 0.9
+    assert len(every["per_repeat"]) == 2 and every["parts"]["cores"] == p["cores"]
+    assert every["parts"]["decoder_images_per_s"] == p["decoder"][str(p["cores"])]["images_per_s"]
+    assert every["ratio"] > 0 and math.isfinite(every["ratio"])
 
 
 @pytest.mark.timeout(600)
