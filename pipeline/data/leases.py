@@ -12,10 +12,16 @@ lock either sees the lease, or has finished deleting before the job reads the ma
 The driver holds it until training ends (the ranks read the entry meanwhile) and rewrites it every `RENEW_S` seconds.
 
 A holder that is gone does not block forever (`stale_reason`, one rule per case):
-  - on this host (same host name and boot): the lease is live while its pid runs and started when the lease says (a
-    reused pid is not the holder);
+  - on this host (same host name and boot) and in this process's PID namespace: the lease is live while its pid runs
+    and started when the lease says (a reused pid is not the holder);
   - on another host, whose pids cannot be checked from here: the lease is live while it was renewed in the last
     `STALE_S` seconds (15 min: 15 missed renewals, and much more than the clock skew between hosts under NTP);
+  - on this host but in another PID namespace (containers or Kubernetes pods sharing the host's network and boot id,
+    each with pids of its own), or one that cannot be compared because ours is unknown: its pid means nothing here
+    (gone, or another process's), so the lease is judged as another host's, by its renewals;
+  - a lease without a namespace (written before leases recorded it, or where /proc/self/ns/pid cannot be read) keeps
+    the older rule: judged by its pid on this host. A dead holder's lease then goes at once, as it did; the cost is
+    that such a lease from another namespace is still misjudged, until every job on the host records its namespace;
   - an unreadable lease file counts as another host's lease renewed at the file's modification time.
 A stale lease is deleted by the deleter that finds it, under the lock.
 
@@ -60,6 +66,7 @@ class Holder:
     host: str
     boot_id: Optional[str] = None
     pid_start: Optional[int] = None  # the process's start time (clock ticks after boot, /proc/<pid>/stat)
+    pid_ns: Optional[str] = None  # the process's PID namespace ("pid:[4026531836]"); None: unknown, or an old lease
     taken: float = 0.0
     renewed: float = 0.0
     file: str = ""
@@ -87,6 +94,18 @@ def this_host() -> Tuple[str, Optional[str]]:
     return socket.gethostname(), _read_first_line("/proc/sys/kernel/random/boot_id")
 
 
+def this_pid_ns() -> Optional[str]:
+    """This process's PID namespace as /proc names it ("pid:[4026531836]"), None where it cannot be read (no /proc).
+
+    Processes on one host and boot in different namespaces (containers, pods with `hostNetwork: true`) share the host
+    name and boot id, not pids: a pid is checked from here only when its lease names this namespace. Read on every
+    call, not cached: a child forked after `unshare(CLONE_NEWPID)` is in another namespace than its parent."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def process_start(pid: int) -> Optional[int]:
     """The start time of process `pid` (clock ticks after boot), None where /proc cannot tell."""
     line = _read_first_line(f"/proc/{pid}/stat")
@@ -111,14 +130,26 @@ def pid_alive(pid: int, start: Optional[int]) -> bool:
     return start is None or now_start is None or now_start == start
 
 
+_OURS: Any = object()  # stale_reason's default namespace: this process's, read when called
+
+
 def stale_reason(holder: Holder, now: float, host: str, boot_id: Optional[str],
-                 alive: Callable[[int, Optional[int]], bool] = pid_alive) -> Optional[str]:
-    """Why the lease's holder is gone, or None while it is live (the rules in the module's docstring)."""
+                 alive: Callable[[int, Optional[int]], bool] = pid_alive, pid_ns: Any = _OURS) -> Optional[str]:
+    """Why the lease's holder is gone, or None while it is live (the rules in the module's docstring).
+
+    `pid_ns` is this process's PID namespace (`this_pid_ns()` when not given; None: unknown)."""
     if holder.host == host:
         if holder.boot_id and boot_id and holder.boot_id != boot_id:
             return f"host {host} has restarted since pid {holder.pid} took the lease"
-        if not alive(holder.pid, holder.pid_start):
-            return f"pid {holder.pid} no longer runs on host {host}"
+        ours = this_pid_ns() if pid_ns is _OURS else pid_ns
+        if holder.pid_ns is None or (ours is not None and holder.pid_ns == ours):
+            if not alive(holder.pid, holder.pid_start):
+                return f"pid {holder.pid} no longer runs on host {host}"
+            return None
+        age = now - holder.renewed  # another PID namespace (or ours unknown): its pid cannot be checked from here
+        if age > STALE_S:
+            return (f"pid {holder.pid} of PID namespace {holder.pid_ns} on host {host} (ours: {ours or 'unknown'}) "
+                    f"has not renewed it for {age:.0f} s (> {STALE_S:.0f} s)")
         return None
     age = now - holder.renewed
     if age > STALE_S:
@@ -222,10 +253,11 @@ def live_holders(fs, root: str, prune: bool = False, now: Optional[float] = None
     """The live leases by entry key; with `prune` (under the cache's lock) stale lease files are deleted, logged."""
     now = time.time() if now is None else now
     host, boot_id = this_host()
+    pid_ns = this_pid_ns()
     live: Dict[str, List[Holder]] = {}
     for key, holders in read_holders(fs, root).items():
         for h in holders:
-            reason = stale_reason(h, now, host, boot_id)
+            reason = stale_reason(h, now, host, boot_id, pid_ns=pid_ns)
             if reason is None:
                 live.setdefault(key, []).append(h)
             elif prune:
@@ -287,7 +319,7 @@ class JobLeases:
         now = time.time()
         safe_host = "".join(c if c.isalnum() or c in "-_." else "_" for c in host)
         holder = Holder(key=key, job=self.job, pid=pid, host=host, boot_id=boot_id, pid_start=process_start(pid),
-                        taken=now, renewed=now,
+                        pid_ns=this_pid_ns(), taken=now, renewed=now,
                         file=f"{_key_dir(root, key)}/{safe_host}--{pid}--{uuid.uuid4().hex[:8]}.json")
         with cache_lock(fs, root):
             write_lease(fs, holder)

@@ -16,12 +16,14 @@ from pipeline.data.leases import Holder, JobLeases, cache_lock, live_holders, re
 from pipeline.data.shards import FORMAT_VERSION, ConversionError
 
 HOST, BOOT = leases.this_host()
+NS = leases.this_pid_ns()  # this process's PID namespace, "pid:[...]" on Linux
+OTHER_NS = "pid:[1]"  # no real namespace has inode 1: another container's or pod's on this host
 FS = pafs.LocalFileSystem()
 
 
 def _holder(**kw) -> Holder:
     base = dict(key="k", job="train", pid=os.getpid(), host=HOST, boot_id=BOOT,
-                pid_start=leases.process_start(os.getpid()), taken=1000.0, renewed=1000.0)
+                pid_start=leases.process_start(os.getpid()), pid_ns=NS, taken=1000.0, renewed=1000.0)
     return Holder(**{**base, **kw})
 
 
@@ -55,6 +57,76 @@ def test_another_hosts_lease_lives_while_renewed():
     assert stale_reason(other, 1000.0 + leases.STALE_S - 1, HOST, BOOT) is None
     reason = stale_reason(other, 1000.0 + leases.STALE_S + 5, HOST, BOOT)
     assert reason is not None and "elsewhere" in reason and "not renewed" in reason
+
+
+# --- PID namespaces: containers or pods on one host, sharing its name and boot id, not its pids ------------
+
+def _never_asked(pid, start):
+    raise AssertionError(f"pid {pid} of another PID namespace was checked in this one")
+
+
+def test_another_pid_namespaces_lease_lives_while_renewed_whatever_its_pid_is_here():
+    assert NS is not None and NS.startswith("pid:[")  # Linux /proc
+    dead = _holder(pid=_dead_pid(), pid_start=None, pid_ns=OTHER_NS)  # its pid runs in its own namespace
+    fresh = 1000.0 + leases.STALE_S - 1
+    assert stale_reason(dead, fresh, HOST, BOOT) is None  # the real pid check, from this namespace: not consulted
+    assert stale_reason(dead, fresh, HOST, BOOT, alive=_never_asked, pid_ns=NS) is None
+    reason = stale_reason(dead, 1000.0 + leases.STALE_S + 5, HOST, BOOT, alive=_never_asked, pid_ns=NS)
+    assert reason is not None and "not renewed" in reason and OTHER_NS in reason and HOST in reason
+    # nor does a pid that runs here (another process, reusing its number) keep a lease its holder stopped renewing
+    reused = _holder(pid=os.getpid(), pid_ns=OTHER_NS)
+    assert stale_reason(reused, 1000.0 + leases.STALE_S + 5, HOST, BOOT) is not None
+    # ours unknown (no /proc/self/ns here): a lease naming a namespace cannot be compared, so judged by its renewals
+    assert stale_reason(dead, fresh, HOST, BOOT, alive=_never_asked, pid_ns=None) is None
+    assert stale_reason(dead, 1000.0 + leases.STALE_S + 5, HOST, BOOT, alive=_never_asked, pid_ns=None) is not None
+
+
+def test_this_pid_namespaces_lease_keeps_the_pid_check():
+    dead = _dead_pid()
+    renewed_now = _holder(pid=dead, pid_start=None, renewed=5000.0)
+    assert stale_reason(renewed_now, 5000.0, HOST, BOOT) == f"pid {dead} no longer runs on host {HOST}"
+    asked = []
+    assert stale_reason(_holder(), 1000.0 + 10 * leases.STALE_S, HOST, BOOT,
+                        alive=lambda pid, start: asked.append(pid) or True, pid_ns=NS) is None
+    assert asked == [os.getpid()]
+    assert stale_reason(_holder(), 1001.0, HOST, BOOT, alive=lambda pid, start: False, pid_ns=NS) is not None
+
+
+def test_an_old_lease_file_without_a_namespace_still_reads_and_is_judged_by_its_pid(tmp_path):
+    """Lease files written before leases recorded the PID namespace: read as before, pid_ns None, and (the documented
+    choice) judged by their pid on this host, as they were."""
+    root = str(tmp_path)
+    folder = tmp_path / ".leases" / "a"
+    folder.mkdir(parents=True)
+    dead = _dead_pid()
+    for name, pid in (("live", os.getpid()), ("dead", dead)):
+        (folder / f"{HOST}--{pid}--{name}.json").write_text(json.dumps(
+            {"key": "a", "job": f"old {name}", "pid": pid, "host": HOST, "boot_id": BOOT, "pid_start": None,
+             "taken": 1000.0, "renewed": time.time()}))
+    got = {h.job: h for h in read_holders(FS, root)["a"]}
+    assert set(got) == {"old live", "old dead"} and all(h.pid_ns is None for h in got.values())
+    reason = stale_reason(got["old dead"], time.time(), HOST, BOOT, pid_ns=NS)
+    assert reason == f"pid {dead} no longer runs on host {HOST}"
+    with cache_lock(FS, root):
+        assert [h.job for h in live_holders(FS, root, prune=True)["a"]] == ["old live"]
+
+
+def test_a_live_lease_of_another_pid_namespace_survives_a_prune_and_a_new_lease_records_ours(tmp_path):
+    root = str(tmp_path)
+    pod = _holder(key="a", job="train in another pod", pid=_dead_pid(), pid_start=None, pid_ns=OTHER_NS,
+                  renewed=time.time(), file=f"{root}/.leases/a/{HOST}--7--pod.json")
+    leases.write_lease(FS, pod)
+    with cache_lock(FS, root):
+        assert [h.job for h in live_holders(FS, root, prune=True)["a"]] == ["train in another pod"]
+    assert os.path.exists(pod.file)
+    with JobLeases("train") as job:
+        mine = job.take(FS, root, "b")
+        assert mine.pid_ns == NS and json.loads(open(mine.file).read())["pid_ns"] == NS
+    pod.renewed = time.time() - leases.STALE_S - 60  # its pod stopped renewing: gone
+    leases.write_lease(FS, pod)
+    with cache_lock(FS, root):
+        assert live_holders(FS, root, prune=True) == {}
+    assert not os.path.exists(pod.file)
 
 
 # --- lease files -------------------------------------------------------------------------------------
