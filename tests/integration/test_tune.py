@@ -152,8 +152,10 @@ def test_resume_after_kill_runs_only_missing_trials(spark, digits_table, tmp_pat
 
     space = tmp_path / "lr.yaml"
     space.write_text("params:\n  model.lr: {type: float, low: 0.01, high: 0.1, log: true}\n")
+    # 4 epochs: the sweep is killed after trial 1's first epoch, with 3 more left to see that (a loaded machine's
+    # poll can lag by an epoch of the digits; with 2 epochs the trial could end before the kill)
     overrides = _overrides(tmp_path, digits_table, "tune.study=resumable", "tune.sampler=random",
-                           "tune.pruner=none", "tune.heartbeat_s=1")
+                           "tune.pruner=none", "tune.heartbeat_s=1", "train.max_epochs=4")
     log_path = tmp_path / "sweep.log"
     with open(log_path, "wb") as log_fh:
         proc = subprocess.Popen(cli("tune", "--conf", str(ROOT / "conf/local.yaml"), "--space", str(space),
