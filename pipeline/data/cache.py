@@ -3,7 +3,8 @@
 An entry is ``<data.cache_dir>/<key>/`` holding ``lakehouse-cache-entry.json`` (the marker, written before anything
 else: `mark_entry`), a conversion's ``run-*/train/`` and ``run-*/val/`` Parquet files and ``manifest.json``, written
 last and naming its run: an entry without a manifest is incomplete and is rebuilt. An entry's size is its whole folder
-(`entry_bytes`): the run folders of earlier or concurrent conversions the manifest does not name count too. Only a
+(`entry_bytes`): the run folders of earlier or concurrent conversions the manifest does not name count too, and so does
+an incomplete entry's folder (listed with its size, counted against the bound, never evicted by it). Only a
 folder carrying the marker is an entry: listing, the size bound and `clear` never touch anything else in
 `data.cache_dir` (a shared folder may hold Delta tables and checkpoints). The key is a hash of everything that decides
 the files' content, so a later job (or a tuning trial, or another process) on the same pinned table reuses them.
@@ -139,7 +140,8 @@ def entry_bytes(url: str, manifest: Dict[str, Any]) -> int:
     """What entry `url` takes on storage: the files its manifest lists (at the sizes written) and every other file in
     its folder, the marker, the manifest and above all a `run-*` folder the manifest does not name (a conversion that
     failed midway and was retried leaves the finished part files of the first run; of two jobs converting the entry at
-    once the last manifest wins, and the other run stays).
+    once the last manifest wins, and the other run stays). An incomplete entry (no manifest: `manifest` is {}) is the
+    files in its folder.
 
     Such a folder is counted (against `data.cache_max_gb`, in `lakehouse cache ls`), never deleted but with its entry:
     a run folder no manifest names may be another job's conversion still writing, and nothing tells it from a
@@ -194,9 +196,9 @@ def list_entries(cache_dir: str, holders: Optional[Dict[str, List[Any]]] = None,
             continue
         held_by = [h.public() for h in holders.get(info.base_name, [])]
         manifest = read_manifest(url)
-        if manifest is None:
-            out.append({"key": info.base_name, "url": url, "complete": False, "bytes": None, "last_used": None,
-                        "held_by": held_by})
+        if manifest is None:  # a conversion under way, or one that died: its folder's files count all the same
+            out.append({"key": info.base_name, "url": url, "complete": False, "bytes": entry_bytes(url, {}),
+                        "last_used": None, "held_by": held_by})
             continue
         inputs = manifest.get("inputs", {})
         out.append({"key": info.base_name, "url": url, "complete": True, "bytes": entry_bytes(url, manifest),
@@ -265,17 +267,20 @@ def clear(cache_dir: str, keys: Optional[Iterable[str]] = None, force: bool = Fa
 
 def enforce_bound(cache_dir: str, max_gb: float, keep: str) -> List[str]:
     """Evict least recently used complete entries until the cache holds at most `max_gb`; never `keep`, never an entry
-    a live job holds (the cache then stays above the bound, logged with the holders)."""
+    a live job holds (the cache then stays above the bound, logged with the holders). Incomplete entries count towards
+    the bound but are never evicted by it: one may be another job's conversion still writing (a job without leases
+    holds none); `lakehouse cache clear` deletes them."""
     if max_gb <= 0:
         return []
     fs, path = filesystem(cache_dir)
     evicted: List[str] = []
     with cache_lock(fs, path):
         holders = live_holders(fs, path, prune=True)
-        entries = [e for e in list_entries(cache_dir, holders) if e["complete"]]
+        entries = list_entries(cache_dir, holders)
         total = sum(e["bytes"] for e in entries)
+        incomplete = [e for e in entries if not e["complete"]]
         in_use = []
-        for entry in reversed(entries):  # least recently used first
+        for entry in reversed([e for e in entries if e["complete"]]):  # least recently used first
             if total <= max_gb * 2 ** 30:
                 break
             if entry["key"] == keep:
@@ -293,4 +298,10 @@ def enforce_bound(cache_dir: str, max_gb: float, keep: str) -> List[str]:
             log.warning("the converted-data cache holds %.2f GB, above data.cache_max_gb=%g: entries in use are kept "
                         "(%s)", total / 2 ** 30, max_gb,
                         "; ".join(f"{k} by {', '.join(h.describe() for h in holders[k])}" for k in in_use))
+        if total > max_gb * 2 ** 30 and incomplete:
+            log.warning("the converted-data cache holds %.2f GB, above data.cache_max_gb=%g, with %d incomplete "
+                        "entr%s (no %s: a conversion still writing, or one that died), never evicted by the bound: "
+                        "%s; `lakehouse cache clear --key K` deletes one no job is writing", total / 2 ** 30, max_gb,
+                        len(incomplete), "y" if len(incomplete) == 1 else "ies", MANIFEST,
+                        ", ".join(f"{e['key']} ({e['bytes'] / 2 ** 20:.1f} MB)" for e in incomplete))
     return evicted

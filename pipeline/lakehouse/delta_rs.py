@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -15,6 +16,27 @@ from pipeline.lakehouse.delta_files import log_file_uri
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
+
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder name of a null partition value
+_HIVE_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+
+
+def hive_unescape(name: str) -> str:
+    """A Hive-style folder name's text: Spark escapes '%', '#', ':', '/', '=' and a few more of a partition column's
+    name or value as %XX (ExternalCatalogUtils.escapePathName), and this undoes it (its unescapePathName)."""
+    return _HIVE_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), name)
+
+
+def hive_partition_values(rel_dir: str) -> Dict[str, Optional[str]]:
+    """The partition values of the files in `rel_dir`, a folder of Spark's partitioned write (relative to the write's
+    root, e.g. `source=50%25/day=2024-01-01 10%3A00%3A00`), unescaped as the Delta log keeps them ("50%"); a null
+    is None."""
+    parts: Dict[str, Optional[str]] = {}
+    for seg in rel_dir.split(os.sep):
+        if "=" in seg:
+            k, v = seg.split("=", 1)
+            parts[hive_unescape(k)] = None if v == HIVE_NULL else hive_unescape(v)
+    return parts
 
 
 class DeltaRsEngine(DeltaEngine):
@@ -187,12 +209,10 @@ class DeltaRsEngine(DeltaEngine):
                 meta = pq.read_metadata(full)
                 if arrow_schema is None:
                     arrow_schema = meta.schema.to_arrow_schema()
+                # the real path on disk: delta-rs URL-encodes an add's path as it writes the log (a folder
+                # `source=50%25` is `source=50%2525` there), so an encoded one here would be encoded twice
                 rel = os.path.relpath(full, root)
-                parts = {}
-                for seg in os.path.relpath(dirpath, target).split(os.sep):
-                    if "=" in seg:
-                        k, v = seg.split("=", 1)
-                        parts[k] = None if v == "__HIVE_DEFAULT_PARTITION__" else v
+                parts = hive_partition_values(os.path.relpath(dirpath, target))
                 adds.append(AddAction(rel, os.path.getsize(full), parts, now_ms, True,
                                       json.dumps({"numRecords": meta.num_rows})))
         if arrow_schema is None:

@@ -90,3 +90,39 @@ def test_a_run_being_written_is_never_removed(tmp_path):
         assert _bytes(cache_dir, "busy") == _on_disk(folder)
     assert cache.clear(cache_dir, ["busy"])["cleared"] == ["busy"]  # released: it goes, all its runs with it
     assert not folder.exists()
+
+
+def _incomplete(cache_dir: str, key: str, part_bytes: int) -> Path:
+    """An entry whose conversion died (or still writes): marked, a finished part file and a temporary, no manifest."""
+    url = cache.entry_url(cache_dir, key)
+    cache.mark_entry(url)
+    folder = Path(url[len("file://"):])
+    _write(folder / "run-x" / "train" / "part-00000.parquet", part_bytes)
+    _write(folder / "run-x" / "train" / ".part-00001.parquet.0-abcdef.tmp", part_bytes)
+    return folder
+
+
+def test_an_incomplete_entry_is_listed_with_its_folders_size(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    folder = _incomplete(cache_dir, "died", 300 * KB)
+    [entry] = cache.list_entries(cache_dir)
+    assert (entry["key"], entry["complete"]) == ("died", False)
+    assert entry["bytes"] == _on_disk(folder) > 600 * KB
+    _write(folder / "run-x" / "val" / "part-00000.parquet", 100 * KB)  # still writing: the size follows
+    assert _bytes(cache_dir, "died") == _on_disk(folder)
+
+
+def test_the_size_bound_counts_an_incomplete_entry_and_never_evicts_it(tmp_path, caplog):
+    """Two complete entries of 200 KB and an incomplete one of 2 MB, under a 1.5 MB bound: the complete ones alone fit,
+    but with the incomplete one counted the least recently used complete entry (not `keep`) is evicted; the
+    incomplete one stays (another job may be writing it), named in a warning as what keeps the cache above."""
+    cache_dir = str(tmp_path / "cache")
+    old = _entry(cache_dir, "old", "run-a", 100 * KB, 1000.0)
+    new = _entry(cache_dir, "new", "run-b", 100 * KB, 2000.0)
+    writing = _incomplete(cache_dir, "writing", 1024 * KB)
+    assert cache.enforce_bound(cache_dir, 1.5 / 1024, keep="new") == ["old"]
+    assert not old.exists() and new.exists() and writing.exists()
+    assert {(e["key"], e["complete"]) for e in cache.list_entries(cache_dir)} == {("new", True), ("writing", False)}
+    assert "writing (2.0 MB)" in caplog.text and "1 incomplete entry" in caplog.text
+    assert cache.enforce_bound(cache_dir, 1e-9, keep="new") == []  # nothing left it may evict
+    assert writing.exists()

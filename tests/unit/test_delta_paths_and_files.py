@@ -167,3 +167,18 @@ def test_an_encoded_rows_bytes_are_the_whole_files_bytes_over_both_splits_rows()
         train.append(rows[rows % 5 != 0])
     data = plan_direct(pinned, SplitIndex(train=train, val=val, split_key="path", val_fraction=0.2), 2, 4)
     assert data.train.encoded_row_bytes() == data.val.encoded_row_bytes() == 100  # 20,000 bytes over 200 rows
+
+
+@pytest.mark.parametrize("folder, want", [
+    ("source=cam 1", {"source": "cam 1"}),  # a space is not escaped (but on Windows)
+    ("source=50%25", {"source": "50%"}),
+    ("source=100%25 a%23b%3Ac d", {"source": "100% a#b:c d"}),
+    ("source=x%2Fy%3Dz/day=2024-01-01 10%3A00%3A00", {"source": "x/y=z", "day": "2024-01-01 10:00:00"}),
+    ("a%3Db=é ü", {"a=b": "é ü"}),
+    ("source=__HIVE_DEFAULT_PARTITION__", {"source": None}),
+    (".", {}),
+])
+def test_a_spark_partition_folder_gives_the_delta_logs_unescaped_values(folder, want):
+    from pipeline.lakehouse.delta_rs import hive_partition_values
+
+    assert hive_partition_values(folder) == want
