@@ -108,21 +108,39 @@ def _rule_words(conditions: Tuple[HoldOut, ...], split: str) -> str:
 
 
 def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split: str) -> HeldOutRows:
-    from pipeline.lakehouse.delta import DeltaRsEngine
+    """The version's rows from its data files as its log lists them, a partition column's value taken from the log
+    (delta-rs's own dataset cannot be opened on a partitioned table with the pyarrow of the classic profile)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    dataset = DeltaRsEngine()._open(table, int(version)).to_pyarrow_dataset()
-    missing = [c for c in GATE_COLUMNS if c not in dataset.schema.names]
+    from pipeline.lakehouse.delta import DeltaRsEngine
+    from pipeline.lakehouse.delta_files import arrow_filesystem
+
+    dt, groups, _ = DeltaRsEngine()._snapshot(table, int(version))
+    names = pa.schema(dt.schema().to_arrow()).names
+    missing = [c for c in GATE_COLUMNS if c not in names]
     if missing:
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
-                            f"{', '.join(missing)}; it has {dataset.schema.names}")
+                            f"{', '.join(missing)}; it has {names}")
     by_content = any(c.split_key == "content" for c in conditions)
+
+    def batches(columns: List[str], size: int) -> Iterator[dict]:
+        """Each record batch of the version's files as {column: values}, in the log's order of its files."""
+        for key, files in groups.items():
+            fixed = {c: v for c, v in key if c in columns}  # a partition column: one value for the whole group
+            read = [c for c in columns if c not in fixed]
+            for uri in files:
+                fs, path = arrow_filesystem(uri)
+                with fs.open_input_file(path) as fh:
+                    for batch in pq.ParquetFile(fh).iter_batches(batch_size=size, columns=read):
+                        cols = {c: batch.column(c).to_pylist() for c in read}
+                        yield {**cols, **{c: [v] * batch.num_rows for c, v in fixed.items()}}
 
     def scan(size: int, with_content: bool) -> Iterator[Chunk]:
         columns = ["path", "label"] + (["content"] if with_content else [])
-        for batch in dataset.to_batches(columns=columns, batch_size=size):
-            paths = batch.column("path").to_pylist()
-            labels = batch.column("label").to_pylist()
-            contents = batch.column("content").to_pylist() if with_content else [None] * len(paths)
+        for batch in batches(columns, size):
+            paths, labels = batch["path"], batch["label"]
+            contents = batch["content"] if with_content else [None] * len(paths)
             keep = [i for i, p in enumerate(paths) if p is not None and in_split(split, conditions, p, contents[i])]
             if keep:
                 yield ([contents[i] for i in keep], [None if labels[i] is None else str(labels[i]) for i in keep])

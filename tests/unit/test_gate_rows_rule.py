@@ -96,3 +96,29 @@ def test_tables_compared_by_what_they_are_not_how_they_are_spelled(tmp_path, mon
     assert comparable("m", a, _mv("2", delta_table=str(tmp_path / "work/delta/t"), delta_version="5")) is None
     why = comparable("m", a, _mv("2", delta_table="/mnt/b/delta/t", delta_version="3"))
     assert why.startswith("refused") and "/mnt/b/delta/t" in why and "work/delta/t" in why
+
+
+@pytest.mark.parametrize("by", ["label", "camera"])
+def test_the_gate_reads_a_partitioned_tables_rows_and_their_partition_values(tmp_path, by):
+    """A table partitioned by its label (a class per folder) or by another column (values needing URL-encoding):
+    the gate's rows are the version's every row under the rule, with the label a partition column gives, read in
+    bounded chunks. delta-rs's own dataset could not be opened on such a table with the classic profile's pyarrow."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from pipeline.tracking.heldout import held_out_rows
+
+    n = 300
+    rows = [(f"/mnt/a/img/{i}.png", f"image-{i}".encode(), f"class {i % 3}", ["cam 1", "50%", "a#b"][i % 3 > 0])
+            for i in range(n)]
+    write_deltalake(str(tmp_path / "t"), pa.table({
+        "path": [r[0] for r in rows], "content": [r[1] for r in rows], "label": [r[2] for r in rows],
+        "camera": [r[3] for r in rows]}), partition_by=[by])
+    rule = HoldOut(0.3, "path")
+    got = held_out_rows(str(tmp_path / "t"), 0, rule)
+    want = {(p, lab) for p, c, lab, _ in rows if in_split("val", (rule,), p, c)}
+    assert 0 < len(want) < n and sorted(got.labels) == sorted(lab for _, lab in want)
+    chunks = list(got.chunks(32))
+    assert all(0 < len(contents) <= 32 for contents, _ in chunks)
+    by_content = {c: lab for contents, labels in chunks for c, lab in zip(contents, labels)}
+    assert by_content == {c: lab for p, c, lab, _ in rows if (p, lab) in want}
