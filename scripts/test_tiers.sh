@@ -24,6 +24,12 @@
 #   VISION_TESTS="..."   the vision tier's test files (the Makefile's list)
 #   LAKEHOUSE_SETUP_INLINE=1   the classic set-up and whole suite first, then the other set-ups one after another
 #   LAKEHOUSE_SOAK_SHARES=N   the data-path tiers' CPU weight in the background (default 64; 0: in the foreground)
+#   LAKEHOUSE_TIER_TIMEOUT_S=N   each tier's wall-clock bound (default 3600; 0: none): a lane, the vision tier, a
+#     data-path tier (in the background too), the classic unit tests, the quiet phase; LAKEHOUSE_SETUP_INLINE's whole
+#     classic suite, one session, gets three times it. A tier past it is stopped (`timeout`: SIGTERM to its process
+#     group, SIGKILL LAKEHOUSE_TIER_KILL_AFTER_S later, default 30), said naming it and the bound, and fails the run.
+#     The longest tiers measured took ~1,900-2,000 s (docs/testing.md: lane A; modern's data-path tests in the
+#     background), more on a slower machine. A hung tier no longer holds the run until CI's own limit, naming nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MAKE=${MAKE:-make}
@@ -34,6 +40,76 @@ mkdir -p "$LOGS"
 # the cache (scripts/build_horovod.sh's lock). In the other order the modern set-up waited for that build with the
 # cores part idle (2026-11-28: the cores' idle time in the first 600 s rose from 61 to 178 core-seconds).
 TIERS=("vision:.venv-vision/.installed" "dbr-15.4:.venv-dbr154/.installed" "modern:.venv-modern/.installed")
+
+# Each tier runs under `bounded`: coreutils `timeout` in a process group of its own, so that a tier past
+# TIER_TIMEOUT_S is killed with all its processes (ones that made a session of their own, such as a test's server,
+# excepted). Being out of the terminal's group, a tier would miss a Ctrl-C or a SIGTERM sent to the run: `stop_tiers`
+# passes it on to every tier's group. TIER_STATE holds one file per running tier (named by its group), "timed-out"
+# (the tiers past the bound, for the summary) and "stop" (no tier starts once the run is stopping).
+TIER_TIMEOUT_S=${LAKEHOUSE_TIER_TIMEOUT_S:-3600}
+TIER_KILL_AFTER_S=${LAKEHOUSE_TIER_KILL_AFTER_S:-30}
+TIER_STATE=$PWD/$LOGS/tiers.$$
+soak=""
+for v in TIER_TIMEOUT_S TIER_KILL_AFTER_S; do
+  if ! [[ ${!v} =~ ^[0-9]+$ ]]; then
+    echo "== make test: LAKEHOUSE_$v=${!v} is not a whole number of seconds"
+    exit 2
+  fi
+done
+if [ "$TIER_TIMEOUT_S" -gt 0 ] && ! command -v timeout > /dev/null; then
+  echo "== make test: LAKEHOUSE_TIER_TIMEOUT_S=$TIER_TIMEOUT_S needs coreutils' timeout, not on PATH (0: no bound)"
+  exit 2
+fi
+rm -rf "$TIER_STATE"
+mkdir -p "$TIER_STATE"
+on_exit() {  # the soak cgroup (once its tiers ended) and this run's tier state
+  [ -z "$soak" ] || rmdir "$soak" 2>/dev/null
+  rm -rf "$TIER_STATE"
+}
+trap on_exit EXIT
+stop_tiers() {  # $1: the signal the run got: passed on to every running tier; then the run ends
+  local f groups=() pids
+  touch "$TIER_STATE/stop"
+  for f in "$TIER_STATE"/group-*; do
+    [ -e "$f" ] && groups+=("${f##*-}")
+  done
+  echo "== make test: stopped by SIG$1: passed on to the running tiers (${#groups[@]})"
+  [ ${#groups[@]} -eq 0 ] || kill -"$1" "${groups[@]}" 2>/dev/null  # each `timeout` passes it on to its group
+  # shellcheck disable=SC2206  # the lanes' and the background tiers' subshells, where they run
+  pids=(${lane_a:-} ${lane_b:-} ${soak_pid:-} "${groups[@]}")
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}" 2>/dev/null  # within TIER_KILL_AFTER_S: then `timeout` sends SIGKILL
+  for f in "${groups[@]}"; do  # what outlived its tier's command (`timeout` waits for that alone)
+    kill -KILL -- "-$f" 2>/dev/null
+  done
+  exit $((128 + $(kill -l "$1")))
+}
+for sig in INT TERM HUP; do
+  # shellcheck disable=SC2064  # the signal's name, now
+  trap "stop_tiers $sig" "$sig"
+done
+bounded() {  # $1 the tier's name, $2 its bound in seconds (0: none), then its command; returns its exit status
+  local name=$1 bound=$2 start pid rc
+  shift 2
+  [ ! -e "$TIER_STATE/stop" ] || return 143
+  if [ "$bound" -eq 0 ]; then
+    "$@"
+    return
+  fi
+  start=$(date +%s)
+  timeout --kill-after="$TIER_KILL_AFTER_S" "$bound" "$@" &  # `&` and `wait`: a signal to the run is taken at once
+  pid=$!
+  touch "$TIER_STATE/group-$pid"
+  wait "$pid"
+  rc=$?
+  rm -f "$TIER_STATE/group-$pid"
+  if [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( $(date +%s) - start )) -ge "$bound" ]; }; then
+    kill -KILL -- "-$pid" 2>/dev/null  # what outlived the tier in its group (timeout waits for its command alone)
+    echo "== $name: TIMED OUT after $bound s (LAKEHOUSE_TIER_TIMEOUT_S): its processes were killed; it fails the run"
+    echo "$name ($bound s)" >> "$TIER_STATE/timed-out"
+    return 124
+  fi
+  return $rc
+}
 
 setup_tiers() {  # each tier's set-up in turn: its make target's output in $LOGS/<tier>.log, its exit status in .rc
   for t in "${TIERS[@]}"; do
@@ -108,7 +184,7 @@ datapath_tiers() {  # the modern and dbr-15.4 profiles' data-path tests; each on
     rm -f "$LOGS/$name.test-rc"
     set_up "$name" || continue  # said in the summary by datapath_summary
     echo "== $name profile: data-path tests ($venv)"
-    "$venv/bin/python" -m pytest tests -m datapath -ra
+    bounded "$name" "$TIER_TIMEOUT_S" "$venv/bin/python" -m pytest tests -m datapath -ra
     echo $? > "$LOGS/$name.test-rc"
   done
 }
@@ -136,7 +212,8 @@ vision_tier() {
   if set_up vision; then
     echo "== vision tier: timm backbones (.venv-vision)"
     # shellcheck disable=SC2086  # the Makefile's list of files, split on spaces
-    .venv-vision/bin/python -m pytest ${VISION_TESTS:?set VISION_TESTS: the vision tier test files} -ra
+    bounded vision "$TIER_TIMEOUT_S" .venv-vision/bin/python -m pytest \
+      ${VISION_TESTS:?set VISION_TESTS: the vision tier test files} -ra
     rc=$?
     [ $rc -eq 0 ] || status=1
     summary="$summary; vision: pytest exit $rc"
@@ -183,9 +260,9 @@ if [ -n "$bg" ]; then
   lane() {  # $1: the lane's name, then its own files; its tests are those of its files whose file it claims first
     local name=$1
     shift
-    LAKEHOUSE_LANE_RECORD="$LANE_RECORD" LAKEHOUSE_LANE_CLAIMS="$LANE_CLAIMS" .venv/bin/python -m pytest \
-      "$@" "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra --durations=10 --junitxml="work/junit-lane-$name.xml" \
-      > "$LOGS/lane-$name.log" 2>&1
+    bounded "lane ${name^^}" "$TIER_TIMEOUT_S" env LAKEHOUSE_LANE_RECORD="$LANE_RECORD" \
+      LAKEHOUSE_LANE_CLAIMS="$LANE_CLAIMS" .venv/bin/python -m pytest "$@" "$BENCH_TESTS" "${LANE_TESTS[@]}" -ra \
+      --durations=10 --junitxml="work/junit-lane-$name.xml" > "$LOGS/lane-$name.log" 2>&1
   }
   lane a &
   lane_a=$!
@@ -193,10 +270,9 @@ if [ -n "$bg" ]; then
   echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s; lane B starts"
   lane b "${LANE_B_TESTS[@]}" &
   lane_b=$!
-  soak=$(soak_cgroup)
+  soak=$(soak_cgroup)  # on_exit removes it
   soak_pid=""
   if [ -n "$soak" ]; then
-    trap 'rmdir "$soak" 2>/dev/null' EXIT
     echo "== the modern and dbr-15.4 data-path tiers run in the background, beside the lanes and then the quiet" \
       "phase, at a low CPU weight (cpu.shares $SOAK_SHARES in $soak; output: $LOGS/datapath.log)"
     (
@@ -209,7 +285,7 @@ if [ -n "$bg" ]; then
   fi
   vision_tier
   echo "== classic: unit tests"
-  .venv/bin/python -m pytest tests/unit -ra
+  bounded "classic unit tests" "$TIER_TIMEOUT_S" .venv/bin/python -m pytest tests/unit -ra
   rc_unit=$?
   echo "== the other tiers and the unit tests ended ($(( $(date +%s) - t0 )) s in); waiting for the lanes"
   wait "$lane_a"
@@ -221,8 +297,8 @@ if [ -n "$bg" ]; then
     "tests run); their output:"
   cat "$LOGS/lane-a.log" "$LOGS/lane-b.log"
   echo "== classic: integration and multi-host tests (those the lanes did not run)"
-  LAKEHOUSE_LANE_DONE="$LANE_RECORD" .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 \
-    --junitxml=work/junit-classic.xml --ignore=tests/unit
+  bounded "classic quiet phase" "$TIER_TIMEOUT_S" env LAKEHOUSE_LANE_DONE="$LANE_RECORD" .venv/bin/python -m pytest \
+    tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml --ignore=tests/unit
   rc=$?
   [ $rc -ne 0 ] || rc=$rc_unit
   [ $rc -ne 0 ] || rc=$rc_lane
@@ -230,10 +306,11 @@ if [ -n "$bg" ]; then
     echo "== the quiet phase ended ($(( $(date +%s) - t0 )) s in); waiting for the data-path tiers"
     wait "$soak_pid"
     echo "== the data-path tiers ended ($(( $(date +%s) - t0 )) s in); their output:"
-    cat "$LOGS/datapath.log"  # the EXIT trap removes the cgroup
+    cat "$LOGS/datapath.log"  # on_exit removes the cgroup
   fi
 else
-  .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml
+  bounded classic $((3 * TIER_TIMEOUT_S)) .venv/bin/python -m pytest tests -ra --durations=40 --durations-min=20 \
+    --junitxml=work/junit-classic.xml
   rc=$?
 fi
 [ $rc -eq 0 ] || status=1
@@ -244,6 +321,12 @@ if [ -z "$bg" ]; then
   vision_tier
 fi
 datapath_summary
+if [ -s "$TIER_STATE/timed-out" ]; then  # each also failed its tier (exit 124) above
+  status=1
+  mapfile -t timed_out < "$TIER_STATE/timed-out"
+  joined=$(printf ', %s' "${timed_out[@]}")
+  summary="$summary; timed out (LAKEHOUSE_TIER_TIMEOUT_S): ${joined:2}"
+fi
 
 echo "== make test: $summary"
 exit $status

@@ -255,7 +255,7 @@ def _logged_model_of(client, run_id: str) -> Optional[str]:
 
     MLflow links a logged model to its run before it uploads the artifacts: one an earlier sync-run failed to upload
     (FAILED; PENDING where the process died) has none, so it is never taken: the model is logged again."""
-    from mlflow.entities import LoggedModelStatus  # local: mlflow (a sync-run's alone)
+    from pipeline.tracking.registry import logged_model_ready  # local: mlflow (a sync-run's alone)
 
     run = client.get_run(run_id)
     ready = []
@@ -263,7 +263,7 @@ def _logged_model_of(client, run_id: str) -> Optional[str]:
         model = client.get_logged_model(out.model_id)
         if model.name != MODEL_NAME:
             continue
-        if str(model.status) == str(LoggedModelStatus.READY):
+        if logged_model_ready(model):
             ready.append(model)
         else:
             log.warning("run %s has logged model %s (%r) in state %s: its upload did not complete; not resuming "

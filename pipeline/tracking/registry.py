@@ -33,6 +33,22 @@ def _model_id_of(model_uri: str) -> Optional[str]:
     return None
 
 
+def logged_model_ready(model: Any) -> bool:
+    """Whether MLflow logged model `model` is READY. MLflow links a logged model to its run before it uploads the
+    artifacts: one whose upload failed (FAILED) or never ended (PENDING: the process died) has none, cannot be loaded,
+    and is never registered or resumed from (pipeline.tracking.offline takes this check too)."""
+    return str(model.status) == str(LoggedModelStatus.READY)
+
+
+def _ready_logged_model(client: MlflowClient, model_id: str, model_uri: str, name: str, run_id: str) -> None:
+    """Refuse (RegistryError) to register logged model `model_id` unless it is READY (`logged_model_ready`)."""
+    model = client.get_logged_model(model_id)
+    if not logged_model_ready(model):
+        raise RegistryError(f"{model_uri}: logged model {model_id} of run {model.source_run_id or run_id} is "
+                            f"{model.status}, not READY (the artifact upload failed or never ended): not registered "
+                            f"as a version of {name!r}; log the model again")
+
+
 def _logged_model_for_runs_uri(client: MlflowClient, model_uri: str) -> Optional[str]:
     """`runs:/<run_id>/<name>` -> the id of the READY logged model named `name` that the run output (the highest
     step; of those, the last output), or None when the run output no model of that name.
@@ -51,7 +67,7 @@ def _logged_model_for_runs_uri(client: MlflowClient, model_uri: str) -> Optional
         model = client.get_logged_model(out.model_id)
         if model.name != name:
             continue
-        if str(model.status) != str(LoggedModelStatus.READY):
+        if not logged_model_ready(model):
             not_ready.append(f"{out.model_id} ({model.status})")
         elif best is None or out.step >= best[0]:
             best = (out.step, out.model_id)
@@ -68,7 +84,20 @@ def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str,
     Tags should carry run_id, delta_table, delta_version and the validation metric (e.g. val_acc),
     which the promotion gate reads. `metrics`: those of the epoch whose weights `model_uri` holds, which the
     version's description lists (None: the run's latest values). Returns the version (a string, e.g. "3").
+
+    Raises:
+        RegistryError: `model_uri` names a logged model (`models:/m-<id>`, or those through `runs:/<run_id>/<name>`)
+            not READY (FAILED or PENDING: its artifacts were never all uploaded; the message names it, its state and
+            its run): nothing is registered. Or registered model `name` cannot be created.
     """
+    model_id = _model_id_of(model_uri)
+    source = model_uri
+    if model_id is not None:
+        _ready_logged_model(client, model_id, model_uri, name, run_id)
+    elif model_uri.startswith("runs:/"):
+        model_id = _logged_model_for_runs_uri(client, model_uri)
+        if model_id is not None:
+            source = f"models:/{model_id}"
     try:
         client.create_registered_model(name)
         log.info("created registered model %r", name)
@@ -76,12 +105,6 @@ def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str,
         if "ALREADY_EXISTS" not in _error_code(exc):
             raise RegistryError(f"cannot create registered model {name!r}: {exc.message}") from exc
     all_tags = {"run_id": run_id, **{str(k): str(v) for k, v in (tags or {}).items()}}
-    model_id = _model_id_of(model_uri)
-    source = model_uri
-    if model_id is None and model_uri.startswith("runs:/"):
-        model_id = _logged_model_for_runs_uri(client, model_uri)
-        if model_id is not None:
-            source = f"models:/{model_id}"
     mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags,
                                      await_creation_for=0, model_id=model_id)
     mv = _wait_ready(client, name, mv, wait_s)

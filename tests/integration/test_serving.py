@@ -569,6 +569,7 @@ def test_gate_keeps_a_champion_that_cannot_be_loaded_and_names_it(registered, ro
     client.set_terminated(run.info.run_id)
     empty = mlflow.initialize_logged_model(name="model", source_run_id=run.info.run_id,
                                            experiment_id=run.info.experiment_id)  # no model files at all
+    client.finalize_logged_model(empty.model_id, "READY")  # READY yet without its files: PENDING is not registered
     v1 = register_model(client, f"models:/{empty.model_id}", name, run.info.run_id, {})
     client.set_registered_model_alias(name, "champion", v1)
     good, meta = load_network(pinned)

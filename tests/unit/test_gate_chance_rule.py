@@ -5,6 +5,7 @@ import math
 import mlflow
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.tracking.gate import clears_chance, decide, promote
@@ -129,6 +130,7 @@ def _version(client, exp_id, name):
     run_id = client.create_run(exp_id).info.run_id
     client.set_terminated(run_id)
     model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)  # as if uploaded: PENDING is refused
     return register_model(client, f"models:/{model.model_id}", name, run_id, {})
 
 

@@ -7,6 +7,7 @@ import math
 import mlflow
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 
 from pipeline.tracking.lease import LeaseTimes
 from pipeline.tracking.gate import LEASE_TAG, MAX_GATE_ROUNDS, PromotionDecision, decide, promote
@@ -97,10 +98,17 @@ def registry(tmp_path_factory):
         mlflow.set_tracking_uri(old)
 
 
+def _logged_model(client, run_id, exp_id, status=LoggedModelStatus.READY):
+    """A logged model of run `run_id` in state `status` (READY: as if its artifacts were uploaded; none are here)."""
+    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    client.finalize_logged_model(model.model_id, status)
+    return model
+
+
 def _version(client, exp_id, name, tags=None):
     run_id = client.create_run(exp_id).info.run_id
     client.set_terminated(run_id)
-    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    model = _logged_model(client, run_id, exp_id)
     return register_model(client, f"models:/{model.model_id}", name, run_id, tags or {})
 
 
@@ -331,7 +339,7 @@ def test_the_version_description_lists_the_metrics_of_the_registered_weights(reg
         client.log_metric(run_id, "val_loss", loss, step=step)
         client.log_metric(run_id, "val_acc", acc, step=step)
     client.set_terminated(run_id)
-    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    model = _logged_model(client, run_id, exp_id)
     version = register_model(client, f"models:/{model.model_id}", "described", run_id, {"val_acc": "0.91"},
                              metrics={"val_loss": 0.3, "val_acc": 0.91, "epoch_time_s": 1.0})
     description = client.get_model_version("described", version).description
@@ -347,7 +355,7 @@ def test_a_version_registered_with_no_known_metrics_lists_none_rather_than_the_r
     for step, acc in enumerate([0.91, 0.80]):
         client.log_metric(run_id, "val_acc", acc, step=step)
     client.set_terminated(run_id)
-    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id, experiment_id=exp_id)
+    model = _logged_model(client, run_id, exp_id)
     version = register_model(client, f"models:/{model.model_id}", "undescribed", run_id, {}, metrics={})
     description = client.get_model_version("undescribed", version).description
     assert "models:/undescribed/" in description and "**Metrics**" not in description
@@ -378,3 +386,23 @@ def test_an_alias_write_the_registry_refuses_leaves_the_version_registered_and_n
                 scorer=Scores({v1: 0.5, v2: 0.9}), lease=FAST_LEASE)
     assert "pw" not in str(err.value) and "failed" in client.get_model_version(name, v2).tags["gate_decision"]
     assert f"{LEASE_TAG}.champion" not in client.get_registered_model(name).tags  # the lease released
+
+
+@pytest.mark.parametrize("status", [LoggedModelStatus.FAILED, LoggedModelStatus.PENDING])
+def test_a_logged_model_whose_upload_failed_or_never_ended_is_refused_naming_it(registry, status):
+    """MLflow links a logged model to its run before it uploads the artifacts: a `models:/m-<id>` whose upload failed
+    (FAILED) or never ended (PENDING) cannot be loaded, so it is never registered (nor then promoted by the gate);
+    the error names the model, its state and its run. A READY one of the same run registers."""
+    client, exp_id = registry
+    name = f"not_ready_{status}".lower()
+    run_id = client.create_run(exp_id).info.run_id
+    client.set_terminated(run_id)
+    broken = _logged_model(client, run_id, exp_id, status)
+    with pytest.raises(RegistryError, match=rf"{broken.model_id} of run {run_id} is {status}, not READY") as err:
+        register_model(client, f"models:/{broken.model_id}", name, run_id, {"val_acc": "0.9"})
+    assert f"{name!r}" in str(err.value)
+    assert not client.search_model_versions(f"name = '{name}'")  # no version of it, so none for the gate
+    ready = _logged_model(client, run_id, exp_id)
+    version = register_model(client, f"models:/{ready.model_id}", name, run_id, {"val_acc": "0.9"})
+    mv = client.get_model_version(name, version)
+    assert mv.status == "READY" and mv.source == f"models:/{ready.model_id}" and mv.run_id == run_id
