@@ -105,6 +105,13 @@ def redact_url(text: Any) -> Any:
     return out
 
 
+def error_line(exc: BaseException, limit: int = 500) -> str:
+    """`Type: first line` of an exception (its first `limit` characters), URL passwords hidden: for text that goes
+    into a tag, a study or a one-line message."""
+    text = str(exc)
+    return redact_url(f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}")
+
+
 def redact_value(key: str, value: Any) -> Any:
     """The value to show for `key`: REDACTED when the key is a secret (None and '' stay), else `redacted`'s walk."""
     if is_secret_key(key):

@@ -31,7 +31,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import MlflowConfig
 from pipeline.lakehouse.split import held_out_by_all
 from pipeline.log import get_logger
-from pipeline.redact import redact_url
+from pipeline.redact import error_line, redact_url
 from pipeline.tracking.heldout import (HeldOutRows, Scorer, chance_level, chance_what, comparable, held_out_rows,
                                        holdout_of, pinned_data, score_on_rows, split_of)
 from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseOverrun, LeaseTimes
@@ -173,7 +173,7 @@ def _chain(holders: List[Optional[str]]) -> str:
 
 def _one_line(exc: BaseException) -> str:
     """The exception's first line, URL passwords hidden: it goes into a registry tag and the gate's reason."""
-    return redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:500] if str(exc) else ''}")
+    return error_line(exc, 500)
 
 
 def _where_alias_is(holder_now) -> str:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, TypeVar
 
 from pipeline.log import get_logger
-from pipeline.redact import redact_url
+from pipeline.redact import error_line, redact_url
 
 log = get_logger(__name__)
 
@@ -171,7 +171,7 @@ class Lease:
                     self.store.set(self.key, written)
                     took: Optional[float] = self._monotonic() - started
                 except Exception as exc:  # e.g. the SQLite store's upsert meeting a contender's insert: not claimed
-                    failed = redact_url(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+                    failed = error_line(exc, 300)
                     log.info("lease %s: the write was refused (%s); trying again", self.key, failed)
                     took = None
                 if took is None:

@@ -255,3 +255,13 @@ def test_mlflows_own_log_lines_and_its_run_url_print_are_kept_from_passwords(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     assert "s3cretPW" not in done.stderr + done.stdout
     assert "http://u:***@h:5000/api" in done.stderr and "suppressed True" in done.stdout
+
+
+def test_an_errors_one_line_keeps_its_type_and_first_line_and_hides_the_password():
+    from pipeline.redact import error_line
+
+    exc = ConnectionError("API request to http://alice:s3cretPW@mlflow.example:5000/api failed\nretry 1\nretry 2")
+    line = error_line(exc, 500)
+    assert line == "ConnectionError: API request to http://alice:***@mlflow.example:5000/api failed", line
+    assert error_line(exc, 21) == "ConnectionError: API request to http:", error_line(exc, 21)
+    assert error_line(ValueError()) == "ValueError: "
