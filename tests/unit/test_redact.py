@@ -263,5 +263,5 @@ def test_an_errors_one_line_keeps_its_type_and_first_line_and_hides_the_password
     exc = ConnectionError("API request to http://alice:s3cretPW@mlflow.example:5000/api failed\nretry 1\nretry 2")
     line = error_line(exc, 500)
     assert line == "ConnectionError: API request to http://alice:***@mlflow.example:5000/api failed", line
-    assert error_line(exc, 21) == "ConnectionError: API request to http:", error_line(exc, 21)
+    assert error_line(exc, 19) == "ConnectionError: API request to http", error_line(exc, 19)
     assert error_line(ValueError()) == "ValueError: "
