@@ -136,13 +136,43 @@ def opened(content: bytes, max_pixels: int = MAX_PIXELS) -> Iterator["PIL.Image.
         yield img
 
 
+WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit samples (PNG, TIFF) as Pillow opens them
+WIDE_MAX = 65535
+
+
+def to_mode(img: "PIL.Image.Image", mode: str) -> "PIL.Image.Image":  # noqa: F821
+    """An opened image in `mode` ("L" or "RGB", 8 bits a sample): the one conversion of every decode path.
+
+    16-bit samples (a 16-bit grayscale PNG or TIFF) are scaled to 8 bits (x 255 / 65535, rounded), where Pillow's own
+    conversion clips them at 255 (a 16-bit picture came out almost all white). Floating-point pixels (mode F) and
+    32-bit integers beyond 16 bits have no 8-bit reading to assume: ImageDecodeError names the mode."""
+    from PIL import Image
+
+    if img.mode == mode:
+        return img
+    if img.mode == "F":
+        raise ImageDecodeError("floating-point pixels (mode F) have no 8-bit reading to assume; write the image "
+                               "with 8 or 16 bits a sample")
+    if img.mode in WIDE_MODES:
+        wide = np.asarray(img).astype(np.int64)
+        if wide.size and (wide.min() < 0 or wide.max() > WIDE_MAX):
+            raise ImageDecodeError(f"{img.mode} pixels from {int(wide.min())} to {int(wide.max())}: beyond 16 bits "
+                                   "a sample, no 8-bit reading to assume")
+        gray = Image.fromarray(((wide * 255 + WIDE_MAX // 2) // WIDE_MAX).astype(np.uint8), "L")
+        return gray if mode == "L" else gray.convert(mode)
+    return img.convert(mode)
+
+
 def inspect_image(content: bytes, max_pixels: int = MAX_PIXELS) -> Tuple[int, int, str]:
-    """Return (width, height, mode) of an encoded image, decoding it fully to prove it is readable."""
+    """Return (width, height, mode) of an encoded image, decoding it fully to prove it is readable (a mode without an
+    8-bit reading included: `to_mode`)."""
     with opened(content, max_pixels) as img:
         try:
             img.load()
         except Exception as exc:
             raise ImageDecodeError(_reason(exc)) from None
+        if img.mode == "F" or img.mode in WIDE_MODES:
+            to_mode(img, "L")
         return int(img.width), int(img.height), str(img.mode)
 
 
@@ -152,10 +182,12 @@ def decode_image(content: bytes, size: int, channels: int, max_pixels: int = MAX
 
     with opened(content, max_pixels) as img:
         try:
-            img = img.convert("L" if channels == 1 else "RGB")
+            img = to_mode(img, "L" if channels == 1 else "RGB")
             if img.size != (size, size):
                 img = img.resize((size, size), Image.BILINEAR)
             arr = np.asarray(img, dtype=np.uint8)
+        except ImageDecodeError:
+            raise
         except Exception as exc:
             raise ImageDecodeError(_reason(exc)) from None
     if channels == 1:

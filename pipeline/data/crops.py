@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.images import MAX_PIXELS, ImageDecodeError, RowDecodeError, is_jpeg, jpeg_frame, opened  # noqa: F401
+from pipeline.images import (MAX_PIXELS, ImageDecodeError, RowDecodeError, is_jpeg, jpeg_frame, opened,  # noqa: F401
+                             to_mode)
 
 try:  # libjpeg-turbo straight into numpy (a dependency; without it Pillow decodes every image, to the same pixels)
     import simplejpeg as _simplejpeg
@@ -176,12 +177,11 @@ def crop_of(content: bytes, box_of: Callable[[int, int], Tuple[int, int, int, in
             left, top, w, h, flip = box
             s = _drafted(img, box, size)
             if s != 1.0:
-                if img.mode != mode:
-                    img = img.convert(mode)
+                img = to_mode(img, mode)
                 out = img.resize((size, size), Image.BILINEAR, box=(left / s, top / s, (left + w) / s, (top + h) / s))
                 arr = np.asarray(out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out, dtype=np.uint8)
                 return arr[:, :, None] if channels == 1 else arr
-            pixels = np.array(img if img.mode == mode else img.convert(mode), dtype=np.uint8)
+            pixels = np.array(to_mode(img, mode), dtype=np.uint8)
     except ImageDecodeError:
         raise
     except Exception as exc:  # Pillow raises many types for bad data (OSError: truncated, SyntaxError, ...)

@@ -269,3 +269,49 @@ def test_what_is_not_a_whole_jpeg_frame_header_is_left_to_pil():
                 b"\xff\xd8\xff\xe0\xff\xff" + bytes(10),  # a segment running past the end
                 good[:sof + 5] + b"\x00\x00\x00\x00" + good[sof + 9:]):  # a frame of 0 x 0 pixels
         assert jpeg_frame(bad) is None, bad[:12]
+
+
+def _gradient16(fmt: str):
+    """A 16-bit grayscale picture (a horizontal ramp over the whole 0-65535 range) in `fmt`, and the same picture
+    written with 8 bits a sample."""
+    import numpy as np
+
+    ramp = np.tile(np.linspace(0, 65535, 64).round().astype(np.uint16), (48, 1))
+    wide, narrow = io.BytesIO(), io.BytesIO()
+    Image.fromarray(ramp).save(wide, format=fmt)  # uint16: mode I;16
+    Image.fromarray(((ramp.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)).save(narrow, format=fmt)
+    return wide.getvalue(), narrow.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_16_bit_samples_are_scaled_to_8_bits_on_every_decode_path(fmt, channels):
+    """Pillow's own conversion clips 16-bit samples at 255 (a 16-bit picture came out almost all white, and a model
+    labelled the white); every path now reads them as the same picture written with 8 bits, within a level."""
+    import numpy as np
+
+    from pipeline.data.crops import crop_hwc, val_box
+
+    wide, narrow = _gradient16(fmt)
+    with Image.open(io.BytesIO(wide)) as img:
+        assert img.mode in ("I;16", "I;16B", "I;16L", "I")  # as Pillow opens 16-bit grayscale
+    for decode in (lambda c: decode_image(c, 32, channels),
+                   lambda c: crop_hwc(c, val_box(64, 48), 24, channels)):
+        got, want = decode(wide).astype(int), decode(narrow).astype(int)
+        assert np.abs(got - want).max() <= 1, (np.abs(got - want).max(), got.mean(), want.mean())
+        assert 100 < got.mean() < 155  # the ramp's middle, not white
+    assert inspect_image(wide)[:2] == (64, 48)
+
+
+def test_pixels_without_an_8_bit_reading_are_refused_naming_the_mode_at_ingest_and_decode():
+    import numpy as np
+
+    floats = io.BytesIO()
+    Image.fromarray(np.linspace(0, 1, 64 * 48, dtype=np.float32).reshape(48, 64)).save(floats, format="TIFF")
+    for check in (lambda c: inspect_image(c), lambda c: decode_image(c, 32, 1)):
+        with pytest.raises(ImageDecodeError, match=r"floating-point pixels \(mode F\)"):
+            check(floats.getvalue())
+    deep = io.BytesIO()
+    Image.fromarray(np.full((48, 64), 1 << 20, dtype=np.int32)).save(deep, format="TIFF")
+    with pytest.raises(ImageDecodeError, match=r"beyond 16 bits"):
+        inspect_image(deep.getvalue())
