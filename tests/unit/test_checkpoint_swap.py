@@ -2,6 +2,7 @@
 point leaves the previous checkpoint or the new one (never a mix), and `settle` finishes or undoes a swap a crash cut
 between its two renames. One process (torch.distributed.checkpoint without a process group)."""
 import os
+import time
 
 import pytest
 import torch
@@ -172,3 +173,168 @@ def test_a_file_checkpoint_killed_before_its_rename_keeps_the_previous_file(tmp_
         write_atomically({"global_step": 2, "w": torch.zeros(2)}, str(path), part_written=_dies)
     assert torch.load(path, weights_only=True)["global_step"] == 1
     assert os.listdir(tmp_path) == ["last.ckpt"]  # the temporary file is removed with the exception
+
+
+# ------------------------------------------------------------------ another run's folder, a staged folder lost
+class Hooked(OneRank):
+    """One rank whose barriers call `at[name](staged folders)`: what happens beside the write at that moment."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def barrier(self, name=None):
+        if name in self.at:
+            self.at[name]()
+
+
+def _runs(tmp_path):
+    a, b = tmp_path / "runA", tmp_path / "runB"
+    a.mkdir()
+    b.mkdir()
+    return a, b
+
+
+def test_resuming_another_runs_checkpoint_never_touches_the_save_that_run_is_making(tmp_path, monkeypatch):
+    """Job B resolves `runA/last` at the moment run A's rank 0 is about to write meta.pt into its staged folder (every
+    shard and the index on disk): A's folder is read as it stands, A's save completes, B gets A's previous one."""
+    from pipeline.distributed.checkpoints import io as cio
+    from pipeline.distributed.checkpoints.layout import resolve_restore_point
+
+    run_a, run_b = _runs(tmp_path)
+    last = run_a / "last.ckpt"
+    _save(last, 1, 1.0)
+    resolved, listed = [], []
+    write_atomically_ = cio.write_atomically
+
+    def rank0_writes_meta(obj, path, *args, **kwargs):
+        listed.append(sorted(os.listdir(run_a)))
+        resolved.append(resolve_restore_point("runA/last", str(run_b), str(tmp_path)))
+        return write_atomically_(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(cio, "write_atomically", rank0_writes_meta)
+    _save(last, 2, 2.0)
+    assert resolved == [str(last)] and listed[0][0] == "last.ckpt" and STAGED in listed[0][1]
+    assert _step_and_weight(last) == (2, 2.0) and sorted(os.listdir(last)) == [".metadata", "__0_0.distcp",
+                                                                                "meta.pt"]
+    assert sorted(os.listdir(run_a)) == ["last.ckpt"]
+
+
+def test_resolving_another_runs_cut_swap_leaves_it_for_that_run_and_says_so(tmp_path):
+    """A swap cut between its renames in run A's folder (no last.ckpt): job B neither finishes nor undoes it (only run
+    A settles its folder); the error names what is beside it. Run A's own resolve settles it."""
+    from pipeline.config import ConfigError
+    from pipeline.distributed.checkpoints.layout import resolve_restore_point
+
+    last = _cut_between_the_renames(tmp_path, new_complete=True)  # tmp_path is run A's folder here
+    before = sorted(os.listdir(tmp_path))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-runB"
+    with pytest.raises(ConfigError, match=rf"{last} does not exist; beside it: last\.ckpt{ASIDE}1a2b3c4d, "
+                                          rf"last\.ckpt{STAGED}10-5e6f7a8b"):
+        resolve_restore_point(str(last), str(elsewhere))
+    assert resolve_restore_point(str(last), str(elsewhere), required=False) == str(last)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert resolve_restore_point("last", str(tmp_path)) == str(last) and _step_and_weight(last) == (10, 2.0)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def _remove_staged(folder):
+    def remove():
+        staged, _ = leftovers(folder / "last.ckpt")
+        assert len(staged) == 1
+        import shutil
+        shutil.rmtree(staged[0])
+    return remove
+
+
+@pytest.mark.parametrize("moment", ["lakehouse-checkpoint-staged", "meta", "lakehouse-checkpoint-written"])
+def test_a_save_whose_staged_folder_was_removed_fails_naming_it_and_leaves_the_previous_one(tmp_path, monkeypatch,
+                                                                                              moment):
+    """The staged folder removed under the writers (before the shards, before meta.pt, before the swap): the save
+    fails naming it, never makes it again (empty, or with meta.pt alone) and never swaps it in."""
+    from pipeline.distributed.checkpoints import io as cio
+
+    last = tmp_path / "last.ckpt"
+    _save(last, 1, 1.0)
+    remove = _remove_staged(tmp_path)
+    if moment == "meta":
+        write_atomically_ = cio.write_atomically
+
+        def removed_first(obj, path, *args, **kwargs):
+            remove()
+            return write_atomically_(obj, path, *args, **kwargs)
+
+        monkeypatch.setattr(cio, "write_atomically", removed_first)
+        strategy = OneRank()
+    else:
+        strategy = Hooked({moment: remove})
+    checkpoint = {"global_step": 2, "epoch": 2, "state_dict": {"w": torch.full((4, 3), 2.0)},
+                  "optimizer_states": []}
+    with pytest.raises(FileNotFoundError, match=rf"save of checkpoint {last} failed: its staged folder was removed"
+                                                rf".*last\.ckpt{STAGED}2-[0-9a-f]{{8}}'$"):
+        write_sharded(strategy, checkpoint, last)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"] and _step_and_weight(last) == (1, 1.0)
+
+
+# -------------------------------------------------------------------- a killed write's temporary file
+_WRITER = """
+import os, sys, time, torch
+from pipeline.distributed.checkpoints.io import write_atomically
+path = sys.argv[1]
+write_atomically({"global_step": 1, "w": torch.ones(2)}, path)
+def hang(p):
+    print("written", flush=True)
+    time.sleep(600)
+write_atomically({"global_step": 2, "w": torch.zeros(2)}, path, part_written=hang)
+"""
+
+
+def _temporaries(folder):
+    return sorted(p for p in os.listdir(folder) if p.startswith(".tmp-"))
+
+
+def test_a_killed_writes_temporary_file_is_removed_by_its_run_and_a_live_ones_is_kept(tmp_path):
+    """A writer killed between its bytes and its rename leaves `.tmp-<host>-<pid>-*.ckpt`: kept while that process
+    lives (it may still be writing), removed once it is gone when the run resolves its restore point or settles its
+    folder; another run resolving a checkpoint in that folder never removes it."""
+    import subprocess
+    import sys
+
+    from pipeline.distributed.checkpoints.layout import resolve_restore_point
+
+    run = tmp_path / "runA"
+    run.mkdir()
+    last = run / "last.ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(last)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        left = _temporaries(run)
+        assert len(left) == 1 and f"-{proc.pid}-" in left[0]
+        assert resolve_restore_point("last", str(run)) == str(last) and settle(last) == str(last)
+        assert _temporaries(run) == left  # its writer is alive
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert resolve_restore_point("runA/last", str(tmp_path / "runB"), str(tmp_path)) == str(last)
+    assert _temporaries(run) == left  # another run's folder: read as it stands
+    assert resolve_restore_point(None, str(run)) is None  # the run starting again, from scratch or not
+    assert sorted(os.listdir(run)) == ["last.ckpt"]
+    assert torch.load(last, weights_only=True)["global_step"] == 1
+
+
+def test_only_a_dead_or_stale_writers_temporary_file_is_removed(tmp_path):
+    from pipeline.distributed.checkpoints.layout import STALE_TEMPORARY_S, remove_stale_temporaries, temporary_prefix
+
+    ours = temporary_prefix()  # this process: alive
+    host = ours.split("-")[1]
+    names = {"live": f"{ours}abcd1234.ckpt", "other_host_fresh": ".tmp-0badc0de-1-abcd1234.ckpt",
+             "other_host_stale": ".tmp-0badc0de-2-abcd1234.ckpt", "unnamed_fresh": ".tmp-k3j4h5g6.ckpt",
+             "unnamed_stale": ".tmp-a1b2c3d4.ckpt", "users": ".tmp-notes.ckpt", "not_a_checkpoint": f"{ours}x.txt"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    old = time.time() - STALE_TEMPORARY_S - 60
+    for key in ("other_host_stale", "unnamed_stale", "users"):
+        os.utime(tmp_path / names[key], (old, old))
+    assert host != "0badc0de"
+    removed = remove_stale_temporaries(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == sorted([names["other_host_stale"], names["unnamed_stale"]])
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if not k.endswith("_stale"))

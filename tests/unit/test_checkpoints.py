@@ -1,7 +1,11 @@
 """The checkpoint module's rules: a restart after OOM back-offs restates from the batch the checkpoint records, a
 checkpoint whose pickle would run code is refused, and a rank's error class decides whether the job restarts."""
+import io
 import os
+import random
+import re
 import time
+import zipfile
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +17,7 @@ from pipeline.data.shards import ConvertedData
 from pipeline.distributed import launcher, rank_failures, restart
 from pipeline.distributed.checkpoints import (TRAINED_WITH, CheckpointError, check_checkpoint_lineage,
                                               checkpoint_meta, classifier_from_checkpoint, consolidated_state,
-                                              trained_with)
+                                              recorded_training, trained_with)
 from pipeline.distributed.checkpoints.restate import converted_position, rescale_checkpoint, restated
 from pipeline.distributed.rank_process import rank_record
 
@@ -152,6 +156,57 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_naming_it(tmp_path)
     assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
     torch.load(evil, weights_only=False)  # the control: read without the restriction, the file does run code
     assert marker.exists()
+
+
+def _torch_file(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _byteorder_garbled() -> bytes:
+    """A torch zip file whose `byteorder` record is garbage (torch raises ValueError on it)."""
+    src = zipfile.ZipFile(io.BytesIO(_torch_file({"global_step": 1, "state_dict": {"w": torch.zeros(3)}})))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for name in src.namelist():
+            dst.writestr(name, b"ZZ\n" if name.endswith("/byteorder") else src.read(name))
+    return out.getvalue()
+
+
+GARBLED = {  # what torch's reader raises on these bytes (weights_only=True), besides the refusals it always had
+    "truncated": lambda: _torch_file({"global_step": 1, "state_dict": {"w": torch.ones(8)}})[:-40],  # RuntimeError
+    "empty": lambda: b"",  # EOFError
+    "pop_from_empty_stack": lambda: bytes.fromhex("800265"),  # IndexError
+    "undecodable_string": lambda: bytes.fromhex("8002638f7c"),  # UnicodeDecodeError
+    "missing_memo": lambda: bytes.fromhex("8002684e"),  # KeyError
+    "short_int": lambda: bytes.fromhex("80024a"),  # struct.error
+    "byteorder": _byteorder_garbled,  # ValueError
+    "random": lambda: bytes(random.Random(7).getrandbits(8) for _ in range(300)),
+    "a_list": lambda: _torch_file([1, 2, 3]),  # a valid torch file, not a checkpoint's dict
+    "a_tensor": lambda: _torch_file(torch.ones(2)),
+    # a checkpoint's dict whose records are not (read by their readers, not by checkpoint_meta)
+    "lineage_a_string": lambda: _torch_file({"global_step": 1, "state_dict": {}, "lakehouse": "t", "trained_with": 3}),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's note on an unknown pickle protocol in garbage
+@pytest.mark.parametrize("case", sorted(GARBLED))
+def test_a_garbled_checkpoint_is_a_checkpoint_error_naming_it_and_not_restartable(tmp_path, case):
+    path = tmp_path / f"{case}.ckpt"
+    path.write_bytes(GARBLED[case]())
+    lineage = {"delta_table": "t", "delta_version": 0}
+    readers = [trained_with, lambda p: check_checkpoint_lineage(p, lineage, False), recorded_training,
+               lambda p: restated(p, 10, 32, 1, "linear", unrecorded=(32, 1), folder=str(tmp_path / "out"))]
+    if case != "lineage_a_string":
+        readers += [checkpoint_meta, consolidated_state, classifier_from_checkpoint]
+    for read in readers:
+        with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} ")) as err:
+            read(str(path))
+        assert not restart.is_restartable(err.value)
+        assert not restart.is_restartable(launcher.DistributedTrainingError(
+            str(err.value), {0: [f"{c.__module__}.{c.__qualname__}" for c in type(err.value).__mro__]}))
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as meant here

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import errno
 import io
 import os
 import pickle
@@ -29,8 +30,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from pipeline.distributed.checkpoints.layout import (DCP_METADATA, META_FILE, SUFFIX, fsync_folder,
-                                                     is_sharded_checkpoint, settle, staged_name, swap_in)
+from pipeline.distributed.checkpoints.layout import (DCP_METADATA, META_FILE, SUFFIX, fsync_folder, is_complete,
+                                                     is_sharded_checkpoint, settle, staged_name, swap_in,
+                                                     temporary_prefix)
 
 
 class CheckpointError(RuntimeError):
@@ -43,15 +45,29 @@ def _refused(path: str, what: str, exc: BaseException) -> CheckpointError:
                            f"stored in the file): {first}")
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
     """One checkpoint file with `weights_only=True`; refused (CheckpointError naming it) when it holds more. `mmap`:
-    its tensors are mapped from the file, read as they are used (a whole model's checkpoint on every rank)."""
+    its tensors are mapped from the file, read as they are used (a whole model's checkpoint on every rank).
+
+    Raises:
+        CheckpointError: naming the file: it holds more than tensors and plain values, it cannot be read (missing,
+            truncated, garbled: whatever torch's reader raised on its bytes), or it holds something other than a
+            checkpoint's dict.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        whole = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise _refused(path, "tensors and plain values", exc) from None
-    except (OSError, EOFError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # garbled bytes fail anywhere in the reader: UnicodeDecodeError, IndexError, ValueError..
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(exc)}") from exc
+    if not isinstance(whole, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(whole).__name__}, not a checkpoint (a dict); refused")
+    return whole
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
@@ -246,14 +262,24 @@ def sharded_state(folder: str, keys: Optional[Sequence[str]] = None) -> Dict[str
 
 
 # ------------------------------------------------------------------------------------ writing: whole or not at all
-def write_atomically(obj: Dict[str, Any], path: str, part_written: Optional[Callable[[str], None]] = None) -> None:
+def write_atomically(obj: Dict[str, Any], path: str, part_written: Optional[Callable[[str], None]] = None, *,
+                     make_folder: bool = True) -> None:
     """`torch.save(obj)` to a temporary file beside `path`, fsynced, then renamed into place: a crash during the write
     leaves the previous file under `path` intact. `part_written(path)` (a test's fault hook, pipeline/distributed/
-    faults.py) is called once the bytes are on disk, before the rename."""
+    faults.py) is called once the bytes are on disk, before the rename. `make_folder`: `path`'s folder is made when
+    missing; False (a staged folder's meta.pt): a missing folder is an error (FileNotFoundError naming it), never
+    made again empty."""
     path = os.fspath(path)
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=folder)
+    if make_folder:
+        os.makedirs(folder, exist_ok=True)
+    try:  # named after this process (layout.temporary_prefix): a killed write's file is known to be a dead one's
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(), suffix=SUFFIX, dir=folder)
+    except FileNotFoundError:
+        if make_folder:
+            raise
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} cannot be written: its folder is gone (removed "
+                                              f"while it was written)", folder) from None
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(obj, fh)
@@ -269,17 +295,24 @@ def write_atomically(obj: Dict[str, Any], path: str, part_written: Optional[Call
     fsync_folder(folder)
 
 
+def _staged_lost(staged: str, final: str) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, f"the save of checkpoint {final} failed: its staged folder was removed "
+                                          f"while the ranks wrote it; {final} is left as it was", staged)
+
+
 def write_sharded(strategy: Any, checkpoint: Dict[str, Any], path: Any,
                   part_written: Optional[Callable[[str], None]] = None) -> None:
     """An FSDP checkpoint, whole or not at all, called on every rank (`strategy`: Lightning's FSDP strategy, its
     `broadcast`, `barrier` and `global_rank`): rank 0 settles `path` and makes a new staged folder beside it; every
     rank writes its shard of the weights and optimizer state there (torch.distributed.checkpoint, which also writes
     the index); rank 0 writes `meta.pt` (the rest of `checkpoint`, atomically); after a barrier (every rank done)
-    rank 0 swaps the folder in (`layout.swap_in`). A rank that dies on the way leaves `path` as it was.
+    rank 0 swaps the folder in (`layout.swap_in`). A rank that dies on the way leaves `path` as it was; so does a staged
+    folder removed under the writers (FileNotFoundError naming it: never made again, never swapped in).
 
     `part_written(path)` (a test's fault hook, pipeline/distributed/faults.py) is called on each rank once its shard
     is on disk, before the checkpoint is complete."""
     from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     final = os.path.abspath(os.fspath(strategy.broadcast(os.fspath(path))))
     staged = strategy.broadcast(staged_name(final, int(checkpoint.get("global_step", 0))))  # rank 0's id
@@ -289,6 +322,11 @@ def write_sharded(strategy: Any, checkpoint: Dict[str, Any], path: Any,
     strategy.barrier("lakehouse-checkpoint-staged")
 
     class ShardWriter(FileSystemWriter):
+        def prepare_local_plan(self, plan):  # torch makes the folder when missing: one removed under us is an error
+            if not os.path.isdir(staged):
+                raise _staged_lost(staged, final)
+            return super().prepare_local_plan(plan)
+
         def write_data(self, plan, planner):
             written = super().write_data(plan, planner)
             written.wait()  # this rank's shard is on disk (the index is written after every rank's)
@@ -298,11 +336,25 @@ def write_sharded(strategy: Any, checkpoint: Dict[str, Any], path: Any,
 
     state = {"model": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": opt for i, opt in enumerate(checkpoint.pop("optimizer_states", []))})
-    save(state, storage_writer=ShardWriter(staged))
+    try:
+        save(state, storage_writer=ShardWriter(staged))
+    except CheckpointException as exc:  # torch's wrapping (a BaseException) of a lost staged folder: said as it was
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, FileNotFoundError) and inner.filename == staged:
+                raise inner from None
+        raise
     if strategy.global_rank == 0:
-        write_atomically(checkpoint, os.path.join(staged, META_FILE))
+        try:
+            write_atomically(checkpoint, os.path.join(staged, META_FILE), make_folder=False)
+        except FileNotFoundError as exc:
+            if exc.filename != staged:
+                raise
+            raise _staged_lost(staged, final) from None
     strategy.barrier("lakehouse-checkpoint-written")  # every shard, the index and meta.pt are on disk
     if strategy.global_rank == 0:
+        if not is_complete(staged):  # removed (or emptied) under the writers since: never swapped in
+            raise _staged_lost(staged, final)
         swap_in(staged, final)
     strategy.barrier("lakehouse-checkpoint-swapped")
 

@@ -7,13 +7,23 @@ a file or, with FSDP, a folder of per-rank shards (`.metadata`, torch.distribute
 (Lightning's non-tensor state). A sharded folder is written into `<name>.lakehouse-staged-<step>-<id>` beside its
 name and swapped in (the old folder renamed to `<name>.lakehouse-aside-<id>`, the new one in, the old one removed);
 `settle` finishes or undoes a swap a crash interrupted and removes what an interrupted write left, only entries named
-exactly so (`<id>`: 8 hex digits); every reader of a checkpoint name settles it first.
+exactly so (`<id>`: 8 hex digits); every reader of a checkpoint name in the job's own folder settles it first. A
+checkpoint in another run's folder is read as it stands: that run may be writing it (its staged folder is never
+removed, nor read, from outside).
+
+A checkpoint file is written to `.tmp-<host>-<pid>-<random>.ckpt` beside its name and renamed into place
+(`temporary_prefix`); one a killed writer left is removed when the job settles its own folder
+(`remove_stale_temporaries`): its writer's process gone (this host), or untouched for `STALE_TEMPORARY_S`.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import re
 import shutil
+import socket
+import time
 import uuid
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -36,6 +46,14 @@ DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded 
 STAGED = ".lakehouse-staged-"  # <name>.lakehouse-staged-<step>-<id>: a sharded checkpoint every rank is writing
 ASIDE = ".lakehouse-aside-"  # <name>.lakehouse-aside-<id>: the previous folder of <name>, set aside during a swap
 _OURS = re.compile(rf"(?:{re.escape(STAGED)}(?P<step>\d+)-|{re.escape(ASIDE)})[0-9a-f]{{8}}")
+# A checkpoint file's temporary name (`write_atomically`): `.tmp-<host>-<pid>-<random>.ckpt` (<host>: 8 hex digits of
+# the writer's host name, <random>: tempfile's 8 characters); `.tmp-<random>.ckpt` as written before it named its
+# writer. Only names of exactly this form are ever removed (`remove_stale_temporaries`).
+TEMPORARY = ".tmp-"
+_TEMPORARY = re.compile(rf"{re.escape(TEMPORARY)}(?:(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-)?[a-z0-9_]{{8}}"
+                        rf"{re.escape(SUFFIX)}")
+# a temporary file untouched this long is a dead writer's, whoever wrote it (a live one writes, then renames it)
+STALE_TEMPORARY_S = 3600.0
 
 
 # ------------------------------------------------------------------------------------------------------- names
@@ -68,6 +86,16 @@ def staged_name(path: str, step: int) -> str:
     return f"{path}{STAGED}{int(step)}-{uuid.uuid4().hex[:8]}"
 
 
+def _host_id() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temporary_prefix() -> str:
+    """The prefix of a checkpoint file's temporary name (tempfile adds 8 random characters and `SUFFIX`): it names
+    the writer's host and process, so a leftover is known to be a dead writer's (`remove_stale_temporaries`)."""
+    return f"{TEMPORARY}{_host_id()}-{os.getpid()}-"
+
+
 # ----------------------------------------------------------------------------------------- the restore point
 def restore_path(value: Optional[str], checkpoint_dir: str, root: Optional[str] = None,
                  exists: Callable[[str], bool] = os.path.exists) -> Optional[str]:
@@ -85,30 +113,48 @@ def restore_path(value: Optional[str], checkpoint_dir: str, root: Optional[str] 
     return value
 
 
+def is_own(path: str, checkpoint_dir: str) -> bool:
+    """Whether checkpoint `path` lies in the job's own folder `checkpoint_dir` (not in another run's)."""
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))  # the folder it is named in (a link to it: too)
+    return os.path.realpath(folder) == os.path.realpath(os.fspath(checkpoint_dir))
+
+
 def resolve_restore_point(value: Optional[str], checkpoint_dir: str, root: Optional[str] = None,
                           required: bool = True) -> Optional[str]:
-    """The one resolver of the restore point (the driver's, the launcher's and every rank's): `restore_path`,
-    settled (a swap a crash interrupted is finished, an interrupted write's folder removed). `required`: a
-    checkpoint that does not exist is an error; else its path is returned all the same (the ranks then refuse it).
+    """The one resolver of the restore point (the driver's, the launcher's and every rank's): `restore_path`. In the
+    job's own folder `checkpoint_dir` it is settled first (a swap a crash interrupted is finished, an interrupted
+    write's folder and a dead writer's temporary file removed); anywhere else (another run's folder, which that run
+    may be writing right now) nothing is renamed or removed: the checkpoint is taken as it stands. The temporary
+    files a killed writer left in the job's own folder are removed either way (`remove_stale_temporaries`).
+    `required`: a checkpoint that does not exist is an error; else its path is returned all the same (the ranks then
+    refuse it).
 
     Raises:
         ConfigError: it does not exist (with the runs under `root` that have one), naming the key.
     """
+    remove_stale_temporaries(checkpoint_dir)  # what a killed write of this run left, whatever it resumes from
     path = restore_path(value, checkpoint_dir, root)
     if path is None:
         return None
-    settle(path)
+    own = is_own(path, checkpoint_dir)
+    if own:
+        settle(path)
     if os.path.exists(path) or not required:
         return path
     owner, _, which = value.rpartition("/")
     name = NAMES.get(which or value, LAST)
     hint = mine = ""
+    if not own:
+        staged, aside = leftovers(path)
+        if staged or aside:  # that run is swapping it in now, or a crash cut its swap (its own restart settles it)
+            hint = (f"; beside it: {', '.join(os.path.basename(p) for p in aside + staged)} (a save of that run under "
+                    f"way, or one a crash cut: only that run settles its folder)")
     if root is not None:
         base = os.path.abspath(root)
         found = sorted((d for d in os.listdir(base) if os.path.exists(os.path.join(base, d, name))),
                        key=lambda d: -os.path.getmtime(os.path.join(base, d, name))) if os.path.isdir(base) else []
-        hint = (f"; runs with a {name} under {base} (newest first): {', '.join(found[:5])} (set train.ckpt_restore="
-                f"<run_id>/{name[:-len(SUFFIX)]})") if found else ""
+        hint += (f"; runs with a {name} under {base} (newest first): {', '.join(found[:5])} (set train.ckpt_restore="
+                 f"<run_id>/{name[:-len(SUFFIX)]})") if found else ""
         mine = " (this run's own folder: checkpoints are kept per MLflow run)" if value in NAMES else ""
     raise ConfigError(f"config key 'train.ckpt_restore': checkpoint {path} does not exist{mine}{hint}")
 
@@ -166,13 +212,62 @@ def leftovers(path: str) -> Tuple[List[str], List[str]]:
     return [os.path.join(folder, e) for _, e in sorted(staged)], [os.path.join(folder, e) for e in sorted(aside)]
 
 
+def _writer_gone(host: Optional[str], pid: Optional[str]) -> bool:
+    """Whether the process named by a temporary file's name is known to be gone: one of this host's, not running."""
+    if host != _host_id() or pid is None or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, OSError):
+        return False  # running as another user (or not a pid this system can name): kept
+    return False
+
+
+def remove_stale_temporaries(folder: str, stale_s: float = STALE_TEMPORARY_S) -> List[str]:
+    """Remove the temporary checkpoint files (`temporary_prefix`) a killed writer left in `folder` (a job's own
+    checkpoint folder): one whose writer was a process of this host that is gone, or any untouched for `stale_s`
+    seconds (a writer elsewhere, or a name that does not record it). One a live writer may still be writing stays.
+    Returns the paths removed."""
+    try:
+        entries = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    now = time.time()
+    for entry in entries:
+        match = _TEMPORARY.fullmatch(entry)
+        if match is None:
+            continue
+        tmp = os.path.join(folder, entry)
+        try:
+            if not os.path.isfile(tmp) or os.path.islink(tmp):
+                continue
+            age = now - os.path.getmtime(tmp)
+        except OSError:
+            continue
+        if not (_writer_gone(match.group("host"), match.group("pid")) or age >= stale_s):
+            continue
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            continue
+        log.info("checkpoint folder %s: removed %s, left by a killed write (%s)", folder, entry,
+                 "its writer is gone" if age < stale_s else f"untouched for {age:.0f} s")
+        removed.append(tmp)
+    return removed
+
+
 def settle(path: str) -> Optional[str]:
     """Leave checkpoint `path` as its last complete write left it, and nothing of this project's writes beside it.
+    Only ever in the job's own folder: another run's may be in the middle of a write (`resolve_restore_point`).
 
     A crash between the two renames of a swap (`swap_in`) left no `path`, the old checkpoint set aside and the new one
     staged and complete: the new one is renamed in (the old one when the staged folder is incomplete). Then every
     staged folder (a write interrupted before its swap: shards of an epoch no checkpoint completed) and every folder
-    set aside are removed: only what this project names so (`leftovers`), never another file beside `path`. Safe
+    set aside are removed: only what this project names so (`leftovers`), never another file beside `path`; and the
+    temporary files a killed writer left in its folder (`remove_stale_temporaries`). Safe
     when several processes settle the same path at once (each rename is tried once and a rename another process made
     first is taken as done); never while ranks are writing that checkpoint.
 
@@ -195,12 +290,20 @@ def settle(path: str) -> Optional[str]:
         if os.path.lexists(stale):
             log.info("checkpoint %s: removing %s, left by an interrupted write", path, os.path.basename(stale))
             _remove(stale)
+    remove_stale_temporaries(os.path.dirname(path))
     return path if os.path.lexists(path) else None
 
 
 def swap_in(staged: str, path: str) -> None:
     """Put the complete folder `staged` in place of checkpoint `path`: the old one renamed aside, the new one renamed
-    in, the old one removed. A crash between the renames leaves both, which `settle` resolves to the new one."""
+    in, the old one removed. A crash between the renames leaves both, which `settle` resolves to the new one.
+
+    Raises:
+        FileNotFoundError: `staged` is not there (removed under its writers), naming it; `path` is left as it was.
+    """
+    if not os.path.isdir(staged):
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} cannot be swapped in: its staged folder is gone "
+                                f"(removed while it was written); {path} is left as it was", staged)
     aside = None
     if os.path.lexists(path):
         aside = f"{path}{ASIDE}{uuid.uuid4().hex[:8]}"

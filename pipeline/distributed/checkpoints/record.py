@@ -43,11 +43,23 @@ class CheckpointRecord(pl.Callback):
         checkpoint[TRAINED_WITH] = {**self.trained, "global_step": int(trainer.global_step)}
 
 
+def _record(path: str, checkpoint: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+    """Checkpoint `path`'s record `key` (`lakehouse`, `trained_with`): a dict, or None when it has none.
+
+    Raises:
+        CheckpointError: the entry is there but not a dict (a garbled or foreign checkpoint), naming the file.
+    """
+    record = checkpoint.get(key)
+    if record is not None and not isinstance(record, dict):
+        raise CheckpointError(f"checkpoint {path} records '{key}' as a {type(record).__name__}, not a dict; refused")
+    return record
+
+
 def recorded_training(path: str) -> Optional[Dict[str, Any]]:
     """What checkpoint `path` records of how it was trained (`CheckpointRecord`); None when it records nothing
     (written before checkpoints recorded it)."""
-    record = checkpoint_meta(path).get(TRAINED_WITH)
-    return record if isinstance(record, dict) and "batch_size" in record else None
+    record = _record(path, checkpoint_meta(path), TRAINED_WITH)
+    return record if record is not None and "batch_size" in record else None
 
 
 def trained_with(path: str) -> Dict[str, Any]:
@@ -103,7 +115,7 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
     Returns the checkpoint's global step (the batches trained: where the data stream resumes).
     """
     ckpt = checkpoint_meta(path)  # a file, or the meta.pt of a sharded (FSDP) checkpoint folder
-    theirs = ckpt.get(LINEAGE) or {}
+    theirs = _record(path, ckpt, LINEAGE) or {}
     from pipeline.lakehouse.delta_common import same_table
 
     def same(key: str, ours: Any) -> bool:  # the table by its location, not its spelling (old ones: as typed)
@@ -118,7 +130,11 @@ def check_checkpoint_lineage(path: str, lineage: Dict[str, Any], allow_other: bo
         if not allow_other:
             raise CheckpointLineageError(msg + "; set train.ckpt_allow_other_data=true to resume anyway")
         log.warning("%s; resuming anyway (train.ckpt_allow_other_data=true)", msg)
-    return int(ckpt.get("global_step", 0))
+    try:
+        return int(ckpt.get("global_step", 0))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"checkpoint {path} records global_step {ckpt.get('global_step')!r}, not a number of "
+                              f"steps; refused") from None
 
 
 # ------------------------------------------------------------------------------------------ a trained classifier
