@@ -7,8 +7,8 @@ import json
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
-from pipeline.lakehouse.delta import (ConcurrentWriteError, commit_files, get_engine, same_table, table_location,
-                                      table_uri)
+from pipeline.lakehouse.delta import ConcurrentWriteError, commit_files, get_engine, same_table, table_location
+from pipeline.lakehouse.delta_common import files_digest
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -57,13 +57,34 @@ CLAIM_PREFIX = "lakehouse.predict."
 METADATA_KEY = "lakehouse.predict"
 
 
-def job_identity(pinned_model, input_table: str, input_version: int, mode: str, run_key: Optional[str]) -> Dict[str, Any]:
+def job_identity(pinned_model, input_table: str, input_version: int, mode: str, run_key: Optional[str],
+                 input_files_digest: str) -> Dict[str, Any]:
     """What makes two predict runs the same job: the model version (and the run that made it: the same name and
-    version in another registry is another model), the input table and version, the mode and the run key. A
-    scheduler's retry repeats all of them; a second, wanted run of the same job gives another run key."""
+    version in another registry is another model), the input table, its version and what that version holds, the
+    mode and the run key. A scheduler's retry repeats all of them; a second, wanted run of the same job gives another
+    run key.
+
+    `input_files_digest` (input_digest: the digest of the pinned version's data files) tells a table deleted and
+    created again apart from the one it replaced: both start again at version 0, and a staging table rebuilt each day
+    would otherwise take the next day's append for a retry of yesterday's (nothing written, yesterday's commit
+    reported). `input_table` is spelled as the `input_table` column is (`table_location`: the real path).
+
+    Older commits' identities (recorded in their `lakehouse.predict` commit metadata) have no `input_files_digest`
+    and spelled the table as its absolute path: they stay readable, but their claims are other digests, so a retry
+    started before this change and run after it is not recognised and appends again."""
     return {"model_name": pinned_model.name, "model_version": str(pinned_model.version),
-            "model_run_id": pinned_model.run_id, "input_table": table_uri(input_table),
-            "input_version": int(input_version), "mode": mode, "run_key": run_key or ""}
+            "model_run_id": pinned_model.run_id, "input_table": table_location(input_table),
+            "input_version": int(input_version), "input_files_digest": input_files_digest, "mode": mode,
+            "run_key": run_key or ""}
+
+
+def input_digest(pinned, df) -> str:
+    """The digest of the data files of the pinned input version (`PinnedTable.files_digest`: its data files' URIs,
+    which a Delta writer names afresh, so a table written again has other files): the engine's, read from the log
+    (delta-rs), else of the files the DataFrame reads (delta.engine=spark: `inputFiles`, from the snapshot)."""
+    if pinned.files_digest is not None:
+        return pinned.files_digest
+    return files_digest(list(df.inputFiles()))
 
 
 def identity_claim(identity: Dict[str, Any]) -> str:
@@ -111,6 +132,21 @@ def partitions_for_scoring(spark, df):
     return df
 
 
+def batch_model_config(model_uri: str) -> Optional[Dict[str, Any]]:
+    """The model config that lifts the served model's per-call pixel budget for batch scoring (the rows are the
+    table's own, in calls of ARROW_BATCH_ROWS rows: pyfunc.BATCH_MAX_PIXELS_PER_CALL, what such a call declares at
+    most), for a model that records the budget; None for an older one (MLflow warns of a config key the model does
+    not record, and its code has no budget). LAKEHOUSE_SERVING_MAX_PIXELS, where the executors run, still wins."""
+    import mlflow.models
+
+    from pipeline.tracking.pyfunc import BATCH_MAX_PIXELS_PER_CALL, MAX_PIXELS_CONFIG_KEY  # local: torch
+
+    config = mlflow.models.get_model_info(model_uri).flavors.get("python_function", {}).get("config") or {}
+    if MAX_PIXELS_CONFIG_KEY not in config:
+        return None
+    return {MAX_PIXELS_CONFIG_KEY: max(int(config[MAX_PIXELS_CONFIG_KEY]), BATCH_MAX_PIXELS_PER_CALL)}
+
+
 def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     """`df` (path, content, ...) -> one output row per input row with the model's answer or the row's error."""
     import mlflow.pyfunc
@@ -124,15 +160,19 @@ def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     # (SparkModelCache, spark.python.worker.reuse), in local mode once per task (see scoring_partitions); it is fed
     # Arrow batches of rows (spark.sql.execution.arrow.maxRecordsPerBatch).
     udf = mlflow.pyfunc.spark_udf(spark, pinned_model.uri, result_type=UDF_RESULT, env_manager="local",
-                                  params={"on_error": "null"})
+                                  params={"on_error": "null"}, model_config=batch_model_config(pinned_model.uri))
     df = partitions_for_scoring(spark, df)
     scored = df.select(F.col(KEY_COLUMN), udf(F.struct(F.col(CONTENT_COLUMN))).alias("_p"))
+    # spark_udf casts a string field with str() in a batch where it is not all None: a batch mixing good and
+    # undecodable rows gave a good row the error "None" and a bad row the label "None". `probabilities` (an array,
+    # which it keeps null) is null exactly for an undecodable row: the nulls are taken from it.
+    scored_ok = F.col("_p.probabilities").isNotNull()
     return scored.select(
         F.col(KEY_COLUMN),
-        F.col("_p.label").alias("label"),
-        F.col("_p.probability").alias("probability"),
+        F.when(scored_ok, F.col("_p.label")).alias("label"),
+        F.when(scored_ok, F.col("_p.probability")).alias("probability"),
         F.col("_p.probabilities").alias("probabilities"),
-        F.col("_p.error").alias("error"),
+        F.when(~scored_ok, F.col("_p.error")).alias("error"),
         F.lit(pinned_model.name).alias("model_name"),
         F.lit(int(pinned_model.version)).cast("long").alias("model_version"),
         F.lit(input_table).alias("input_table"),
@@ -162,9 +202,10 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
 
     The version and the row counts reported are those of this job's own commit (its files, read from the Delta
     log), whatever other writers commit to `out` meanwhile. The commit claims the job's identity (`job_identity`:
-    model version, input table and version, mode, `run_key`): an append whose identity is already committed to
-    `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing and reports
-    that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same table).
+    model version, input table, version and data files, mode, `run_key`): an append whose identity is already
+    committed to `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing
+    and reports that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same
+    table).
     """
     from pipeline.serving.models import resolve  # local: mlflow and torch, preloaded on a thread
     from pipeline.tracking.runs import configure  # local: mlflow, preloaded on a thread
@@ -176,9 +217,11 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     client = configure(cfg.mlflow)
     pinned_model = resolve(client, model_uri)
     engine = get_engine(cfg.delta.engine)
-    df, pinned = engine.read(spark, table, version)
+    # read through its location (one spelling of the table, however it was typed): the data files' URIs, which the
+    # job's identity holds (input_digest), are then the same through a symbolic link, a relative path or `file:`
+    df, pinned = engine.read(spark, table_location(table), version)
     rows_in = pinned.num_rows if pinned.num_rows is not None else df.count()
-    identity = job_identity(pinned_model, table, pinned.version, mode, run_key)
+    identity = job_identity(pinned_model, pinned.table, pinned.version, mode, run_key, input_digest(pinned, df))
     claim = identity_claim(identity)
     result = {
         "model_name": pinned_model.name, "model_version": pinned_model.version, "model_uri": model_uri,

@@ -11,7 +11,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import mlflow
 import mlflow.pyfunc
@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from pipeline.data.transforms import decode_batch
-from pipeline.images import ImageDecodeError
+from pipeline.images import MAX_PIXELS, ImageDecodeError, jpeg_frame, opened
 from pipeline.log import get_logger
 from pipeline.model.nets import build_network
 from pipeline.tracking.served_code import (MODEL_CODE, SERVED_MODULES, copy_served_code,  # noqa: F401
@@ -45,9 +45,21 @@ def load_pyfunc(model_uri: str, check_requirements: bool = True):
 
     One load at a time per process: a models-from-code model is handed over through a module global
     (`mlflow.models.set_model`), so two threads loading at once can both get the same model (seen: two promotion
-    gates in one process scored two versions with one network); sys.path is process-wide too."""
+    gates in one process scored two versions with one network); sys.path is process-wide too.
+
+    The callers (the promotion gate, the registry review) score the project's own tables in calls of at most
+    PREDICT_BATCH_SIZE rows: the served model's per-call pixel budget (pixel_budget, a guard for a server) is lifted
+    to BATCH_MAX_PIXELS_PER_CALL, unless MAX_PIXELS_ENV is set where they run."""
     with _LOAD_LOCK, _sys_path_kept():
-        return mlflow.pyfunc.load_model(model_uri, suppress_warnings=not check_requirements)
+        model = mlflow.pyfunc.load_model(model_uri, suppress_warnings=not check_requirements)
+    try:
+        inner = model.unwrap_python_model()
+    except Exception:  # not a python_function model of ours (another flavor): nothing to lift
+        inner = None
+    if isinstance(getattr(inner, "max_pixels", None), tuple) and not os.environ.get(MAX_PIXELS_ENV, "").strip():
+        inner.max_pixels = (max(inner.max_pixels[0], BATCH_MAX_PIXELS_PER_CALL),
+                            "lifted for batch scoring by pipeline.tracking.pyfunc.load_pyfunc")
+    return model
 
 
 CONTENT_COLUMN = "content"
@@ -63,18 +75,48 @@ PREDICT_BATCH_SIZE = 256
 # so one request's time is bounded (every row's pixels are bounded by pipeline.images). Batch scoring and the gate
 # call with PREDICT_BATCH_SIZE rows or fewer, so a logged limit is at least that.
 MAX_ROWS_PER_CALL, MAX_ROWS_CONFIG_KEY, MAX_ROWS_ENV = 10_000, "max_rows_per_call", "LAKEHOUSE_SERVING_MAX_ROWS"
+# The most pixels one call may decode, summed over its rows as their headers declare them (see pixel_budget: set like
+# the row limit, when the model is logged or the server starts). Every row is bounded by pipeline.images.MAX_PIXELS,
+# but a request of many small files that each declare a large image (a 2.6 KB Group-4 TIFF declaring 8000x8000 costs
+# 0.15 s and 65 MB to decode) would cost minutes of CPU within the row limit; the headers are read first (microseconds
+# a row, nothing decoded) and a request over the budget is refused before any row is decoded. 2,000,000,000: the
+# default row limit (10,000) of ImageNet-sized photos (~500x375 = 187,500 pixels each, 1.9 G in all), or 31 images of
+# the 64 MP bound (a few seconds of decoding). The project's batch callers (predict's spark_udf, the promotion gate
+# through load_pyfunc) score their own tables in calls of PREDICT_BATCH_SIZE rows and lift it to
+# BATCH_MAX_PIXELS_PER_CALL, what such a call declares at most (a row over MAX_PIXELS is never decoded).
+MAX_PIXELS_PER_CALL, MAX_PIXELS_CONFIG_KEY = 2_000_000_000, "max_pixels_per_call"
+MAX_PIXELS_ENV = "LAKEHOUSE_SERVING_MAX_PIXELS"
+BATCH_MAX_PIXELS_PER_CALL = PREDICT_BATCH_SIZE * MAX_PIXELS
+
 
 class InvalidModelInput(MlflowException, ValueError):
     """A request the model cannot score (bad row, missing column, bad param); the message names it.
 
     An MlflowException with INVALID_PARAMETER_VALUE, so `mlflow models serve` answers HTTP 400 with the
     message (no stack trace); also a ValueError for Python callers.
+
+    MLflow's scoring server rewrites an MlflowException's message as `Failed to predict data '<the whole request>'.
+    Error: <message>` before answering (mlflow/pyfunc/scoring_server `invocations`): a 400 for one bad row would echo
+    every row of the request (megabytes of base64 images) into the response and the server's log. The `message`
+    setter keeps the project's own message: a value that merely wraps it is dropped.
     """
 
     def __init__(self, message: str) -> None:
         from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
         super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+    @property
+    def message(self) -> str:
+        return self._own_message
+
+    @message.setter
+    def message(self, value: str) -> None:
+        value = str(value)
+        own = getattr(self, "_own_message", None)
+        if own is not None and value != own and own in value:  # the server's wrapping of it: the request's data
+            return
+        self._own_message = value
 
 
 class InvalidImageField(ValueError):
@@ -150,12 +192,75 @@ def row_limit(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str, bool]:
     return int(recorded), f"set by the model's config {MAX_ROWS_CONFIG_KEY}", True
 
 
+def pixel_budget(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str]:
+    """(budget, what set it): the most pixels one call decodes, as the rows' headers declare them; set as row_limit
+    sets the row limit: MAX_PIXELS_ENV in the environment where the model loads, else the model config's
+    MAX_PIXELS_CONFIG_KEY (what log_model recorded, or what a loader passed as model_config), else
+    MAX_PIXELS_PER_CALL. ValueError names a bad one."""
+    env = os.environ.get(MAX_PIXELS_ENV, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{MAX_PIXELS_ENV}={os.environ[MAX_PIXELS_ENV]!r} is not a positive whole number")
+        return int(env), f"set by {MAX_PIXELS_ENV}"
+    recorded = (model_config or {}).get(MAX_PIXELS_CONFIG_KEY)
+    if recorded is None:
+        return MAX_PIXELS_PER_CALL, "set by pipeline.tracking.pyfunc.MAX_PIXELS_PER_CALL"
+    if not _whole(recorded):
+        raise ValueError(f"model config key '{MAX_PIXELS_CONFIG_KEY}': {recorded!r} is not a positive whole number")
+    return int(recorded), f"set by the model's config {MAX_PIXELS_CONFIG_KEY}"
+
+
+def declared_pixels(content: bytes) -> int:
+    """The pixels (width x height) an encoded image's header declares, nothing decoded: the JPEG frame header
+    (microseconds), else PIL's open (the header only). 0 for a row that will not be decoded: its header unreadable,
+    or declaring more than pipeline.images.MAX_PIXELS (the decoder refuses it unread, naming it)."""
+    frame = jpeg_frame(content)
+    if frame is not None:
+        pixels = frame[0] * frame[1]
+        return pixels if pixels <= MAX_PIXELS else 0
+    try:
+        with opened(content) as img:
+            return int(img.width) * int(img.height)
+    except ImageDecodeError:
+        return 0
+
+
+def _image_bytes_or_none(content: Any) -> Optional[bytes]:
+    try:
+        return image_bytes(content)
+    except InvalidImageField:
+        return None  # named by the decode, row by row
+
+
+def check_pixel_budget(encoded: Iterable[Optional[bytes]], index: List[Any], budget: int, source: str) -> None:
+    """Refuse a call whose rows' headers declare more than `budget` pixels in all, before any row is decoded.
+    `encoded`: each row's image bytes, or None for a row that is not image bytes (the decoder names it later), in
+    the order of `index`.
+
+    Raises:
+        InvalidModelInput: naming the budget (and what set it), the rows' total and the row where it ran out.
+    """
+    total, ran_out = 0, None
+    for i, content in enumerate(encoded):
+        if content is None:
+            continue
+        total += declared_pixels(content)
+        if ran_out is None and total > budget:
+            ran_out = i
+    if ran_out is not None:
+        raise InvalidModelInput(f"the {len(index):,} rows' headers declare {total:,} pixels in all, over this "
+                                f"model's budget of {budget:,} pixels per call ({source}); it ran out at model input "
+                                f"row {index[ran_out]!r}, column '{CONTENT_COLUMN}'; nothing was decoded: send "
+                                f"fewer or smaller images per request")
+
+
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     """Classify encoded images (PNG/JPEG bytes in a `content` column) with the trained network."""
 
     def load_context(self, context: Any) -> None:
         """Rebuild the network from the `meta` artifact and load the `weights` state_dict; read the row limit."""
         self.max_rows = row_limit(context.model_config)
+        self.max_pixels = pixel_budget(context.model_config)
         with open(context.artifacts["meta"]) as fh:
             self.meta = check_meta(json.load(fh))
         self.class_names: List[str] = self.meta["class_names"]
@@ -191,6 +296,10 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
                                     f"smaller requests")
         contents = list(model_input[CONTENT_COLUMN])
         index = list(model_input.index)
+        budget, budget_source = getattr(self, "max_pixels", None) or pixel_budget(None)
+        # each row's bytes are made again in its chunk below: kept from here, they would double a large request's
+        # memory (the request's base64 text is held until the call ends anyway)
+        check_pixel_budget((_image_bytes_or_none(c) for c in contents), index, budget, budget_source)
         size, channels = self.meta["image_size"], self.meta["channels"]
         n_classes = len(self.class_names)
         probs = np.full((len(contents), n_classes), np.nan)
@@ -221,11 +330,15 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
         idx = np.where(np.isnan(probs), -1.0, probs).argmax(axis=1) if len(probs) else np.empty((0,), np.int64)
         idx = np.where(ok, idx, -1)
         rows = np.arange(len(idx))
+        probability = probs[rows, np.maximum(idx, 0)] if len(idx) else np.empty((0,))
         out = pd.DataFrame({
             "label": [self.class_names[int(i)] if i >= 0 else None for i in idx],
             "label_index": idx.astype(np.int64) if ok.all() else pd.array(
                 [int(i) if i >= 0 else None for i in idx], dtype="Int64"),
-            "probability": np.where(ok, probs[rows, np.maximum(idx, 0)], np.nan) if len(idx) else np.empty((0,)),
+            # an error row's probability is a real null (pandas' nullable Float64, as label_index's Int64), not NaN:
+            # MLflow's server writes NaN as the bare token NaN, which is not JSON (strict parsers refuse the answer)
+            "probability": probability if ok.all() else pd.array(
+                [float(p) if k else None for p, k in zip(probability, ok)], dtype="Float64"),
             "probabilities": [probs[r].tolist() if ok[r] else None for r in rows],
         }, index=model_input.index)
         if on_error == "null":
@@ -277,7 +390,8 @@ def _check_weights_fit(state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> 
 
 def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str = "model",
               input_example_content: Optional[bytes] = None, *, run_id: Optional[str] = None,
-              step: int = 0, max_rows_per_call: int = MAX_ROWS_PER_CALL) -> str:
+              step: int = 0, max_rows_per_call: int = MAX_ROWS_PER_CALL,
+              max_pixels_per_call: int = MAX_PIXELS_PER_CALL) -> str:
     """Log `network` as an ImageClassifierModel into run `run_id` (default: the active run).
 
     The run's status is left as it is: the model is created as an MLflow 3 LoggedModel in the run's
@@ -285,6 +399,8 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
     output, so both `models:/<model_id>` (returned) and `runs:/<run_id>/<artifact_path>` load it.
     Uses the current tracking URI (see `pipeline.tracking.runs.configure`). `max_rows_per_call`, the most rows one
     call scores, is recorded in the model's config (MAX_ROWS_CONFIG_KEY): a request may lower it, never raise it.
+    `max_pixels_per_call`, the most pixels one call's rows may declare in all (pixel_budget), is recorded beside it
+    (MAX_PIXELS_CONFIG_KEY).
 
     Returns:
         The model URI to register, `models:/<model_id>`.
@@ -294,6 +410,9 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
     if not _whole(max_rows_per_call) or max_rows_per_call < PREDICT_BATCH_SIZE:
         raise ValueError(f"max_rows_per_call={max_rows_per_call!r}: must be a whole number of at least "
                          f"{PREDICT_BATCH_SIZE} (the gate and batch scoring send up to {PREDICT_BATCH_SIZE} rows a call)")
+    if not _whole(max_pixels_per_call) or max_pixels_per_call < MAX_PIXELS:
+        raise ValueError(f"max_pixels_per_call={max_pixels_per_call!r}: must be a whole number of at least "
+                         f"{MAX_PIXELS:,} (pipeline.images.MAX_PIXELS: one image of the largest size decoded)")
     meta = check_meta(meta)
     if run_id is None:
         active = mlflow.active_run()
@@ -332,7 +451,8 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
                 artifacts={"weights": str(weights), "meta": str(meta_file)},
                 code_paths=[str(code_pkg)],
                 signature=model_signature(),
-                model_config={MAX_ROWS_CONFIG_KEY: int(max_rows_per_call)},
+                model_config={MAX_ROWS_CONFIG_KEY: int(max_rows_per_call),
+                              MAX_PIXELS_CONFIG_KEY: int(max_pixels_per_call)},
                 input_example=pd.DataFrame({CONTENT_COLUMN: [example]}),
                 pip_requirements=pip_requirements(),
                 metadata={"class_names": meta["class_names"], "image_size": meta["image_size"],

@@ -194,3 +194,42 @@ def test_a_conditional_write_loses_only_to_a_claimant(spark, tmp_path, monkeypat
     assert err.value.committed is None and DeltaTable(other).version() == 0
     assert {d for d in os.listdir(other) if d != "_delta_log"} == {_folder(other, f)
                                                                    for f in DeltaTable(other).file_uris()}
+
+
+def test_an_input_table_written_again_from_scratch_is_another_job(spark, registered, rows, tmp_path):
+    """A staging table deleted and written again each day is back at version 0: the next day's append was taken for
+    a retry of the day before (nothing written, the earlier commit reported). The job's identity holds the pinned
+    version's data files and the table's location (a retry through a symbolic link to it is the same job). An
+    undecodable row's label and probability are stored as null, and a good row's error too, in a batch that mixes
+    both (spark_udf made the string "None" of a None there)."""
+    import shutil
+
+    from deltalake import DeltaTable, write_deltalake
+
+    cfg, _ = registered
+    staging, link, out = tmp_path / "staging", tmp_path / "staging_link", str(tmp_path / "predictions")
+    link.symlink_to(staging, target_is_directory=True)
+    corrupt = {name: None for name in rows.schema.names}
+    corrupt.update({"path": CORRUPT_PATH, "label": "?", "label_index": -1, "content": CORRUPT_BYTES})
+    monday = pa.concat_tables([rows.slice(0, 20), pa.Table.from_pylist([corrupt], schema=rows.schema)])
+    write_deltalake(str(staging), monday)
+    first = _predict(spark, cfg, str(link), out, None)
+    assert (first["input_version"], first["rows"], first["errors"], first["out_version"],
+            first["already_in_table"]) == (0, 21, 1, 0, False)
+    retry = _predict(spark, cfg, str(staging), out, None)  # the same job, the table spelled by its real path
+    assert (retry["out_version"], retry["already_in_table"], retry["claim"]) == (0, True, first["claim"])
+
+    shutil.rmtree(staging)
+    write_deltalake(str(staging), rows.slice(20, 30))  # Tuesday's rows: version 0 again
+    second = _predict(spark, cfg, str(staging), out, None)
+    assert (second["input_version"], second["rows"], second["out_version"], second["already_in_table"]) == (
+        0, 30, 1, False)
+    assert second["claim"] != first["claim"]
+    dt = DeltaTable(out)
+    got = dt.to_pyarrow_table(columns=["path", "probability", "label", "input_table"])
+    assert sorted(got.column("path").to_pylist()) == sorted(monday.column("path").to_pylist()
+                                                            + rows.slice(20, 30).column("path").to_pylist())
+    assert set(got.column("input_table").to_pylist()) == {os.path.realpath(staging)}
+    assert got.column("probability").null_count == got.column("label").null_count == 1  # null, not NaN
+    meta = json.loads(dt.history()[0]["userMetadata"])["lakehouse.predict"]
+    assert meta["input_table"] == os.path.realpath(staging) and len(meta["input_files_digest"]) == 64

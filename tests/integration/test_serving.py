@@ -253,6 +253,23 @@ def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(regi
             for needle in needles:
                 assert needle in message, (what, needle, message[-1500:])
             assert "stack_trace" not in answer and "Traceback" not in json.dumps(answer), (what, answer)
+            if what not in ("bad base64", "wrong column"):  # the model's refusals (those two are MLflow's own)
+                # only the model's message: MLflow's server wrapped it as "Failed to predict data '<the request>'"
+                assert message.startswith("model input row") and b64[0][:40] not in message, (what, message[:300])
+        # on_error=null: an error row's probability is a JSON null, not the bare token NaN that strict parsers refuse
+        text = _post_text(url, {"instances": [{"content": b64[0]}, {"content": not_image}],
+                                "params": {"on_error": "null"}})
+        preds = json.loads(text, parse_constant=_refuse_constant)["predictions"]
+        assert preds[0]["probability"] > 0 and preds[1]["probability"] is None and preds[1]["label"] is None, preds
+        assert "not a decodable image" in preds[1]["error"]
+        # the per-call pixel budget (2,000,000,000 declared pixels): 32 Group-4 TIFFs of 8000x8000 (a few KB each,
+        # 0.15 s and 65 MB each to decode) are refused from their headers, the 32nd named, nothing decoded
+        status, answer = _post(url, {"instances": [{"content": b64[0]}] + [{"content": _g4_tiff_b64()}] * 32})
+        assert status == 400, (status, str(answer)[:300])
+        assert answer["message"].startswith("the 33 rows' headers declare 2,048,0"), answer["message"][:300]
+        for needle in ("over this model's budget of 2,000,000,000 pixels per call (set by the model's config "
+                       "max_pixels_per_call)", "ran out at model input row 32, column 'content'"):
+            assert needle in answer["message"], answer["message"]
         # the server still answers after the refusals
         assert _post(url, {"instances": [{"content": b64[0]}]})[0] == 200
         # the request example stored with the model is a request the server takes
@@ -263,6 +280,27 @@ def test_served_model_answers_like_the_pyfunc_and_refuses_bad_rows_with_400(regi
     finally:
         stop_mlflow_server(proc)
     assert proc.poll() is not None
+
+
+def _post_text(url: str, body) -> str:
+    req = urllib.request.Request(f"{url}/invocations", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read().decode()
+
+
+def _refuse_constant(token):
+    raise ValueError(f"not JSON (RFC 8259): the bare token {token}")
+
+
+def _g4_tiff_b64(side: int = 8000) -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (side, side), 0).save(buf, format="TIFF", compression="group4")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _peak_rss_mb(pid: int) -> dict:
@@ -345,7 +383,8 @@ def test_the_row_limit_is_set_when_the_model_is_logged_or_the_server_starts_neve
 
     cfg, pinned = registered
     info = mlflow.models.get_model_info(pinned.uri)
-    assert info.flavors["python_function"]["config"] == {"max_rows_per_call": 10_000}  # MLmodel: config
+    assert info.flavors["python_function"]["config"] == {"max_rows_per_call": 10_000,  # MLmodel: config
+                                                         "max_pixels_per_call": 2_000_000_000}
     assert {p.name: p.default for p in info.signature.params}["max_rows"] is None  # none given: the model's limit
 
     good = base64.b64encode(rows.column("content")[0].as_py()).decode()
