@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import EarlyStopping
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from pipeline.distributed.checkpoints.io import write_atomically
@@ -43,12 +43,19 @@ class StopSignals(pl.Callback):
     Between decisions a step only keeps its (detached) loss tensor: no device op, no host-device sync and no
     collective per step; the window's losses are checked together when it is decided. The stop names the first step
     whose loss was non-finite.
+
+    A SIGTERM stop decided before the epoch's last step (`mid_epoch`) ends the epoch where it is: its checkpoint is
+    the mid-epoch one written here, which a resume continues at its step. What Lightning still runs once
+    `should_stop` is set is held back for such an epoch: its validation (a partial epoch's, and time a launcher's
+    grace period does not have), the epoch-end checkpoints (`EpochCheckpoint`: they would overwrite this one with one
+    that marks the epoch finished), its record and report (`EpochAccounting`) and the driver's verdict.
     """
 
     def __init__(self, last_ckpt_path: Optional[str], check_every: int = 16) -> None:
         self.last_ckpt_path = last_ckpt_path
         self.check_every = max(1, int(check_every))
         self.reason: Optional[str] = None
+        self.mid_epoch = False  # a SIGTERM stop decided before the epoch's last step (the same on every rank)
         self._term = False
         self._old_handler: Any = None
         self._losses: List[Optional[torch.Tensor]] = []  # this window's losses, as the steps left them (detached)
@@ -88,14 +95,15 @@ class StopSignals(pl.Callback):
         batches = trainer.num_training_batches
         last_of_epoch = isinstance(batches, int) and batch_idx + 1 >= batches
         if len(self._steps) >= self.check_every or last_of_epoch:
-            self._decide(trainer)
+            self._decide(trainer, epoch_done=last_of_epoch)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self._steps:  # a loader without a length: the epoch's last steps were not decided yet
-            self._decide(trainer)
+            self._decide(trainer, epoch_done=True)
 
-    def _decide(self, trainer) -> None:
-        """The one collective and host read of a window of steps; the same call on every rank (equal steps)."""
+    def _decide(self, trainer, epoch_done: bool) -> None:
+        """The one collective and host read of a window of steps; the same call on every rank (equal steps).
+        `epoch_done`: the window ends with the epoch's last step."""
         steps, self._steps = self._steps, []
         losses, self._losses = self._losses, []
         device = trainer.strategy.root_device  # NCCL reduces device tensors only
@@ -123,6 +131,35 @@ class StopSignals(pl.Callback):
             if self.last_ckpt_path:
                 trainer.save_checkpoint(self.last_ckpt_path)
             trainer.should_stop = True
+            if not epoch_done:
+                self.mid_epoch = True
+                # Lightning validates after a stop requested mid-epoch (`_should_check_val_fx`): not a partial epoch
+                trainer.limit_val_batches = 0
+
+
+def stopped_mid_epoch(trainer) -> bool:
+    """Whether the run's StopSignals stopped it on SIGTERM before its epoch's last step (`StopSignals.mid_epoch`): the
+    epoch is unfinished, and its mid-epoch checkpoint is the one to keep."""
+    return any(isinstance(c, StopSignals) and c.mid_epoch for c in trainer.callbacks)
+
+
+class EpochCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint that writes nothing at the end of an epoch stopped mid-way by SIGTERM
+    (`stopped_mid_epoch`): StopSignals' mid-epoch `last.ckpt` stays, not one marking the partial epoch finished (a
+    resume would skip the rest of that epoch and its validation), and no best.ckpt of a partial epoch is written.
+    Its per-step hook is Lightning's own (`skip_idle_step_hooks` still skips it for a per-epoch checkpoint)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not stopped_mid_epoch(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not stopped_mid_epoch(trainer):
+            super().on_validation_end(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not stopped_mid_epoch(trainer):
+            super().on_train_end(trainer, pl_module)
 
 
 def _nothing() -> None:
@@ -134,6 +171,13 @@ class EpochAccounting(pl.Callback):
 
     `report(epoch_metrics, step)` runs on rank 0 only (MLflow logging); `history` keeps every epoch. `extra(trainer)`,
     a collective every rank calls at the epoch end (telemetry.RankResources.epoch_metrics), adds its fields.
+
+    An epoch is recorded at its end (before the epoch-end checkpoints, which carry the history) and reported only once
+    those checkpoints are written: at the next epoch's start, or at the end of training. A rank killed while writing
+    them leaves the previous checkpoint, from which a restart trains the epoch again and reports it then, once: the
+    metrics logged are always those of the epoch whose checkpoint the run continues from. An epoch stopped mid-way
+    by SIGTERM (`stopped_mid_epoch`) is neither recorded nor reported: a resume from its mid-epoch checkpoint
+    finishes it.
     """
 
     def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None,
@@ -141,6 +185,7 @@ class EpochAccounting(pl.Callback):
         self.report = report
         self.extra = extra
         self.history: List[Dict[str, float]] = []
+        self._unreported: List[Dict[str, float]] = []  # recorded epochs whose checkpoints are not written yet
         self._t0 = 0.0
 
     def state_dict(self) -> Dict[str, Any]:
@@ -154,9 +199,24 @@ class EpochAccounting(pl.Callback):
         self.history = [dict(h) for h in state_dict.get("history", [])]
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._report_written()  # the previous epoch's checkpoints were written after its end
         self._t0 = time.perf_counter()
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._report_written()  # after the last epoch's checkpoints (Lightning runs them at the epoch end)
+
+    def _report_written(self) -> None:
+        unreported, self._unreported = self._unreported, []
+        if self.report is not None:
+            for epoch in unreported:
+                self.report({k: v for k, v in epoch.items() if k != "epoch"}, int(epoch["epoch"]))
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if stopped_mid_epoch(trainer):  # the same on every rank: no collective below is left half-called
+            if trainer.is_global_zero:
+                log.info("epoch %d stopped at step %d before its end: not recorded; a resume from its last checkpoint "
+                         "continues it", trainer.current_epoch, trainer.global_step)
+            return
         dm = trainer.datamodule
         elapsed = time.perf_counter() - self._t0
         train_loader, val_loader = dm.train_loader, dm.val_loader
@@ -194,8 +254,7 @@ class EpochAccounting(pl.Callback):
             log.info("epoch %d: train_loss %.4f val_loss %.4f val_acc %.4f, %.0f samples/s, rows per rank %s",
                      epoch["epoch"], epoch["train_loss"], epoch["val_loss"], epoch["val_acc"],
                      epoch["samples_per_sec"], train_rows)
-            if self.report is not None:
-                self.report({k: v for k, v in epoch.items() if k != "epoch"}, int(epoch["epoch"]))
+            self._unreported.append(epoch)  # reported once the epoch-end checkpoints are written
 
 
 class DriverVerdict(pl.Callback):
@@ -232,6 +291,8 @@ class DriverVerdict(pl.Callback):
         return None
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if stopped_mid_epoch(trainer):  # no verdict on a partial epoch (the same on every rank: no collective)
+            return
         epoch = trainer.current_epoch
         verdict = None
         if trainer.is_global_zero and self._driver_answers:
@@ -246,6 +307,66 @@ class DriverVerdict(pl.Callback):
             if trainer.is_global_zero:
                 log.warning("stopping: %s", self.reason)
             trainer.should_stop = True
+
+
+class ResumedOptimizer(pl.Callback):
+    """On a resume, says when the optimizer state restored from the checkpoint (rate, momentum or Adam's beta1, weight
+    decay, per parameter group) differs from the one this job's config builds: Lightning restores the checkpoint's
+    optimizer and schedule, so the checkpoint's values train and the config's (model.lr, model.momentum,
+    model.weight_decay) are not applied. Logged as a warning on rank 0 naming both values, and handed to
+    `on_mismatch(text)` (the run's tag) so the MLflow run does not show only the config's value.
+
+    The config's optimizer is read at `on_fit_start` (built, not restored yet), the restored one at `on_train_start`.
+    """
+
+    KEYS = ("initial_lr", "momentum", "betas", "weight_decay")  # initial_lr: the rate before the schedule's factor
+
+    def __init__(self, on_mismatch: Optional[Callable[[str], None]] = None) -> None:
+        self.on_mismatch = on_mismatch
+        self.differences: List[str] = []
+        self._built: Optional[List[Dict[str, Any]]] = None
+
+    @classmethod
+    def _settings(cls, trainer) -> List[Dict[str, Any]]:
+        settings = []
+        for i, group in enumerate(trainer.optimizers[0].param_groups if trainer.optimizers else []):
+            entry = {"name": group.get("name", str(i)), "initial_lr": group.get("initial_lr", group.get("lr"))}
+            entry.update({k: group[k] for k in cls.KEYS[1:] if k in group})
+            settings.append(entry)
+        return settings
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._built = self._settings(trainer) if trainer.ckpt_path else None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not self._built:
+            return
+        restored = self._settings(trainer)
+        for built, kept in zip(self._built, restored):
+            for key in self.KEYS:
+                ours, theirs = built.get(key), kept.get(key)
+                if ours is None or theirs is None or _close(ours, theirs):
+                    continue
+                what = "lr (before the schedule)" if key == "initial_lr" else key
+                self.differences.append(f"{what} of parameter group '{built['name']}': checkpoint {theirs!r}, "
+                                        f"config {ours!r}")
+        if self.differences and trainer.is_global_zero:
+            text = "; ".join(self.differences)
+            log.warning("resuming from %s: its optimizer state differs from this job's config (%s); the checkpoint's "
+                        "values train (Lightning restores the optimizer and its schedule on resume; the config's "
+                        "model.lr / model.momentum / model.weight_decay apply to a run started from scratch)",
+                        trainer.ckpt_path, text)
+            if self.on_mismatch is not None:
+                self.on_mismatch(text)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    try:
+        return abs(float(a) - float(b)) <= 1e-9 + 1e-6 * abs(float(b))
+    except (TypeError, ValueError):
+        return a == b
 
 
 def host_and_pid() -> Dict[str, Any]:

@@ -126,11 +126,11 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     """
     import pytorch_lightning as pl
     import torch
-    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+    from pytorch_lightning.callbacks import EarlyStopping
 
-    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting,
-                                                MinEpochsEarlyStopping, StopSignals, host_and_pid, min_epochs_of,
-                                                progress_bar, quiet_profiler, skip_idle_step_hooks)
+    from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, EpochCheckpoint,
+                                                MinEpochsEarlyStopping, ResumedOptimizer, StopSignals, host_and_pid,
+                                                min_epochs_of, progress_bar, quiet_profiler, skip_idle_step_hooks)
     from pipeline.distributed.checkpoints.layout import (BEST_STEM, LATEST_STEM, STEP_STEM, last_checkpoint,
                                                          resolve_restore_point)
     from pipeline.distributed.checkpoints.record import (CheckpointRecord, RngCheckpoint, check_checkpoint_lineage,
@@ -187,16 +187,20 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
     # the best checkpoint when the monitored metric improves; the last one after EVERY epoch (a monitored
     # ModelCheckpoint writes its last only in epochs that improved, so a resume would go back to the last improving
-    # epoch) and, with train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch)
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename=BEST_STEM, monitor=es.monitor, mode=es.mode,
+    # epoch) and, with train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch);
+    # none at the end of an epoch SIGTERM stopped mid-way (EpochCheckpoint: StopSignals' mid-epoch last.ckpt stays)
+    checkpoint = EpochCheckpoint(dirpath=ckpt_dir, filename=BEST_STEM, monitor=es.monitor, mode=es.mode,
                                  save_top_k=1, save_last=False, enable_version_counter=False)
-    latest = ModelCheckpoint(dirpath=ckpt_dir, filename=LATEST_STEM, monitor=None, save_top_k=1, save_last=True,
+    latest = EpochCheckpoint(dirpath=ckpt_dir, filename=LATEST_STEM, monitor=None, save_top_k=1, save_last=True,
                              enable_version_counter=False)
     record = CheckpointRecord(job.lineage, batch_size=batch, world_size=world_size,
                               steps_per_epoch=plan.train.steps_per_epoch, lr=lr)
-    callbacks = [stop, resources, accounting, checkpoint, latest, record, RngCheckpoint()]
+    # a resume whose checkpoint's optimizer settings differ from the config's: a warning and the run's tag
+    optimizer = ResumedOptimizer(on_mismatch=(lambda text: tracker.record_tag("optimizer_from_checkpoint", text))
+                                 if tracker is not None else None)
+    callbacks = [stop, resources, accounting, checkpoint, latest, record, RngCheckpoint(), optimizer]
     if cfg.train.checkpoint_every_n_steps:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename=STEP_STEM, monitor=None, save_top_k=1,
+        callbacks.append(EpochCheckpoint(dirpath=ckpt_dir, filename=STEP_STEM, monitor=None, save_top_k=1,
                                          save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
                                          enable_version_counter=False))
     if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
@@ -222,12 +226,13 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     skip_idle_step_hooks(trainer.callbacks)  # Lightning's per-step calls of hooks that do nothing (callbacks.py)
 
     ckpt_path = resolve_restore_point(run.restore_from, ckpt_dir, cfg.train.checkpoint_dir)
-    if ckpt_path:
-        trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
-        dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped
-        if is_zero:
-            log.info("resuming from %s", ckpt_path)
-    try:
+    try:  # (a refused checkpoint, too, stops the telemetry and restores the threads below)
+        if ckpt_path:
+            check_checkpoint_model(ckpt_path, dict(model.hparams))  # before Lightning loads its weights: names keys
+            trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
+            dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped
+            if is_zero:
+                log.info("resuming from %s", ckpt_path)
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     finally:
         stop.restore()
@@ -252,7 +257,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     result.stopped_early = bool(early is not None and early.stopped_epoch > 0) or result.stop_reason is not None
     if early is not None and early.stopped_epoch > 0 and result.stop_reason is None:
         result.stop_reason = f"early stopping on {es.monitor} at epoch {early.stopped_epoch}"
-    best = checkpoint.best_model_path if checkpoint.best_model_path else None
+    # Lightning restores best_model_path from a checkpoint of another run's folder too (train.ckpt_restore=<run>/...):
+    # only this run's own best.ckpt is registered
+    best = own_checkpoint(checkpoint.best_model_path, ckpt_dir)
     result.best_checkpoint = best
     result.final_weights_digest = _digest(model)
 
@@ -261,7 +268,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
         best = last_checkpoint(ckpt_dir)
     state = None
     if is_zero and accounting.history:  # rank 0 reports and registers: the same epoch's weights and metrics
-        state, result.metrics = weights_to_register(accounting.history, best)
+        state, result.metrics = weights_to_register(accounting.history, best, ckpt_dir)
     if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
@@ -273,17 +280,33 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     return result
 
 
-def weights_to_register(history: List[Dict[str, Any]], best: Optional[str]) -> Tuple[Optional[Dict[str, Any]],
-                                                                                       Dict[str, float]]:
+def own_checkpoint(path: Optional[str], folder: str) -> Optional[str]:
+    """`path` when it names a file inside this run's checkpoint folder `folder`, else None (with a warning for a
+    path elsewhere: Lightning restores `best_model_path` from a resumed checkpoint of another run's folder)."""
+    if not path:
+        return None
+    inside = os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
+    if not inside:
+        log.warning("best checkpoint %s is not in this run's folder %s (restored from the checkpoint resumed from); "
+                    "not registered: the run's final weights and last epoch are", path, folder)
+        return None
+    return path
+
+
+def weights_to_register(history: List[Dict[str, Any]], best: Optional[str], folder: Optional[str] = None
+                        ) -> Tuple[Optional[Dict[str, Any]], Dict[str, float]]:
     """The weights rank 0 registers and the metrics reported with them (run, version tag, summary, tune value),
     always one epoch's: checkpoint `best`'s state dict with the metrics of the epoch it records; where no checkpoint
-    was written, None (the final weights in memory) with the last epoch's metrics.
+    was written, None (the final weights in memory) with the last epoch's metrics. `folder` (the run's checkpoint
+    folder): a `best` outside it is not this run's and counts as none (`own_checkpoint`).
 
     The epoch is read from the checkpoint, not chosen again from the history: a run resumed from another run's
     checkpoint carries that run's epochs in its history, whose best score Lightning does not carry into the new
     folder, so the best of the history can be an epoch whose weights are not in `best`."""
     from pipeline.distributed.checkpoints.io import weights_and_epoch
 
+    if folder is not None:
+        best = own_checkpoint(best, folder)
     state, epoch = None, history[-1].get("epoch")
     if best and os.path.exists(best):
         state, epoch = weights_and_epoch(best)
@@ -292,6 +315,51 @@ def weights_to_register(history: List[Dict[str, Any]], best: Optional[str]) -> T
         raise RuntimeError(f"checkpoint {best} holds the weights of epoch {epoch}, which this run's epoch history "
                            f"(epochs {[h.get('epoch') for h in history]}) does not have: its metrics are unknown")
     return state, {k: v for k, v in entry.items() if isinstance(v, float)}
+
+
+# the hyperparameters that decide a network's shapes (ImageClassifier's hparams; "model.x": its model config's key x)
+SHAPE_KEYS = ("model.arch", "model.width", "model.input_size", "num_classes", "channels")
+
+
+def _hparam(hparams: Dict[str, Any], key: str) -> Tuple[bool, Any]:
+    node: Any = hparams
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check_checkpoint_model(path: str, hparams: Dict[str, Any]) -> None:
+    """Refuse checkpoint `path` when the model hyperparameters it records (`hyper_parameters`: model.arch, model.width,
+    model.input_size, num_classes, channels) differ from this job's model's `hparams`: its weights have other shapes.
+    A key the checkpoint does not record is not compared (Lightning's load then names a shape that differs).
+
+    Raises:
+        CheckpointError: naming the file and each differing key with both values (not restartable: a relaunch would
+            fail on the same file).
+    """
+    from pipeline.distributed.checkpoints.io import CheckpointError, checkpoint_meta, read_checkpoint
+    from pipeline.distributed.checkpoints.layout import is_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):
+        meta = checkpoint_meta(path)  # meta.pt: no weights in it
+    else:
+        try:
+            meta = read_checkpoint(path, mmap=True)  # the weights mapped, not read
+        except CheckpointError:
+            meta = checkpoint_meta(path)  # a file mmap cannot map (torch's legacy format)
+    recorded = meta.get("hyper_parameters") or {}
+    differing = []
+    for key in SHAPE_KEYS:
+        has, theirs = _hparam(recorded, key)
+        _, ours = _hparam(hparams, key)
+        if has and theirs != ours:
+            differing.append(f"{key} {theirs!r} (this job: {ours!r})")
+    if differing:
+        raise CheckpointError(f"checkpoint {path} holds a model of other shapes than this job's: "
+                              f"{', '.join(differing)}; resume it with the model settings it was trained with, or "
+                              f"unset train.ckpt_restore to train from the start")
 
 
 def model_for(job: TrainJob, lr: float):

@@ -103,3 +103,19 @@ def test_a_config_error_in_the_ranks_ends_the_job_after_one_launch(spark, digits
     # same check ~10 ms apart, and the launcher ends the peers of the first rank that exits (seen: [0] alone)
     assert err.value.rank_classes and set(err.value.rank_classes) <= {0, 1}
     assert all(any(c.endswith(".ConfigError") for c in classes) for classes in err.value.rank_classes.values())
+
+
+def test_an_epoch_whose_checkpoint_a_killed_rank_never_wrote_is_logged_once(spark, digits_table, tmp_path):
+    """Rank 0 SIGKILLs itself while writing epoch 0's last.ckpt (debug.kill_while_saving): the restart trains epoch 0
+    again; MLflow holds each epoch's metrics once (an epoch is reported once its checkpoints are written)."""
+    from conftest import make_config
+    from pipeline import workflow
+
+    cfg = make_config(tmp_path, f"delta.table={digits_table}", "data.reader=arrow", "data.batch_size=16",
+                      "train.np=-2", "train.max_epochs=2", "train.warmup_epochs=0", "train.max_restarts=1",
+                      "train.early_stopping.enabled=false", "debug.kill_while_saving=1", "debug.fail_rank=0")
+    out = workflow.train(spark, cfg)
+    client = MlflowClient(out["tracking_uri"])
+    assert [m.value for m in client.get_metric_history(out["run_id"], "restarts")] == [1]
+    for key in ("val_loss", "train_loss", "epoch_time_s"):
+        assert sorted(m.step for m in client.get_metric_history(out["run_id"], key)) == [0, 1], key

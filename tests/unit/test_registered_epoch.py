@@ -37,3 +37,15 @@ def test_a_checkpoint_of_an_epoch_the_history_lacks_is_refused(tmp_path):
     best = _checkpoint(tmp_path / "best.ckpt", 7, 7.0)
     with pytest.raises(RuntimeError, match="best.ckpt holds the weights of epoch 7"):
         weights_to_register(HISTORY, best)
+
+
+def test_a_best_checkpoint_outside_the_runs_own_folder_is_not_registered(tmp_path):
+    """Lightning restores best_model_path from a resumed checkpoint of another run's folder: that file is not this
+    run's, so the final weights go with the last epoch, as when no checkpoint was written."""
+    other = _checkpoint(tmp_path / "other-run" / "best.ckpt", 1, 1.0)
+    (tmp_path / "this-run").mkdir()
+    state, metrics = weights_to_register(HISTORY, other, str(tmp_path / "this-run"))
+    assert state is None and metrics["val_acc"] == 0.70 and metrics["val_loss"] == 0.9
+    mine = _checkpoint(tmp_path / "this-run" / "best.ckpt", 4, 4.0)
+    state, metrics = weights_to_register(HISTORY, mine, str(tmp_path / "this-run"))
+    assert torch.equal(state["network.w"], torch.full((2,), 4.0)) and metrics["val_acc"] == 0.70
