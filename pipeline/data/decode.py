@@ -98,6 +98,14 @@ def default_workers(world_size: int) -> int:
     return max(1, cores // ranks_on_host(world_size))
 
 
+def _host_copy(out: torch.Tensor, src: torch.Tensor) -> None:
+    """`src` into `out` (host tensors of one shape) on this thread alone, through numpy. torch's copy_ of a batch
+    (~19 MB) splits it over the rank's intra-op threads, whose OpenMP team then spins waiting for more work: measured
+    here, the spinning cost the rank ~85 us of CPU per photo, a third of a core on 2 cores, taken from the decode
+    workers (docs/PERFORMANCE.md, 2026-11-29)."""
+    np.copyto(out.numpy(), src.numpy())
+
+
 class Decoder:
     """Decodes `EncodedBatch`es on the CPU into uint8 (N, C, size, size) tensors, batches decoded ahead of the
     consumer. `train`: random resized crops and flips (seeded by `seed` and the batch index); else the central crop.
@@ -198,7 +206,8 @@ class Decoder:
             return nchw
         out = torch.empty(nchw.shape, dtype=nchw.dtype, device=nchw.device,
                           pin_memory=nhwc.device.type == "cpu" and nhwc.is_pinned())
-        return out.copy_(nchw)
+        _host_copy(out, nchw)
+        return out
 
     def boxes(self, batch: EncodedBatch) -> List[Tuple]:
         sizes = [header(c, p, self.max_pixels)[:2] for c, p in batch.rows]
@@ -376,7 +385,7 @@ class Decoder:
             except BaseException:
                 self.cancel(handle)  # the slot goes back (take_ring would have released it)
                 raise
-            self.take_ring(handle, 0, out.copy_)
+            self.take_ring(handle, 0, lambda view: _host_copy(out, view))
             return self._layout(out)
         out, futures = handle
         self._wait(futures)
