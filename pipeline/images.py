@@ -154,11 +154,16 @@ def to_mode(img: "PIL.Image.Image", mode: str) -> "PIL.Image.Image":  # noqa: F8
         raise ImageDecodeError("floating-point pixels (mode F) have no 8-bit reading to assume; write the image "
                                "with 8 or 16 bits a sample")
     if img.mode in WIDE_MODES:
-        wide = np.asarray(img).astype(np.int64)
-        if wide.size and (wide.min() < 0 or wide.max() > WIDE_MAX):
-            raise ImageDecodeError(f"{img.mode} pixels from {int(wide.min())} to {int(wide.max())}: beyond 16 bits "
-                                   "a sample, no 8-bit reading to assume")
-        gray = Image.fromarray(((wide * 255 + WIDE_MAX // 2) // WIDE_MAX).astype(np.uint8), "L")
+        wide = np.asarray(img)
+        low, high = (int(wide.min()), int(wide.max())) if wide.size else (0, 0)
+        if low < 0 or high > WIDE_MAX:
+            raise ImageDecodeError(f"{img.mode} pixels from {low} to {high}: beyond 16 bits a sample, no 8-bit reading "
+                                   "to assume")
+        scaled = wide.astype(np.uint32)  # 65535 x 255 fits: one 4-byte copy (a 64 MP image: 256 MB), scaled in place
+        scaled *= 255
+        scaled += WIDE_MAX // 2
+        scaled //= WIDE_MAX
+        gray = Image.fromarray(scaled.astype(np.uint8))
         return gray if mode == "L" else gray.convert(mode)
     return img.convert(mode)
 

@@ -108,8 +108,9 @@ def redact_url(text: Any) -> Any:
 def error_line(exc: BaseException, limit: int = 500) -> str:
     """`Type: first line` of an exception (its first `limit` characters), URL passwords hidden: for text that goes
     into a tag, a study or a one-line message."""
-    text = str(exc)
-    return redact_url(f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}")
+    text, name = str(exc), type(exc).__name__
+    # redacted whole, then cut: a cut inside `user:password@` would leave no `@` for the pattern to find
+    return redact_url(f"{name}: {text.splitlines()[0] if text else ''}")[:len(name) + 2 + limit]
 
 
 def redact_value(key: str, value: Any) -> Any:

@@ -88,21 +88,22 @@ for sig in INT TERM HUP; do
   trap "stop_tiers $sig" "$sig"
 done
 bounded() {  # $1 the tier's name, $2 its bound in seconds (0: none), then its command; returns its exit status
-  local name=$1 bound=$2 start pid rc
+  local name=$1 bound=$2 start pid rc late
   shift 2
   [ ! -e "$TIER_STATE/stop" ] || return 143
-  if [ "$bound" -eq 0 ]; then
+  if ! command -v timeout > /dev/null; then  # only with a bound of 0 (checked above): no group of its own
     "$@"
     return
   fi
-  start=$(date +%s)
+  start=$(date +%s)  # `timeout 0`: no bound, but the tier's own group all the same (a signal to the run reaches it)
   timeout --kill-after="$TIER_KILL_AFTER_S" "$bound" "$@" &  # `&` and `wait`: a signal to the run is taken at once
   pid=$!
   touch "$TIER_STATE/group-$pid"
   wait "$pid"
   rc=$?
   rm -f "$TIER_STATE/group-$pid"
-  if [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( $(date +%s) - start )) -ge "$bound" ]; }; then
+  late=$(( $(date +%s) - start >= bound ))
+  if [ "$bound" -gt 0 ] && { [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ "$late" -eq 1 ]; }; }; then
     kill -KILL -- "-$pid" 2>/dev/null  # what outlived the tier in its group (timeout waits for its command alone)
     echo "== $name: TIMED OUT after $bound s (LAKEHOUSE_TIER_TIMEOUT_S): its processes were killed; it fails the run"
     echo "$name ($bound s)" >> "$TIER_STATE/timed-out"

@@ -242,8 +242,8 @@ class Decoder:
                 try:
                     future = procs.submit(_shared_chunk, list(batch.rows[lo:hi, 0]), list(batch.rows[lo:hi, 1]),
                                           share_draws, self.size, self.channels, self.max_pixels, int(batch.index), lo)
-                except RuntimeError:
-                    if self._procs is procs:
+                except RuntimeError as exc:
+                    if self._procs is procs or isinstance(exc, BrokenProcessPool):  # a broken pool names its row
                         raise
                     # close() (another thread's) ended the pass after this batch was submitted: the shut pool refuses
                     # new work, so this thread decodes the share itself, as a pass's own threads do
@@ -294,7 +294,7 @@ class Decoder:
             for f in futures:
                 f.cancel()
             use.release()
-            if isinstance(exc, RuntimeError) and self._procs is not procs:
+            if isinstance(exc, RuntimeError) and not isinstance(exc, BrokenProcessPool) and self._procs is not procs:
                 # close() ended the pass between this thread's ask and its submit (the pool refuses new work once
                 # shut down): a decode thread's share decodes in that thread, as when it asks after close()
                 log.debug("the decode pool closed under batch %d's share: its rows decode in this thread",

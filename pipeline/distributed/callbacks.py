@@ -149,6 +149,16 @@ class EpochCheckpoint(ModelCheckpoint):
     resume would skip the rest of that epoch and its validation), and no best.ckpt of a partial epoch is written.
     Its per-step hook is Lightning's own (`skip_idle_step_hooks` still skips it for a per-epoch checkpoint)."""
 
+    @property
+    def state_key(self) -> str:
+        """ModelCheckpoint's own key (Lightning prefixes it with the class's name): a checkpoint written before this
+        class, or by a plain ModelCheckpoint, restores its best score, best models and last path here too (under
+        another key Lightning only warns and drops them, and the first validation after a resume would overwrite
+        best.ckpt with a worse model)."""
+        key = super().state_key
+        own = type(self).__qualname__
+        return ModelCheckpoint.__qualname__ + key[len(own):] if key.startswith(own) else key
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not stopped_mid_epoch(trainer):
             super().on_train_epoch_end(trainer, pl_module)

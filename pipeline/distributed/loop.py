@@ -264,7 +264,9 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     result.final_weights_digest = _digest(model)
 
     sharded = bool(getattr(strategy, "shards_the_model", False))  # the strategy says (fsdp.LakehouseFSDPStrategy)
-    if sharded and not (best and os.path.exists(best)):  # FSDP has no whole model in memory: its last checkpoint
+    # FSDP has no whole model in memory: its last checkpoint; not the mid-epoch one of a SIGTERM stop, whose epoch
+    # the history does not hold (nothing is registered then: the run stopped)
+    if sharded and not (best and os.path.exists(best)) and not stop.mid_epoch:
         best = last_checkpoint(ckpt_dir)
     state = None
     if is_zero and accounting.history:  # rank 0 reports and registers: the same epoch's weights and metrics

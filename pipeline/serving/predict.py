@@ -6,6 +6,7 @@ import hashlib
 import json
 import time
 from typing import Any, Dict, Iterator, List, Optional
+from urllib.parse import urlparse
 
 from pipeline.lakehouse.delta import ConcurrentWriteError, commit_files, get_engine, same_table, table_location
 from pipeline.lakehouse.delta_common import files_digest
@@ -219,7 +220,10 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     engine = get_engine(cfg.delta.engine)
     # read through its location (one spelling of the table, however it was typed): the data files' URIs, which the
     # job's identity holds (input_digest), are then the same through a symbolic link, a relative path or `file:`
-    df, pinned = engine.read(spark, table_location(table), version)
+    # (a `file:` URI keeps its scheme: on a cluster whose default filesystem is not the local one, a bare path would
+    # name another table)
+    where = table_location(table)
+    df, pinned = engine.read(spark, f"file://{where}" if urlparse(table).scheme == "file" else where, version)
     rows_in = pinned.num_rows if pinned.num_rows is not None else df.count()
     identity = job_identity(pinned_model, pinned.table, pinned.version, mode, run_key, input_digest(pinned, df))
     claim = identity_claim(identity)

@@ -108,8 +108,10 @@ def _rule_words(conditions: Tuple[HoldOut, ...], split: str) -> str:
 
 
 def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split: str) -> HeldOutRows:
-    """The version's rows from its data files as its log lists them, a partition column's value taken from the log
-    (delta-rs's own dataset cannot be opened on a partitioned table with the pyarrow of the classic profile)."""
+    """The version's rows. An unpartitioned table through delta-rs's dataset (its own storage and credentials); a
+    partitioned one from the data files its log lists, a partition column's value taken from the log: delta-rs's
+    dataset cannot be opened on a partitioned table with the pyarrow of the classic profile (a TypeError in
+    pyarrow.field)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -123,18 +125,36 @@ def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
                             f"{', '.join(missing)}; it has {names}")
     by_content = any(c.split_key == "content" for c in conditions)
+    partitioned = bool(dt.metadata().partition_columns)
+    dataset = None if partitioned else dt.to_pyarrow_dataset()
+
+    def file_batches(uri: str, read: List[str], size: int) -> Iterator["pa.RecordBatch"]:
+        fs, path = arrow_filesystem(uri)
+        try:
+            with fs.open_input_file(path) as fh:
+                parquet = pq.ParquetFile(fh)
+                lacking = [c for c in read if c not in parquet.schema_arrow.names]
+                if lacking:
+                    raise RegistryError(f"promotion gate: data file {uri} of Delta table {table} version {version} "
+                                        f"has no column(s) {', '.join(lacking)}")
+                yield from parquet.iter_batches(batch_size=size, columns=read)
+        except (OSError, pa.ArrowException) as exc:
+            raise RegistryError(f"promotion gate: data file {uri} of Delta table {table} version {version} cannot "
+                                f"be read: {type(exc).__name__}: {exc}") from None
 
     def batches(columns: List[str], size: int) -> Iterator[dict]:
-        """Each record batch of the version's files as {column: values}, in the log's order of its files."""
-        for key, files in groups.items():
+        """Each record batch of the version as {column: values}."""
+        if dataset is not None:
+            for batch in dataset.to_batches(columns=columns, batch_size=size):
+                yield {c: batch.column(c).to_pylist() for c in columns}
+            return
+        for key, files in groups.items():  # in the log's order of its files
             fixed = {c: v for c, v in key if c in columns}  # a partition column: one value for the whole group
             read = [c for c in columns if c not in fixed]
             for uri in files:
-                fs, path = arrow_filesystem(uri)
-                with fs.open_input_file(path) as fh:
-                    for batch in pq.ParquetFile(fh).iter_batches(batch_size=size, columns=read):
-                        cols = {c: batch.column(c).to_pylist() for c in read}
-                        yield {**cols, **{c: [v] * batch.num_rows for c, v in fixed.items()}}
+                for batch in file_batches(uri, read, size):
+                    cols = {c: batch.column(c).to_pylist() for c in read}
+                    yield {**cols, **{c: [v] * batch.num_rows for c, v in fixed.items()}}
 
     def scan(size: int, with_content: bool) -> Iterator[Chunk]:
         columns = ["path", "label"] + (["content"] if with_content else [])

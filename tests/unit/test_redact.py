@@ -265,3 +265,6 @@ def test_an_errors_one_line_keeps_its_type_and_first_line_and_hides_the_password
     assert line == "ConnectionError: API request to http://alice:***@mlflow.example:5000/api failed", line
     assert error_line(exc, 19) == "ConnectionError: API request to http", error_line(exc, 19)
     assert error_line(ValueError()) == "ValueError: "
+    # a cut that falls inside the password: redacted before it is cut
+    long = ConnectionError("x" * 460 + " postgresql://optuna:supersecretpassword@db.example/optuna failed")
+    assert "supersecret" not in error_line(long, 500) and "supersecret" not in error_line(long, 490)

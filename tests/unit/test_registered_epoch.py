@@ -49,3 +49,16 @@ def test_a_best_checkpoint_outside_the_runs_own_folder_is_not_registered(tmp_pat
     mine = _checkpoint(tmp_path / "this-run" / "best.ckpt", 4, 4.0)
     state, metrics = weights_to_register(HISTORY, mine, str(tmp_path / "this-run"))
     assert torch.equal(state["network.w"], torch.full((2,), 4.0)) and metrics["val_acc"] == 0.70
+
+
+def test_the_epoch_checkpoint_restores_what_a_plain_model_checkpoint_saved():
+    """A checkpoint written before EpochCheckpoint (or by Lightning's own ModelCheckpoint) keeps its best score and
+    best models under ModelCheckpoint's key: EpochCheckpoint reads them there. Under its own class's key Lightning
+    would only warn and drop them, and the first validation after a resume would overwrite best.ckpt."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from pipeline.distributed.callbacks import EpochCheckpoint
+
+    for kwargs in ({"monitor": "val_loss", "mode": "min"}, {"every_n_epochs": 1}):
+        assert EpochCheckpoint(**kwargs).state_key == ModelCheckpoint(**kwargs).state_key
+    assert EpochCheckpoint(monitor="val_loss").state_key != EpochCheckpoint(monitor="val_acc").state_key

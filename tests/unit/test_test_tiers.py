@@ -154,14 +154,17 @@ def test_the_bound_is_a_whole_number_of_seconds_or_none(tmp_path, bound):
         assert out.returncode == 0 and "dbr-15.4: pytest exit 0" in _summary(out), out.stdout + out.stderr
 
 
-def test_a_run_stopped_by_a_signal_stops_its_tiers_in_their_own_process_groups(tmp_path):
+@pytest.mark.parametrize("bound", ["", "0"])
+def test_a_run_stopped_by_a_signal_stops_its_tiers_in_their_own_process_groups(tmp_path, bound):
     """The tiers run in process groups of their own (for the bound), out of the terminal's: SIGINT to the run (as a
-    Ctrl-C) is passed on to them, and a tier's process that ignores it is killed with its group."""
+    Ctrl-C) is passed on to them, and a tier's process that ignores it is killed with its group; with no bound (0)
+    too."""
     make = _tree(tmp_path, hanging={".venv-vision": "tests/v.py"})
     proc = subprocess.Popen(["bash", "scripts/test_tiers.sh"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "MAKE": str(make), "VISION_TESTS": "tests/v.py",
-                                 "LAKEHOUSE_SOAK_SHARES": "0", "LAKEHOUSE_TIER_KILL_AFTER_S": "2"})
+                                 "LAKEHOUSE_SOAK_SHARES": "0", "LAKEHOUSE_TIER_KILL_AFTER_S": "2",
+                                 "LAKEHOUSE_TIER_TIMEOUT_S": bound})
     try:
         deadline = time.monotonic() + 60
         while len(_hung_pids(tmp_path)) < 2 and time.monotonic() < deadline:

@@ -87,7 +87,13 @@ def staged_name(path: str, step: int) -> str:
 
 
 def _host_id() -> str:
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    """8 hex digits of this host's name and PID namespace: a pid is judged only where it means the same process
+    (containers or pods sharing a host name and the checkpoint folder, not their pids, get other ids: the age rule)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha1(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
 
 
 def temporary_prefix() -> str:
