@@ -175,39 +175,36 @@ def _whole(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
 
 
-def row_limit(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str, bool]:
-    """(limit, what set it, whether the model records one): MAX_ROWS_ENV in the environment where the model loads (the
-    server's), else the model config's MAX_ROWS_CONFIG_KEY (what log_model recorded, or what a loader passed as
-    model_config), else MAX_ROWS_PER_CALL (a model logged before the limit was recorded). ValueError names a bad one."""
-    recorded = (model_config or {}).get(MAX_ROWS_CONFIG_KEY)
-    env = os.environ.get(MAX_ROWS_ENV, "").strip()
+def _served_limit(model_config: Optional[Dict[str, Any]], key: str, env_name: str, default: int,
+                  default_name: str) -> Tuple[int, str, bool]:
+    """(value, what set it, whether the model records one) of one of the served model's per-call limits: `env_name`
+    in the environment where the model loads (the server's), else the model config's `key` (what log_model recorded,
+    or what a loader passed as model_config), else `default` (a model logged before it was recorded). ValueError
+    names a bad one."""
+    recorded = (model_config or {}).get(key)
+    env = os.environ.get(env_name, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{MAX_ROWS_ENV}={os.environ[MAX_ROWS_ENV]!r} is not a positive whole number")
-        return int(env), f"set by {MAX_ROWS_ENV}", recorded is not None
+            raise ValueError(f"{env_name}={os.environ[env_name]!r} is not a positive whole number")
+        return int(env), f"set by {env_name}", recorded is not None
     if recorded is None:
-        return MAX_ROWS_PER_CALL, "set by pipeline.tracking.pyfunc.MAX_ROWS_PER_CALL", False
+        return default, f"set by pipeline.tracking.pyfunc.{default_name}", False
     if not _whole(recorded):
-        raise ValueError(f"model config key '{MAX_ROWS_CONFIG_KEY}': {recorded!r} is not a positive whole number")
-    return int(recorded), f"set by the model's config {MAX_ROWS_CONFIG_KEY}", True
+        raise ValueError(f"model config key '{key}': {recorded!r} is not a positive whole number")
+    return int(recorded), f"set by the model's config {key}", True
+
+
+def row_limit(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str, bool]:
+    """(limit, what set it, whether the model records one): the most rows one call scores (`_served_limit`:
+    MAX_ROWS_ENV, else the model config's MAX_ROWS_CONFIG_KEY, else MAX_ROWS_PER_CALL)."""
+    return _served_limit(model_config, MAX_ROWS_CONFIG_KEY, MAX_ROWS_ENV, MAX_ROWS_PER_CALL, "MAX_ROWS_PER_CALL")
 
 
 def pixel_budget(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str]:
-    """(budget, what set it): the most pixels one call decodes, as the rows' headers declare them; set as row_limit
-    sets the row limit: MAX_PIXELS_ENV in the environment where the model loads, else the model config's
-    MAX_PIXELS_CONFIG_KEY (what log_model recorded, or what a loader passed as model_config), else
-    MAX_PIXELS_PER_CALL. ValueError names a bad one."""
-    env = os.environ.get(MAX_PIXELS_ENV, "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{MAX_PIXELS_ENV}={os.environ[MAX_PIXELS_ENV]!r} is not a positive whole number")
-        return int(env), f"set by {MAX_PIXELS_ENV}"
-    recorded = (model_config or {}).get(MAX_PIXELS_CONFIG_KEY)
-    if recorded is None:
-        return MAX_PIXELS_PER_CALL, "set by pipeline.tracking.pyfunc.MAX_PIXELS_PER_CALL"
-    if not _whole(recorded):
-        raise ValueError(f"model config key '{MAX_PIXELS_CONFIG_KEY}': {recorded!r} is not a positive whole number")
-    return int(recorded), f"set by the model's config {MAX_PIXELS_CONFIG_KEY}"
+    """(budget, what set it): the most pixels one call decodes, as the rows' headers declare them (`_served_limit`:
+    MAX_PIXELS_ENV, else the model config's MAX_PIXELS_CONFIG_KEY, else MAX_PIXELS_PER_CALL)."""
+    return _served_limit(model_config, MAX_PIXELS_CONFIG_KEY, MAX_PIXELS_ENV, MAX_PIXELS_PER_CALL,
+                         "MAX_PIXELS_PER_CALL")[:2]
 
 
 def declared_pixels(content: bytes) -> int:
