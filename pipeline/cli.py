@@ -15,7 +15,7 @@ from pipeline.errors import Terminated
 from pipeline.lakehouse.spark import spark_on_demand, spark_session
 from pipeline.log import flush_and_exit, get_logger, setup_logging
 from pipeline.serving.predict import predict_table
-from pipeline.tune.sweep import run_tune
+from pipeline.tune.sweep import run_tune, trials_asked
 from pipeline.workflow import ingest, promote_version, sync_run, train
 
 log = get_logger("lakehouse")
@@ -76,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="Optuna sweep over a search space; each trial a train in an MLflow child run")
     p.add_argument("--space", default=None, help="search space YAML (conf/search/<name>.yaml)")
-    p.add_argument("--trials", type=int, default=None, help="trials in the study (default: tune.n_trials)")
-    p.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
+    p.add_argument("--trials", type=int, default=None,
+                   help="trials in the study, >= 1 (sets tune.n_trials; default: tune.n_trials, or on --resume the "
+                        "study's own count unless tune.n_trials=N is given)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="start no trial after this many seconds, > 0 (sets tune.timeout_s)")
     p.add_argument("--resume", default=None, metavar="STUDY", help="continue this study: only the missing trials")
     _add_conf(p)
 
@@ -198,8 +201,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             preload.start(("mlflow",))
             with spark_on_demand(cfg) as spark:
                 if args.command == "tune":
-                    print(json.dumps(run_tune(spark, cfg, args.space, args.trials, args.timeout, args.resume)),
-                          flush=True)
+                    trials = trials_asked(args.trials, args.overrides, cfg)
+                    print(json.dumps(run_tune(spark, cfg, args.space, trials, args.timeout, args.resume)), flush=True)
                     return 0
                 summary = train(spark, cfg, run_name=args.run_name)
                 print(json.dumps(summary), flush=True)

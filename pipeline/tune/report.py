@@ -24,11 +24,14 @@ def _status_of(client, run_id: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any]) -> Iterator[Any]:
+def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any],
+               in_use: Optional[Dict[str, str]] = None) -> Iterator[Any]:
     """The study's parent run (`tracked_run`): created with the study, reopened when the sweep resumes; ended
     FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED. SIGTERM raises `Terminated` in the main thread meanwhile.
+    The config and `params` are logged once, with the run; `in_use` as tags by every sweep, new or resumed (a
+    param's value cannot change: a resume with another trial count or timeout shows it there).
     """
-    from mlflow.entities import Param
+    from mlflow.entities import Param, RunTag
 
     from pipeline.tracking.lineage import BATCH_LIMIT, log_config  # local: mlflow, preloaded on a thread
     from pipeline.tracking.runs import configure, tracked_run  # local: mlflow, preloaded on a thread
@@ -45,6 +48,8 @@ def parent_run(cfg: Config, study, study_name: str, params: Dict[str, Any]) -> I
             items = [Param(k, str(v)[:500]) for k, v in params.items()]
             for start in range(0, len(items), BATCH_LIMIT):
                 run.client.log_batch(run.run_id, params=items[start:start + BATCH_LIMIT], synchronous=True)
+        if in_use:
+            run.client.log_batch(run.run_id, tags=[RunTag(k, v) for k, v in in_use.items()], synchronous=True)
         yield run
 
 

@@ -11,6 +11,10 @@ Format (conf/search/demo.yaml)::
     enqueue:                      # optional: trials to run first (Optuna's enqueue_trial), values from `params`
       - {model.lr: 0.01, data.batch_size: 32}
 
+A stepped range must fit its grid: `high` is `low` plus a whole number of `step`s (Optuna would lower it silently),
+and an enqueued value is on that grid. A number in exponent form needs a dot and the exponent's sign (`1.0e-5`):
+PyYAML reads `1e-5` as a string, refused with that hint.
+
 Which keys a trial may set: the data is converted once and shared by the trials, so keys that would change the
 job around the trials (Spark, Delta, MLflow, the ranks, the checkpoint folder) are refused; `data.batch_size` and the
 other read-time data keys re-plan the shards from the same files; other data keys (image size, channels, val
@@ -19,7 +23,9 @@ fraction, partitions) convert once per distinct value (the cache is content-keye
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -103,13 +109,21 @@ class Param:
         return trial.suggest_categorical(self.key, list(self.choices))
 
     def contains(self, value: Any) -> bool:
+        """Whether a trial can have `value` (an enqueued one): in range and, with `step`, on its grid from `low`."""
         if self.kind == "categorical":
             return value in self.choices
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
         if self.kind == "int" and not isinstance(value, int):
             return False
-        return self.low <= value <= self.high
+        if not self.low <= value <= self.high:
+            return False
+        if self.kind == "int":
+            return (value - int(self.low)) % int(self.step or 1) == 0
+        if self.step:  # Optuna's own test of a stepped float (FloatDistribution)
+            k = (value - self.low) / self.step
+            return abs(k - round(k)) < 1.0e-8
+        return True
 
     def describe(self) -> str:
         if self.kind == "categorical":
@@ -147,10 +161,27 @@ def _err(source: str, where: str, what: str) -> ConfigError:
     return ConfigError(f"search space {source}: {where}: {what}")
 
 
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def yaml_number_hint(value: Any) -> str:
+    """For a string that reads as a number: how to write it so that PyYAML reads a number (YAML 1.1's float needs a
+    dot and, with an exponent, its sign: `1e-5` and `1.0e5` are text, `1.0e-5` and `1.0e+5` numbers)."""
+    text = value.strip() if isinstance(value, str) else ""
+    if not _NUMBER_TEXT.fullmatch(text):
+        return ""
+    mantissa, e, exponent = text.partition("e" if "e" in text else "E")
+    sign = "" if exponent[:1] in ("+", "-") else "+"
+    written = f"{mantissa if '.' in mantissa else mantissa + '.0'}{e}{sign}{exponent}"
+    if not e or written == text:
+        return " (a string: write the number without quotes)"
+    return f" (PyYAML reads {text} as text: write {written}, with a dot and the exponent's sign)"
+
+
 def _number(source: str, where: str, spec: Dict[str, Any], name: str, kind: str) -> float:
     value = spec.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(source, where, f"'{name}' must be a number, got {value!r}")
+        raise _err(source, where, f"'{name}' must be a number, got {value!r}{yaml_number_hint(value)}")
     if kind == "int" and not isinstance(value, int):
         raise _err(source, where, f"'{name}' must be an int for type int, got {value!r}")
     if not math.isfinite(value):
@@ -198,7 +229,22 @@ def parse_param(source: str, key: str, spec: Any) -> Param:
             raise _err(source, where, "'step' and 'log: true' cannot be combined (Optuna samples one or the other)")
     if log and low <= 0:
         raise _err(source, where, f"'low' ({low}) must be > 0 with 'log: true'")
+    if step is not None:
+        _check_grid(source, where, low, high, step)
     return Param(key=key, kind=kind, low=low, high=high, log=log, step=step)
+
+
+def _check_grid(source: str, where: str, low: float, high: float, step: float) -> None:
+    """A stepped range draws `low + k * step` only: a `step` wider than the range leaves `low` alone, and a `high`
+    off that grid is lowered by Optuna, silently; both are refused (in Optuna's own decimal arithmetic)."""
+    span, st = Decimal(str(high)) - Decimal(str(low)), Decimal(str(step))
+    if st > span:
+        raise _err(source, where, f"'step' ({step}) is wider than the range from 'low' ({low}) to 'high' ({high}): "
+                                  f"every trial would draw {low}; lower 'step' or widen the range")
+    if span % st != 0:
+        below = Decimal(str(low)) + (span // st) * st
+        raise _err(source, where, f"'high' ({high}) is not 'low' ({low}) plus a whole number of 'step' ({step}): "
+                                  f"Optuna would lower it to {below}; set 'high' to {below} or {below + st}")
 
 
 def _check_key(source: str, where: str, key: Any) -> None:
@@ -268,7 +314,9 @@ def parse_space(data: Any, cfg: Config, source: str = "<text>", text: str = "") 
             if key not in params:
                 raise _err(source, where, f"key {key!r} is not searched in 'params' ({', '.join(params)})")
             if not params[key].contains(value):
-                raise _err(source, where, f"{key}={value!r} is outside its distribution {params[key].describe()}")
+                grid = " (a stepped range draws only 'low' plus whole steps)" if params[key].step else ""
+                raise _err(source, where, f"{key}={value!r} is outside its distribution {params[key].describe()}"
+                                          f"{grid}{yaml_number_hint(value)}")
     return SearchSpace(params=params, fixed=dict(fixed), enqueue=[dict(e) for e in enqueue], source=source,
                        text=text or yaml.safe_dump(data, sort_keys=False))
 

@@ -1,25 +1,33 @@
 """The Optuna study of a sweep: its RDB storage, sampler and pruner, creating it or resuming it, the heartbeat of a
 running trial (a trial whose sweep is gone is failed, a live one never), and how many trials are still missing.
 
-Several sweeps may drive one study (a `--resume` beside a running sweep, two resumes at once). Which trial is
-abandoned is decided by Optuna's own heartbeat (`RDBStorage(heartbeat_interval=tune.heartbeat_s, grace_period=3 x
-that)`): the sweep running a trial records its heartbeat every `tune.heartbeat_s` seconds, and before each new trial
-(and when it resumes) a sweep calls `optuna.storages.fail_stale_trials`, which fails only the RUNNING trials whose
-heartbeat stopped for the grace period: their process is gone. Optuna's rule skips a trial that never beat (its
-sweep killed right after `study.ask()`), so `fail_stale` also fails a RUNNING trial with no heartbeat that started
-more than the grace period ago. A trial failed either way cannot get user attributes any more (the storage refuses
-to update a finished trial), so its reason is implied: a FAIL trial without an `error` attribute is one whose sweep
-stopped (`failure_reason`); its MLflow child run is ended FAILED with that reason by the sweep that failed it. Each
-sweep tells only the trials it asked. Like Optuna's own distributed `optimize`, two sweeps counting toward one
-`n_trials` at once may start one trial more than asked.
+Several sweeps may drive one study (a `--resume` beside a running sweep, two resumes at once), each with its own
+`tune.heartbeat_s`. Which trial is abandoned is decided by Optuna's heartbeat, per trial: the sweep running a trial
+records its heartbeat every `tune.heartbeat_s` seconds and, with its first beat, that interval on the trial (system
+attribute `lakehouse_heartbeat_s`); before each new trial (and when it resumes) a sweep's `fail_stale` fails the
+RUNNING trials whose heartbeat stopped for 3 x the interval their own sweep beats at (Optuna's stale rule, as
+`optuna.storages.fail_stale_trials` applies it, for that trial's grace period): their process is gone. A trial with
+no recorded interval (it never beat: its sweep was killed right after `study.ask()`, which Optuna's rule does not
+see) is judged by the largest interval the study knows (the one it was created with, study attribute
+`heartbeat_s`, and every interval its trials recorded) and fails once it started more than 3 x that ago. A trial
+failed either way cannot get user attributes any more (the storage refuses to update a finished trial), so its
+reason is implied: a FAIL trial without an `error` attribute is one whose sweep stopped (`failure_reason`); its
+MLflow child run is ended FAILED with that reason by the sweep that failed it. Each sweep tells only the trials it
+asked. Like Optuna's own distributed `optimize`, two sweeps counting toward one `n_trials` at once may start one
+trial more than asked.
+
+The sampler draws each trial's values from a seed of its own, derived from `tune.seed` and the trial's number
+(`TrialSeeded`): a fresh sweep with a fixed seed draws again what it drew, and two sweeps on one study (never the
+same trial number) never draw alike.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
@@ -39,9 +47,11 @@ ATTR_SPACE = "space_yaml"
 ATTR_CONFIG = "config"
 ATTR_DELTA_VERSION = "delta_version"
 ATTR_REGISTERED = "registered"
+ATTR_HEARTBEAT = "heartbeat_s"  # the tune.heartbeat_s the study was created with
 INTERRUPTED = ("the sweep stopped while this trial ran (killed or lost: its heartbeat stopped); failed by a later "
                "sweep on the study")
 ATTR_BEATING = "lakehouse_heartbeat"  # a trial's system attribute, set once its first heartbeat is recorded
+ATTR_BEAT_S = "lakehouse_heartbeat_s"  # a trial's system attribute: the interval its sweep beats at (first beat)
 HEARTBEAT_GRACE = 3  # a running trial is stale once its heartbeat is older than this many heartbeat intervals
 
 
@@ -59,25 +69,18 @@ def storage_url(cfg: Config) -> str:
 
 
 class StaleTrials:
-    """The heartbeat settings of a sweep (`tune.heartbeat_s`) and Optuna's heartbeat-stale callback: it collects the
-    trials `fail_stale_trials` just failed in this process (each stale trial is failed, and so reported, by exactly
-    one sweep: the storage refuses a second update)."""
+    """The heartbeat settings of a sweep (`tune.heartbeat_s`): the interval this sweep beats at and its grace period
+    (a trial of this sweep is stale once silent that long). Another sweep's trial is judged by its own interval
+    (`fail_stale`)."""
 
     def __init__(self, heartbeat_s: int) -> None:
         self.heartbeat_s = int(heartbeat_s)
         self.grace_s = HEARTBEAT_GRACE * self.heartbeat_s
-        self._found: List[Any] = []
-
-    def __call__(self, study, trial) -> None:
-        self._found.append(trial)
-
-    def take(self) -> List[Any]:
-        found, self._found = self._found, []
-        return found
 
 
 def make_storage(url: str, stale: Optional[StaleTrials] = None):
-    """The study's RDB storage; with `stale`, Optuna's heartbeat on: a trial silent for `stale.grace_s` is stale."""
+    """The study's RDB storage; with `stale`, Optuna's heartbeat on (the grace period is set per trial by
+    `fail_stale`)."""
     import optuna
 
     kwargs: Dict[str, Any] = {}
@@ -87,8 +90,7 @@ def make_storage(url: str, stale: Optional[StaleTrials] = None):
         kwargs = {"connect_args": {"timeout": 60}}
     beat: Dict[str, Any] = {}
     if stale is not None:
-        beat = {"heartbeat_interval": stale.heartbeat_s, "grace_period": stale.grace_s,
-                "heartbeat_stale_trial_callback": stale}
+        beat = {"heartbeat_interval": stale.heartbeat_s, "grace_period": stale.grace_s}
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beat)
     except Exception as exc:
@@ -96,14 +98,64 @@ def make_storage(url: str, stale: Optional[StaleTrials] = None):
                           f"{type(exc).__name__}: {redact_url(str(exc))}") from exc
 
 
-def make_sampler(cfg: Config, offset: int = 0):
-    """`tune.sampler` with `tune.seed` (+ `offset`: a resumed sweep must not replay the first sweep's draws)."""
+def trial_seed(seed: int, number: int) -> int:
+    """The seed of trial `number`'s draws: one per (tune.seed, trial number), well apart for nearby numbers."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), int(number)]).generate_state(1)[0])
+
+
+def _base_sampler(cfg: Config, seed: Optional[int]):
     import optuna
 
-    seed = None if cfg.tune.seed is None else int(cfg.tune.seed) + offset
     if cfg.tune.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, cfg.tune.startup_trials))
+
+
+@functools.lru_cache(maxsize=None)
+def _trial_seeded():
+    """The class `TrialSeeded`, defined on first use: Optuna is imported by the driver only, when a sweep starts."""
+    import optuna
+
+    class TrialSeeded(optuna.samplers.BaseSampler):
+        """`tune.sampler`, made again for every trial with the seed `trial_seed(tune.seed, trial number)`: each trial's
+        random draws are its own, so two sweeps on one study (a resume beside a sweep, two resumes at once: never the
+        same trial number) never draw the same values, and a fresh sweep with the same seed draws what it drew (TPE
+        past its startup trials: given the same earlier results). Without a seed the draws are the OS's random."""
+
+        def __init__(self, make: Callable[[Optional[int]], Any], seed: Optional[int]) -> None:
+            self._make = make
+            self._seed = seed
+            self._sampler = make(seed)
+
+        def before_trial(self, study, trial) -> None:
+            if self._seed is not None:
+                self._sampler = self._make(trial_seed(self._seed, trial.number))
+            self._sampler.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self._sampler.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self._sampler.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self._sampler.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values) -> None:
+            self._sampler.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            self._sampler.reseed_rng()
+
+    return TrialSeeded
+
+
+def make_sampler(cfg: Config):
+    """`tune.sampler`, each trial's draws seeded by `tune.seed` and the trial's number (`TrialSeeded`)."""
+    seed = None if cfg.tune.seed is None else int(cfg.tune.seed)
+    return _trial_seeded()(lambda s: _base_sampler(cfg, s), seed)
 
 
 def make_pruner(cfg: Config):
@@ -170,6 +222,7 @@ def create_study(cfg: Config, name: str, storage, url: str, n_trials: int, space
         raise ConfigError(f"config key 'tune.study': study {name!r} already exists in {redact_url(url)}; continue it "
                           f"with `lakehouse tune --resume {name}` or choose another name") from None
     study.set_user_attr(ATTR_N_TRIALS, int(n_trials))
+    study.set_user_attr(ATTR_HEARTBEAT, int(cfg.tune.heartbeat_s))
     study.set_user_attr(ATTR_SPACE, space_text)
     study.set_user_attr(ATTR_CONFIG, comparable_config(cfg))
     for params in enqueue:
@@ -186,7 +239,7 @@ def comparable_config(cfg: Config) -> Dict[str, str]:
 
 
 def load_study(cfg: Config, name: str, storage, url: str):
-    """An existing study for `--resume`, with the sampler reseeded past its trials.
+    """An existing study for `--resume`, with the sweep's sampler (each trial seeded by its own number).
 
     Raises:
         ConfigError: no such study (the message lists the storage's studies), or the config differs from the one
@@ -206,42 +259,82 @@ def load_study(cfg: Config, name: str, storage, url: str):
         shown = ", ".join(f"{k} (study {stored.get(k)}, now {given.get(k)})" for k in differs[:8])
         raise ConfigError(f"--resume {name}: the config differs from the one the study started with: {shown}; "
                           f"resume with the same --conf and overrides (tune.* may differ)")
-    return optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(cfg, len(probe.trials)),
-                             pruner=make_pruner(cfg))
+    return optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(cfg), pruner=make_pruner(cfg))
+
+
+def largest_interval(study, trials: List[Any], own_s: int) -> int:
+    """The largest heartbeat interval a sweep of the study is known to use: the one the study was created with, this
+    sweep's own, and every interval its trials recorded."""
+    known = [int(own_s), int(study.user_attrs.get(ATTR_HEARTBEAT) or 0)]
+    known += [int(t.system_attrs.get(ATTR_BEAT_S) or 0) for t in trials]
+    return max(known)
+
+
+def _silent_for(storage, study_id: int, grace_s: int) -> set:
+    """The ids of the study's RUNNING trials whose last heartbeat, by the database's clock, is older than `grace_s`:
+    Optuna's stale rule (`RDBStorage._get_stale_trial_ids`, as `fail_stale_trials` calls it) for that grace period.
+    Only the sweep's main thread reads the storage's grace period."""
+    backend = getattr(storage, "_backend", storage)  # the RDBStorage under Optuna's cache
+    kept = backend.grace_period
+    backend.grace_period = int(grace_s)
+    try:
+        return set(backend._get_stale_trial_ids(study_id))
+    finally:
+        backend.grace_period = kept
 
 
 def fail_stale(study, stale: StaleTrials) -> List[Any]:
-    """Fail the RUNNING trials whose heartbeat stopped (Optuna's `fail_stale_trials`: their sweep is gone); returns
-    the ones this process failed. A trial of a live sweep is left RUNNING."""
-    import optuna
+    """Fail the RUNNING trials whose sweep is gone; returns the ones this process failed. A trial whose heartbeat
+    stopped for 3 x the interval its own sweep recorded on it is failed; a trial with no recorded interval is judged
+    by the largest interval the study knows (`largest_interval`), as is a trial that never beat (by its age). A
+    trial of a live sweep is left RUNNING, whatever the intervals of the sweeps."""
+    from optuna.trial import TrialState
 
-    optuna.storages.fail_stale_trials(study)
-    failed = stale.take()
-    for t in failed:
-        log.warning("trial %d of study %r was running in a sweep that stopped (no heartbeat for %d s); marked failed",
-                    t.number, study.study_name, stale.grace_s)
-    return failed + _fail_never_beaten(study, stale.grace_s)
+    trials = study.get_trials(deepcopy=False)
+    live = [t for t in trials if t.state == TrialState.RUNNING]
+    if not live:
+        return []
+    largest = largest_interval(study, trials, stale.heartbeat_s)
+    by_grace: Dict[int, List[Any]] = {}
+    for t in live:
+        interval = int(t.system_attrs.get(ATTR_BEAT_S) or largest)
+        by_grace.setdefault(HEARTBEAT_GRACE * interval, []).append(t)
+    failed = []
+    for grace_s, group in sorted(by_grace.items()):
+        silent = _silent_for(study._storage, study._study_id, grace_s)
+        for t in group:
+            if t._trial_id in silent and _fail(study, t):
+                log.warning("trial %d of study %r was running in a sweep that stopped (no heartbeat for %d s: 3 x "
+                            "the %d s its sweep beats at); marked failed", t.number, study.study_name, grace_s,
+                            grace_s // HEARTBEAT_GRACE)
+                failed.append(t)
+    done = {t.number for t in failed}
+    return failed + _fail_never_beaten(study, [t for t in live if t.number not in done], HEARTBEAT_GRACE * largest)
 
 
-def _fail_never_beaten(study, grace_s: float) -> List[Any]:
-    """Fail the RUNNING trials that never recorded a heartbeat and started more than `grace_s` ago: their sweep was
-    killed between `study.ask()` and the first beat (or could never beat). Optuna's stale rule skips a trial without
-    a heartbeat, so such a trial would stay RUNNING for good. Each is failed by one sweep: the storage refuses the
-    update of a trial that is finished already."""
+def _fail(study, trial) -> bool:
+    """Mark `trial` FAIL; False when another sweep finished it first (the storage refuses a second update)."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
-    storage = study._storage  # as optuna.storages.fail_stale_trials reads it
+    try:
+        return bool(study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL))
+    except UpdateFinishedTrialError:
+        return False
+
+
+def _fail_never_beaten(study, live: List[Any], grace_s: float) -> List[Any]:
+    """Fail the RUNNING trials (of `live`) that never recorded a heartbeat and started more than `grace_s` ago: their
+    sweep was killed between `study.ask()` and the first beat (or could never beat). Optuna's stale rule skips a
+    trial without a heartbeat, so such a trial would stay RUNNING for good. Each is failed by one sweep: the storage
+    refuses the update of a trial that is finished already."""
     now, failed = datetime.now(), []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for t in live:
         if t.system_attrs.get(ATTR_BEATING) or t.datetime_start is None:
             continue
         if (now - t.datetime_start).total_seconds() <= grace_s:
             continue  # its sweep may be about to record the first beat
-        try:
-            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-                continue
-        except UpdateFinishedTrialError:
+        if not _fail(study, t):
             continue
         log.warning("trial %d of study %r started %.0f s ago and never recorded a heartbeat (its sweep stopped "
                     "before the first); marked failed", t.number, study.study_name,
@@ -283,6 +376,8 @@ class Heartbeat:
         try:
             self.storage.record_heartbeat(self.trial_id)
             if not self._marked:  # from now on Optuna's heartbeat rule watches this trial (`_fail_never_beaten`)
+                # the interval first: a trial marked beating is judged by its own sweep's interval (`fail_stale`)
+                self.storage.set_trial_system_attr(self.trial_id, ATTR_BEAT_S, int(self.interval_s))
                 self.storage.set_trial_system_attr(self.trial_id, ATTR_BEATING, True)
                 self._marked = True
             if self._failing:

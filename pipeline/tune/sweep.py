@@ -4,12 +4,13 @@ trial of another sweep on the study is left alone), then register only the best 
 gate decide."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, apply_overrides
 from pipeline.data.leases import JobLeases
 from pipeline.errors import Terminated
 from pipeline.log import get_logger
@@ -28,7 +29,7 @@ log = get_logger(__name__)
 
 @dataclass
 class Opened:
-    """The sweep's study and what drives it: its storage (heartbeat on), the stale-trial collector, the space, the
+    """The sweep's study and what drives it: its storage (heartbeat on), its heartbeat settings, the space, the
     trials asked, and the trials this sweep failed on opening (their sweep had stopped)."""
 
     study: Any
@@ -40,7 +41,48 @@ class Opened:
     failed: List[Any] = field(default_factory=list)
 
 
-def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resume: Optional[str]) -> Opened:
+def check_cli_values(n_trials: Any, timeout_s: Any) -> None:
+    """`--trials` and `--timeout` (or `run_tune`'s `n_trials` and `timeout_s`) as the config checks `tune.n_trials` and
+    `tune.timeout_s`: None (not given), or at least one trial and a finite timeout above 0 s.
+
+    Raises:
+        ConfigError: naming the option and its config key.
+    """
+    if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
+        raise ConfigError(f"--trials (config key 'tune.n_trials') must be a whole number >= 1, got {n_trials!r}")
+    if timeout_s is not None:
+        ok = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+        if not ok or timeout_s <= 0:
+            raise ConfigError(f"--timeout (config key 'tune.timeout_s') must be a number of seconds > 0, "
+                              f"got {timeout_s!r}")
+
+
+def sweep_config(cfg: Config, n_trials: Optional[int], timeout_s: Optional[float]) -> Config:
+    """`cfg` with `--trials` as `tune.n_trials` and `--timeout` as `tune.timeout_s` (those given), checked: the
+    config the sweep runs, logs and shows is the one it uses."""
+    check_cli_values(n_trials, timeout_s)
+    values: Dict[str, Any] = {}
+    if n_trials is not None:
+        values["tune.n_trials"] = int(n_trials)
+    if timeout_s is not None:
+        values["tune.timeout_s"] = float(timeout_s)
+    return apply_overrides(cfg, values) if values else cfg
+
+
+def trials_asked(trials: Optional[int], overrides: Sequence[str], cfg: Config) -> Optional[int]:
+    """The trial count a `lakehouse tune` command line asks for: `--trials`, else a `tune.n_trials=N` override among
+    `overrides` (its value, as read into `cfg`), else None (a new study takes `tune.n_trials`, a resumed one keeps
+    the count it has)."""
+    if trials is not None:
+        return trials
+    if any(o.split("=", 1)[0].strip() == "tune.n_trials" for o in overrides):
+        return cfg.tune.n_trials
+    return None
+
+
+def _open(cfg: Config, space_path: Optional[str], asked: bool, resume: Optional[str]) -> Opened:
+    """Create the study, or reopen `resume`. `asked`: `cfg.tune.n_trials` was given for this sweep (`--trials` or
+    an explicit `tune.n_trials`): on resume it replaces the study's count; otherwise the study keeps its own."""
     check_metric(cfg)  # before any study is made or touched
     url = storage_url(cfg)
     stale = StaleTrials(cfg.tune.heartbeat_s)
@@ -57,9 +99,11 @@ def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resum
             space = space_from_text(stored, cfg, f"(study {resume})")
         else:
             raise ConfigError(f"--resume {resume}: the study has no stored search space; pass --space")
-        total = int(n_trials or study.user_attrs.get(ATTR_N_TRIALS) or cfg.tune.n_trials)
-        if n_trials:
+        kept = study.user_attrs.get(ATTR_N_TRIALS)
+        total = int(cfg.tune.n_trials if asked or kept is None else kept)
+        if total != kept:
             study.set_user_attr(ATTR_N_TRIALS, total)
+            log.info("study %r: %d trial(s) asked now (it had %s)", resume, total, kept)
         failed = fail_stale(study, stale)
         live = running(study)
         for t in live:
@@ -72,9 +116,7 @@ def _open(cfg: Config, space_path: Optional[str], n_trials: Optional[int], resum
         raise ConfigError("lakehouse tune needs --space conf/search/<name>.yaml (or --resume STUDY)")
     space = load_space(space_path, cfg)
     name = cfg.tune.study or default_name(space_path)
-    total = int(n_trials or cfg.tune.n_trials)
-    if total < 1:
-        raise ConfigError(f"--trials must be >= 1, got {total}")
+    total = int(cfg.tune.n_trials)  # checked >= 1 with the config (and --trials by check_cli_values)
     study = create_study(cfg, name, storage, url, total, space.text, space.enqueue)
     return Opened(study, storage, stale, url, space, total)
 
@@ -186,7 +228,7 @@ def _next_trial(op: Opened, cfg: Config, shared: SharedData, parent, t0: float,
     done = counted(study)
     if done >= total:
         return None
-    if timeout and time.monotonic() - t0 >= timeout:
+    if timeout is not None and time.monotonic() - t0 >= timeout:
         log.warning("tune timeout of %.0f s reached after %d of %d trial(s); no new trial starts "
                     "(continue with --resume %s)", timeout, done, total, name)
         return None
@@ -228,8 +270,11 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
              timeout_s: Optional[float] = None, resume: Optional[str] = None) -> Dict[str, Any]:
     """Run (or resume) a sweep; returns the summary that `lakehouse tune` prints as its last line of JSON.
 
+    `n_trials` (`--trials`) and `timeout_s` (`--timeout`), when given, set `tune.n_trials` and `tune.timeout_s`; on
+    `resume`, `n_trials` replaces the study's count (without it the study keeps its own).
+
     Raises:
-        ConfigError: a bad space, study or resume (named).
+        ConfigError: a bad space, study, resume, trial count or timeout (named).
         KeyboardInterrupt, Terminated: the sweep was stopped; the running trial is marked failed, the study kept
             (continue with `--resume`).
     """
@@ -237,22 +282,27 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
 
     from pipeline.tracking.runs import configure  # local: mlflow, preloaded on a thread
 
+    cfg = sweep_config(cfg, n_trials, timeout_s)  # before anything logs or uses the config
     quiet_optuna()
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
-    op = _open(cfg, space_path, n_trials, resume)
+    op = _open(cfg, space_path, n_trials is not None, resume)
     study, url, space, total = op.study, op.url, op.space, op.total
+    if cfg.tune.n_trials != total:  # a resume that keeps the study's own count: the config shows the one in use
+        cfg = apply_overrides(cfg, {"tune.n_trials": total})
     name = study.study_name
-    timeout = timeout_s if timeout_s is not None else cfg.tune.timeout_s
+    timeout = cfg.tune.timeout_s
     metric = cfg.tune.metric
     # every cache entry the sweep converts or hits stays leased until the sweep ends: later trials reuse it
     leases = JobLeases(f"tune study {name}")
     shared = SharedData(lambda c, version: prepare_data(spark, c, leases, version=version),
                         study.user_attrs.get(ATTR_DELTA_VERSION))
-    # beside the config's own params (tune.* as configured): what this study resolved them to, and the space
+    # beside the config's own params (tune.* as this sweep runs them): what this study resolved them to, and the space
     params = {"study.name": name, "study.storage": redact_url(url), "study.pruner": describe_pruner(cfg),
               "study.n_trials": total, **{f"space.{k}": v for k, v in space.describe().items()}}
+    # params cannot change on a resumed parent run: these tags show what the latest sweep on the study runs with
+    in_use = {"tune.n_trials": str(total), "tune.timeout_s": "null" if timeout is None else str(timeout)}
     t0 = time.monotonic()
-    with leases, parent_run(cfg, study, name, params) as parent:
+    with leases, parent_run(cfg, study, name, params, in_use) as parent:
         _fail_runs(parent.client, op.failed)
         if not space.needs_conversion():
             shared.for_config(cfg)  # convert (or hit the cache) once, before the first trial

@@ -142,6 +142,25 @@ class PruningGate:
             os.replace(tmp, os.path.join(self.folder, f"verdict-{epoch}"))
 
 
+# how rank 0's stop reason starts when it stopped on the driver's verdict (callbacks.DriverVerdict.reason); the
+# callbacks module loads Lightning, which the driver does not import for this
+DRIVER_STOP = "stopped by the driver after epoch "
+
+
+def pruned_epoch(gate: Optional[PruningGate], stop_reason: Optional[str]) -> Optional[int]:
+    """The epoch a trial was pruned at, or None: it counts as pruned only when rank 0 stopped on the driver's verdict
+    (its `stop_reason` says so). A verdict to prune that came after rank 0 stopped waiting (`tune.verdict_timeout_s`)
+    stopped nothing: the ranks trained to the end, and the trial is COMPLETE with its final value."""
+    if gate is None or gate.pruned_epoch is None:
+        return None
+    if stop_reason and stop_reason.startswith(DRIVER_STOP):
+        return gate.pruned_epoch
+    log.warning("trial %d: the driver's verdict to prune after epoch %d came after rank 0 stopped waiting for it "
+                "(tune.verdict_timeout_s); the trial trained to the end (%s) and counts as complete",
+                gate.trial.number, gate.pruned_epoch, stop_reason or "no stop")
+    return None
+
+
 @dataclass(frozen=True)
 class TrialJob:
     """A trial's runtime facts, kept beside its config (the user's config with the trial's sampled values, never
@@ -183,7 +202,8 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
               study_name: str) -> TrialOutcome:
     """Train once with the trial's overrides, in a child run of `parent_run_id`; the trial is not told here.
 
-    Returns the outcome: COMPLETE with its value, or PRUNED (the child run FINISHED with tag pruned=true).
+    Returns the outcome: COMPLETE with its value, or PRUNED (the child run FINISHED with tag pruned=true) when rank 0
+    stopped on the driver's verdict (`pruned_epoch`).
 
     Raises:
         TrialFailed / any exception: it failed (child run FAILED with tag `error`).
@@ -210,12 +230,12 @@ def run_trial(trial, cfg: Config, overrides: Dict[str, Any], shared: SharedData,
             gate = PruningGate(trial, job.epochs_folder, metric, cfg.tune.pruner)
         r0 = train_in_run(run, tcfg, data, pinned, tags, epoch_gate=gate, checkpoint_root=job.folder)
         trial.set_user_attr(ATTR_METRICS, {k: v for k, v in r0.metrics.items() if math.isfinite(v)})
-        if gate is not None and gate.pruned_epoch is not None:
-            run.client.log_batch(run.run_id, tags=[RunTag("pruned", "true"),
-                                                   RunTag("pruned_at_epoch", str(gate.pruned_epoch))],
+        pruned = pruned_epoch(gate, r0.stop_reason)
+        if gate is not None and pruned is not None:
+            run.client.log_batch(run.run_id, tags=[RunTag("pruned", "true"), RunTag("pruned_at_epoch", str(pruned))],
                                  synchronous=True)
-            return TrialOutcome(trial.number, "PRUNED", gate.reported.get(gate.pruned_epoch), run.run_id,
-                                reason=gate.reason, epochs=r0.epochs)
+            return TrialOutcome(trial.number, "PRUNED", gate.reported.get(pruned), run.run_id, reason=gate.reason,
+                                epochs=r0.epochs)
         value = trial_value(r0.metrics or {}, metric)
         if value is None:
             seen = sorted({k for h in r0.history for k in h})

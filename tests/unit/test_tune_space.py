@@ -84,6 +84,47 @@ def test_bad_space_names_file_and_key(text, match):
         _space(text)
 
 
+@pytest.mark.parametrize("text, match", [
+    # PyYAML reads a number in exponent form without a dot (or without the exponent's sign) as a string
+    ("params:\n  model.lr: {type: float, low: 1e-5, high: 0.1, log: true}\n",
+     r"s\.yaml: params\.model\.lr: 'low' must be a number, got '1e-5' \(PyYAML reads 1e-5 as text: write 1\.0e-5"),
+    ("params:\n  model.lr: {type: float, low: 1.0e-5, high: 1.0e5}\n", r"'high' must be a number, .*write 1\.0e\+5"),
+    # a high off the step grid: Optuna lowers it silently
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 1.0, step: 0.4}\n",
+     r"params\.model\.lr: 'high' \(1\.0\) is not 'low' \(0\.1\) plus a whole number of 'step' \(0\.4\): Optuna "
+     r"would lower it to 0\.9; set 'high' to 0\.9 or 1\.3"),
+    ("params:\n  train.max_epochs: {type: int, low: 1, high: 8, step: 2}\n",
+     r"params\.train\.max_epochs: 'high' \(8\) .* Optuna would lower it to 7"),
+    # a step wider than the range: every trial the same value
+    ("params:\n  train.max_epochs: {type: int, low: 1, high: 2, step: 5}\n",
+     r"params\.train\.max_epochs: 'step' \(5\) is wider than the range .* every trial would draw 1"),
+    # an enqueued value off the step grid
+    ("params:\n  train.max_epochs: {type: int, low: 2, high: 8, step: 2}\nenqueue:\n  - {train.max_epochs: 3}\n",
+     r"enqueue\[0\]: train\.max_epochs=3 is outside its distribution int \[2, 8\] step 2 \(a stepped range"),
+    ("params:\n  model.lr: {type: float, low: 0.1, high: 0.9, step: 0.2}\nenqueue:\n  - {model.lr: 0.4}\n",
+     r"enqueue\[0\]: model\.lr=0\.4 is outside"),
+    ("params:\n  model.lr: {type: float, low: 1.0e-3, high: 0.1}\nenqueue:\n  - {model.lr: 1e-2}\n",
+     r"enqueue\[0\]: model\.lr='1e-2' is outside .*write 1\.0e-2"),
+])
+def test_a_space_optuna_would_change_silently_is_refused(text, match):
+    with pytest.raises(ConfigError, match=match):
+        _space(text)
+
+
+def test_a_stepped_range_on_its_grid_is_taken_as_written():
+    import optuna
+
+    space = _space("params:\n  model.lr: {type: float, low: 0.1, high: 0.9, step: 0.2}\n"
+                   "  train.max_epochs: {type: int, low: 2, high: 8, step: 2}\n"
+                   "enqueue:\n  - {model.lr: 0.5, train.max_epochs: 6}\n")
+    lr = space.params["model.lr"].distribution()
+    assert (lr.low, lr.high, lr.step) == (0.1, 0.9, 0.2)  # not lowered: 0.9 is 0.1 + 4 steps (in decimal)
+    assert space.params["train.max_epochs"].distribution().high == 8
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial(space.enqueue[0])
+    assert space.suggest(study.ask()) == {"model.lr": 0.5, "train.max_epochs": 6}
+
+
 def test_missing_space_file(tmp_path):
     with pytest.raises(ConfigError, match="search space .*nope.yaml does not exist"):
         load_space(str(tmp_path / "nope.yaml"), Config())
