@@ -38,6 +38,10 @@ class IngestConfig:
     label_depth: int = 1  # the label is folder N under the source (1: SOURCE/<label>/...); -1: the file's own folder
     extensions: List[str] = field(
         default_factory=lambda: [".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"])
+    # a larger file is skipped (too_large, named in the report; strict: fails the ingest), never read: each file is
+    # read whole into one row, and a 64 MB one exhausts Spark's default 1 GiB heap (local[2]): raise it together with
+    # spark.conf.spark.driver.memory (local) or spark.conf.spark.executor.memory; at most 2048 (one binary cell)
+    max_file_mb: float = 16.0
 
 
 @dataclass(frozen=True)
@@ -352,6 +356,8 @@ def validate(cfg: Config) -> None:
         ("delta.table", bool(cfg.delta.table), "must not be empty"),
         ("ingest.label_depth", cfg.ingest.label_depth != 0,
          "must not be 0 (N: folder N under the source, -N: folder N above the file)"),
+        ("ingest.max_file_mb", 0 < cfg.ingest.max_file_mb <= 2048,
+         "must be > 0 and at most 2048 (2 GiB, the most one binary cell holds)"),
         ("mlflow.system_metrics_interval_s", cfg.mlflow.system_metrics_interval_s >= 0, "must be >= 0 (0: off)"),
         ("mlflow.gate_margin", cfg.mlflow.gate_margin >= 0, "must be >= 0 (0: the challenger must be strictly better)"),
         ("mlflow.gate_min_lift", cfg.mlflow.gate_min_lift is None or cfg.mlflow.gate_min_lift >= 0,

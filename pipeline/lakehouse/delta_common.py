@@ -146,8 +146,35 @@ def catalog_name(table: str) -> Optional[str]:
     return table
 
 
-def table_uri(table: str) -> str:
+# What delta-rs (deltalake 1.6) does not round-trip in a local table path: it writes the table at the path as given,
+# but reads it as a URL, so what it commits there it cannot read back (found by tests/unit/test_delta_rs_hostile_paths).
+_UNSAFE_LOCAL = [
+    (re.compile(r"%[0-9A-Fa-f]{2}"), "a percent escape, which delta-rs decodes when it reads a table but not when it "
+                                     "writes one (a commit's files are looked for in another folder)"),
+    (re.compile(r"[?#]"), "which delta-rs reads as the start of a URL query or fragment (a commit's history, what "
+                          "every write checks, is not read back)"),
+    (re.compile(r"\\"), "which delta-rs reads as a folder separator (the table is looked for in another folder)"),
+]
+
+
+def refuse_unsafe_local_path(table: str) -> None:
+    """Refuse a local table path that delta-rs writes but cannot read back: one holding a percent escape
+    (`my tables %20/digits`), `?`, `#` or a backslash. Such a write's commit lands, then is not found, and its
+    files were removed as those of a failed write."""
     path = local_path(table)
+    for pattern, why in _UNSAFE_LOCAL if path is not None else ():
+        match = pattern.search(path)
+        if match:
+            raise DeltaError(f"Delta table path {path!r} holds {match.group(0)!r}, {why}: the delta-rs engine "
+                             f"refuses it before writing anything; choose another path (config key 'delta.table')")
+
+
+def table_uri(table: str) -> str:
+    """Where delta-rs opens `table`: a local path made absolute (one delta-rs cannot read back is refused, see
+    refuse_unsafe_local_path), any other URI as written."""
+    path = local_path(table)
+    if path is not None:
+        refuse_unsafe_local_path(table)
     return path if path is not None else table
 
 
@@ -256,13 +283,22 @@ class DeltaEngine:
         return claims_after(self.history(spark, table), claim, None)
 
     def commit_metadata(self, spark, table: str, version: Optional[int] = None) -> Dict[str, Any]:
-        """The `commit_metadata` written with `version` (latest when None); {} when the commit has none."""
+        """The `commit_metadata` written with `version` (latest when None); {} when the commit has none, or has
+        another writer's `userMetadata` that is not a JSON object (plain text: none of ours)."""
         version = self.latest_version(spark, table) if version is None else version
         for entry in self.history(spark, table):
             if entry.get("version") == version:
                 text = entry.get("userMetadata")
-                return json.loads(text) if text else {}
+                try:
+                    meta = json.loads(text) if text else {}
+                except (TypeError, ValueError):
+                    return {}
+                return meta if isinstance(meta, dict) else {}
         raise DeltaError(f"Delta table {table} has no commit {version} in its history")
+
+    def check_location(self, table: str) -> None:
+        """Refuse, before anything is read or written, a `delta.table` this engine cannot both write and read back
+        (DeltaError naming it and why); nothing to refuse by default."""
 
     def check_append_schema(self, spark, table: str, df) -> None:
         if not self.exists(spark, table):

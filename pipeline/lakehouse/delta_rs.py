@@ -19,12 +19,23 @@ log = get_logger(__name__)
 
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # the folder name of a null partition value
 _HIVE_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})")
+_COMMIT_FILE = re.compile(r"^(\d{20})\.json$")  # a commit in _delta_log: its version, zero-padded
 
 
 def hive_unescape(name: str) -> str:
     """A Hive-style folder name's text: Spark escapes '%', '#', ':', '/', '=' and a few more of a partition column's
     name or value as %XX (ExternalCatalogUtils.escapePathName), and this undoes it (its unescapePathName)."""
     return _HIVE_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), name)
+
+
+_HADOOP_GLOB = re.compile(r"([\\\[\]{}*?])")
+
+
+def hadoop_glob_escape(path: str) -> str:
+    """`path` with Hadoop's glob metacharacters (`[ ] { } * ? \\`) escaped by a backslash, so that
+    `spark.read.parquet(path)`, which globs every path it is given, reads exactly that file: a table under
+    `exp[1]/digits` is otherwise read as the pattern `exp1/digits`, and fails as a path that does not exist."""
+    return _HADOOP_GLOB.sub(r"\\\1", path)
 
 
 def hive_partition_values(rel_dir: str) -> Dict[str, Optional[str]]:
@@ -37,6 +48,37 @@ def hive_partition_values(rel_dir: str) -> Dict[str, Optional[str]]:
             k, v = seg.split("=", 1)
             parts[hive_unescape(k)] = None if v == HIVE_NULL else hive_unescape(v)
     return parts
+
+
+def _log_names_writer(root: str, writer_id: str, start: int, target: str) -> bool:
+    """Whether a commit of `writer_id` after version `start` may be in the Delta log at `root` (read as files, not
+    through delta-rs, which may fail to read it back): True when a commit file names it, or when the log cannot be
+    read to say it does not. A failed write keeps its files then (logged, naming them): a commit may use them."""
+    log_dir = os.path.join(root, "_delta_log")
+    try:
+        names = os.listdir(log_dir)
+    except FileNotFoundError:
+        return False  # no log at all: no commit
+    except OSError as exc:
+        log.warning("Delta table %s: its log cannot be listed (%s); the files of the failed write are kept in %s, "
+                    "as a commit of them may exist", root, exc, target)
+        return True
+    for name in names:
+        match = _COMMIT_FILE.match(name)
+        if not match or int(match.group(1)) <= start:
+            continue
+        try:
+            with open(os.path.join(log_dir, name), encoding="utf-8", errors="replace") as fh:
+                found = writer_id in fh.read()
+        except OSError as exc:
+            log.warning("Delta table %s: commit file %s cannot be read (%s); the files of the failed write are kept "
+                        "in %s, as it may be a commit of them", root, name, exc, target)
+            return True
+        if found:
+            log.warning("Delta table %s: commit %s holds this write's files (writer %s) though the write failed; "
+                        "they are kept in %s", root, name, writer_id, target)
+            return True
+    return False
 
 
 class DeltaRsEngine(DeltaEngine):
@@ -72,6 +114,10 @@ class DeltaRsEngine(DeltaEngine):
 
         refuse_catalog_name(table, self.name)
         return DeltaTable.is_deltatable(table_uri(table))
+
+    def check_location(self, table: str) -> None:
+        refuse_catalog_name(table, self.name)
+        table_uri(table)  # refuses a local path delta-rs cannot read back (a percent escape, ?, #, a backslash)
 
     def latest_version(self, spark, table: str) -> int:
         return self._open(table).version()
@@ -139,7 +185,7 @@ class DeltaRsEngine(DeltaEngine):
         full_spark_schema = from_arrow_schema(schema)
         frames = []
         for key, files in groups.items():
-            frame = spark.read.schema(spark_schema).parquet(*files)
+            frame = spark.read.schema(spark_schema).parquet(*[hadoop_glob_escape(f) for f in files])
             for col, value in key:
                 frame = frame.withColumn(col, F.lit(value).cast(full_spark_schema[col].dataType))
             frames.append(frame.select(*schema.names))
@@ -261,8 +307,9 @@ class DeltaRsEngine(DeltaEngine):
                              "committing the same files from version %d", table, base, exc, claim, latest)
                     exists, base = True, latest
         finally:
-            if not committed:
-                shutil.rmtree(target, ignore_errors=True)  # ours alone (a fresh uuid), never in the log
+            # ours alone (a fresh uuid): removed only when the log proves no commit of them, never from under one
+            if not committed and not _log_names_writer(root, writer_id, start, target):
+                shutil.rmtree(target, ignore_errors=True)
         version = self._own_version(table, writer_id, start)
         log.info("committed %d file(s) to Delta table %s as version %d", len(adds), table, version)
         return version

@@ -93,6 +93,12 @@ def _table_state(engine, spark, table: str, mode: str) -> _TableState:
     classes: Dict[str, int] = {}
     if "label" in df.columns and "label_index" in df.columns:
         for r in df.select("label", "label_index").distinct().collect():
+            if r["label"] is None or r["label_index"] is None:  # written by another writer: no index to extend
+                column = "label" if r["label"] is None else "label_index"
+                raise IngestError(f"Delta table {table} version {pinned.version}: column '{column}' is null in some "
+                                  f"row(s) (label {r['label']!r}, label_index {r['label_index']!r}); an append "
+                                  f"cannot assign label indices beside them: repair the table, or ingest with "
+                                  f"--mode overwrite")
             if r["label_index"] in classes.values() and classes.get(r["label"]) != r["label_index"]:
                 other = next(k for k, v in classes.items() if v == r["label_index"])
                 raise IngestError(f"Delta table {table} version {pinned.version}: label_index {r['label_index']} "
@@ -152,7 +158,9 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
     rule = label_rule(cfg.ingest.label_depth)
     log.info("ingesting %s: %s%s", root, rule, "; strict: any skipped file fails the ingest" if strict else "")
 
-    listing = list_source(root, cfg.ingest.extensions, cfg.ingest.label_depth)
+    engine.check_location(table)  # before anything is read: a path this engine would write but not read back
+    max_file_bytes = int(cfg.ingest.max_file_mb * 2**20)
+    listing = list_source(root, cfg.ingest.extensions, cfg.ingest.label_depth, max_file_bytes=max_file_bytes)
     if listing.files_found == 0:
         raise IngestError(f"ingest source {source} holds no files")
     skipped = list(listing.skipped)
@@ -167,7 +175,7 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
             slices = max(1, min(len(listing.candidates),
                                 max(parallelism, -(-listing.candidate_bytes // _READ_PARTITION_BYTES))))
             # exactly the listed files are read, by path: Spark never lists the source itself (it would follow links)
-            read = read_udf(os.path.realpath(root))
+            read = read_udf(os.path.realpath(root), max_file_bytes)
             files = (spark.createDataFrame(listing.candidates, "path string, label string, is_link boolean")
                      .repartition(slices).withColumn("_r", read(F.col("path"), F.col("is_link")))
                      .select("path", "label", "is_link", F.col("_r.content").alias("content"),

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -23,11 +24,41 @@ PHOTO_QUALITY = 90
 KINDS = ("digits", "photos")
 
 
+class OutputFolderError(ValueError):
+    """The output folder holds files this command would not write; nothing was written."""
+
+
+def check_out_dir(out_dir: str, planned: Set[str]) -> None:
+    """Refuse `out_dir` when it holds any file (or link, or other entry that is not a folder) that is not one of
+    `planned`, the paths, relative to it, that this command is about to write: the folder would then hold more
+    images than the command reports, and an ingest of it would take them all. Writing into the folder of an earlier run
+    whose files are all among `planned` (the same command again, or a larger --limit/--count) is allowed: they
+    are rewritten in place."""
+    out = Path(out_dir)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise OutputFolderError(f"--out {out_dir}: not a folder; nothing written")
+    foreign: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(out):  # links to folders are listed, not followed
+        for name in sorted(filenames) + sorted(d for d in dirnames if os.path.islink(os.path.join(dirpath, d))):
+            rel = os.path.relpath(os.path.join(dirpath, name), out).replace(os.sep, "/")
+            if rel not in planned:
+                foreign.append(rel)
+    if foreign:
+        foreign.sort()
+        shown = ", ".join(foreign[:5]) + (f" ... ({len(foreign)} in all)" if len(foreign) > 5 else "")
+        raise OutputFolderError(f"--out {out_dir} already holds {len(foreign)} file(s) this command would not write "
+                                f"(e.g. {shown}): the folder would hold more images than reported, and an ingest of "
+                                f"it would take them all; give an empty or new folder, or remove these; nothing "
+                                f"written")
+
+
 def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dict[str, int]:
     """Write `out_dir/<class name>/<n>.png`, deterministically; return images per class.
 
     The 8x8 images (values 0-16) are scaled to 0-255 and enlarged to `size` with nearest-neighbour
-    so every file is the same on every machine.
+    so every file is the same on every machine. An `out_dir` holding other files is refused (check_out_dir).
     """
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -36,6 +67,7 @@ def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dic
     out = Path(out_dir)
     counts: Dict[str, int] = {}
     n = len(digits.images) if limit is None else min(limit, len(digits.images))
+    check_out_dir(out_dir, {f"{CLASS_NAMES[int(digits.target[i])]}/{i:04d}.png" for i in range(n)})
     for i in range(n):
         name = CLASS_NAMES[int(digits.target[i])]
         pixels = np.clip(digits.images[i] * (255.0 / 16.0), 0, 255).astype(np.uint8)
@@ -125,12 +157,14 @@ def render_photo(kind: str, seed: int, index: int,
 
 def render_photos(out_dir: str, count: int, classes: int = len(PHOTO_CLASSES), seed: int = 0) -> Dict[str, int]:
     """Write `count` synthetic JPEG photos as `out_dir/<class>/<n>.jpg` (classes in turn, the first `classes` of
-    PHOTO_CLASSES), deterministically from `seed`; return images per class."""
+    PHOTO_CLASSES), deterministically from `seed`; return images per class. An `out_dir` holding other files is
+    refused (check_out_dir)."""
     if count < 1:
         raise ValueError(f"--count {count}: at least one photo")
     if not 1 <= classes <= len(PHOTO_CLASSES):
         raise ValueError(f"--classes {classes}: between 1 and {len(PHOTO_CLASSES)}")
     names: List[str] = PHOTO_CLASSES[:classes]
+    check_out_dir(out_dir, {f"{names[i % classes]}/{i:05d}.jpg" for i in range(count)})
     out = Path(out_dir)
     counts: Dict[str, int] = {}
     total = 0

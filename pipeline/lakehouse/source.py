@@ -18,15 +18,17 @@ SKIP_REASONS = {
     "not_a_file": "not a regular file (a FIFO, socket or device)",
     "unsupported_extension": "its extension is not in ingest.extensions",
     "zero_byte": "an empty file",
-    "too_large": "larger than 2 GiB, the most one binary cell holds",
+    "too_large": "larger than ingest.max_file_mb (a file is read whole into one binary cell, at most 2 GiB)",
     "unreadable": "it cannot be opened or listed (permissions, or it vanished)",
+    "bad_name": "its path is not valid UTF-8 (e.g. Latin-1 names from an old zip), which Spark cannot carry; the "
+                "report shows those bytes as \\xNN",
     "no_label": "too few folders between the source and the file to give a label (ingest.label_depth)",
     "undecodable": "not an image that Pillow can decode",
     "duplicate": "the same bytes (SHA-256) as a file that was ingested",
     "not_read": "listed by the walk but not read: it vanished, changed kind, or now leads outside the source",
     "already_in_table": "the same bytes (SHA-256) as a row already in the table (a re-run or a retried job)",
 }
-MAX_BINARY_FILE = 2**31 - 1
+MAX_BINARY_FILE = 2**31 - 1  # the most one binary cell holds; ingest.max_file_mb bounds a file further
 # Bounds of the walk: a source deeper or larger than this is refused (naming where) rather than read for hours.
 MAX_SOURCE_DEPTH = 64  # folders below the source
 MAX_SOURCE_ENTRIES = 5_000_000  # files and folders
@@ -79,22 +81,44 @@ def inside(path: str, real_root: str) -> bool:
     return os.path.commonpath([path, real_root]) == real_root
 
 
+def valid_utf8(path: str) -> bool:
+    """Whether a path from the walk is valid UTF-8: bytes that are not come back from os.walk as lone surrogates
+    (surrogateescape), which no JSON, Spark string or Delta log can carry."""
+    try:
+        path.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def printable(text: str) -> str:
+    """`text` (a path, or a detail naming one) with the bytes of a name that is not valid UTF-8 shown as \\xNN
+    (`caf\\xe9.png`), valid UTF-8 kept as it is: what a report, a log line and the Delta commit can carry."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no walk gives
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def list_source(root: str, extensions: Sequence[str], label_depth: int, max_depth: int = MAX_SOURCE_DEPTH,
-                max_entries: int = MAX_SOURCE_ENTRIES) -> SourceListing:
+                max_entries: int = MAX_SOURCE_ENTRIES, max_file_bytes: int = MAX_BINARY_FILE) -> SourceListing:
     """Walk `root` (symbolic links not followed) and sort every entry into a file to read or a skipped file.
 
     This listing is the whole of what the ingest reads: Spark is handed these paths, never the folder, so a link
     to a folder (a loop, `/`) is not followed and a link to a file outside the source is skipped
-    (`symlink_outside`), never read. A tree deeper than `max_depth` folders or with more than `max_entries`
+    (`symlink_outside`), never read. A file larger than `max_file_bytes` (ingest.max_file_mb; at most 2 GiB) is
+    skipped (`too_large`), never read into memory; a path that is not valid UTF-8 is skipped (`bad_name`) and
+    reported with its bytes shown as \\xNN. A tree deeper than `max_depth` folders or with more than `max_entries`
     files and folders raises IngestError naming where the walk stopped.
     """
     root = os.path.abspath(root)
     real_root = os.path.realpath(root)
     exts = tuple(e.lower() for e in extensions)
+    max_file_bytes = min(int(max_file_bytes), MAX_BINARY_FILE)
     out = SourceListing(root=root)
 
     def skip(path: str, reason: str, detail: str) -> None:
-        out.skipped.append(SkippedFile(path, reason, detail))
+        out.skipped.append(SkippedFile(printable(path), reason, printable(detail)))
 
     def unlistable(exc: OSError) -> None:
         skip(exc.filename or root, "unreadable", f"folder cannot be listed: {exc.strerror or exc}")
@@ -124,6 +148,11 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int, max_dept
                 skip(full, "symlinked_folder", f"symbolic link to folder {target}, not followed")
         for name in sorted(filenames):
             full = os.path.join(dirpath, name)
+            if not valid_utf8(full):
+                bad = next((p for p in folders + [name] if not valid_utf8(p)), root)
+                skip(full, "bad_name", f"{os.fsencode(bad)!r} is not valid UTF-8 (a Latin-1 name?); rename it "
+                                       f"(e.g. convmv -f latin1 -t utf8) to ingest the file")
+                continue
             hidden = [p for p in folders + [name] if hidden_name(p)]
             is_link = os.path.islink(full)
             if is_link:
@@ -152,8 +181,10 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int, max_dept
             if st.st_size == 0:
                 skip(full, "zero_byte", "0 bytes")
                 continue
-            if st.st_size > MAX_BINARY_FILE:
-                skip(full, "too_large", f"{st.st_size} bytes")
+            if st.st_size > max_file_bytes:
+                skip(full, "too_large", f"{st.st_size} bytes, more than the {max_file_bytes} bytes "
+                                        f"({max_file_bytes / 2**20:g} MiB) of ingest.max_file_mb (raise it with "
+                                        f"Spark's memory)")
                 continue
             if not os.access(full, os.R_OK):
                 skip(full, "unreadable", "no read permission")
@@ -170,9 +201,11 @@ def list_source(root: str, extensions: Sequence[str], label_depth: int, max_dept
 
 
 
-def read_udf(real_root: str):
+def read_udf(real_root: str, max_file_bytes: int = MAX_BINARY_FILE):
     """Executors read exactly the listed files, re-checking each at read time: still a regular file, still
-    inside the source (a file swapped for a link, or a link re-pointed, since the walk is not read)."""
+    inside the source (a file swapped for a link, or a link re-pointed, since the walk is not read), still
+    within `max_file_bytes` (a file that grew since the walk is not read into memory)."""
+    max_file_bytes = min(int(max_file_bytes), MAX_BINARY_FILE)
     from pyspark.sql.functions import udf
 
     def read(path: str, is_link: bool):
@@ -188,8 +221,8 @@ def read_udf(real_root: str):
             st = os.fstat(fh.fileno())
             if not stat.S_ISREG(st.st_mode):
                 return None, "no longer a regular file"
-            if st.st_size > MAX_BINARY_FILE:
-                return None, f"now {st.st_size} bytes, over 2 GiB"
+            if st.st_size > max_file_bytes:
+                return None, f"now {st.st_size} bytes, more than the {max_file_bytes} of ingest.max_file_mb"
             try:
                 return fh.read(), None
             except OSError as exc:

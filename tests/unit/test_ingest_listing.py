@@ -137,3 +137,82 @@ def test_walk_is_bounded_in_depth_and_size(tmp_path):
     assert len(list_source(str(wide), EXTS, 1, max_entries=7).candidates) == 6  # 1 folder + 6 files
     with pytest.raises(IngestError, match=r"more than 6 files and folders \(the walk stopped in .*/wide/cat\)"):
         list_source(str(wide), EXTS, 1, max_entries=6)
+
+
+def _sparse(path, size):
+    """A file of `size` bytes that takes no disk or memory (a hole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return str(path)
+
+
+def test_a_file_over_max_file_bytes_is_skipped_as_too_large_naming_it(tmp_path):
+    """A 700 MB scan is never handed to Spark (each file is read whole into memory: it killed the JVM)."""
+    small = _touch(tmp_path / "cat" / "a.png")
+    scan = _sparse(tmp_path / "cat" / "scan.png", 700 * 2**20)
+    at_bound = _sparse(tmp_path / "dog" / "edge.png", 256 * 2**20)
+    listing = list_source(str(tmp_path), EXTS, 1, max_file_bytes=256 * 2**20)
+    assert _by_path(listing) == {small: ("read", "cat"), scan: ("skipped", "too_large"), at_bound: ("read", "dog")}
+    (s,) = listing.skipped
+    assert f"{700 * 2**20} bytes" in s.detail and "ingest.max_file_mb" in s.detail and "256 MiB" in s.detail
+
+
+def test_ingest_max_file_mb_bounds_the_listing_and_strict_names_the_file(tmp_path):
+    """No Spark: a source whose only image is too large is refused before any read, naming it (strict) or counting
+    it (not strict)."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.lakehouse.ingest import IngestError, ingest_folder
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "base.yaml")
+    assert load_config(root).ingest.max_file_mb == 16
+    for bad in ("0", "-1", "4096"):
+        with pytest.raises(ConfigError, match="ingest.max_file_mb"):
+            load_config(root, [f"ingest.max_file_mb={bad}"])
+    scan = _sparse(tmp_path / "src" / "cat" / "scan.tif", 3 * 2**20)
+    table = f"delta.table={tmp_path}/t"
+    with pytest.raises(IngestError, match=r"nothing to ingest.*too_large=1"):
+        ingest_folder(None, load_config(root, [table, "ingest.max_file_mb=2"]), str(tmp_path / "src"))
+    with pytest.raises(IngestError) as err:
+        ingest_folder(None, load_config(root, [table, "ingest.max_file_mb=2", "ingest.strict=true"]),
+                      str(tmp_path / "src"))
+    assert f"{scan} (too_large: {3 * 2**20} bytes" in str(err.value) and "nothing written" in str(err.value)
+    assert not os.path.exists(tmp_path / "t")
+
+
+def test_a_path_that_is_not_utf8_is_skipped_as_bad_name_with_its_bytes_shown(tmp_path):
+    """Latin-1 names (an old zip): the file, and every file in such a folder, is skipped naming the real bytes, not
+    handed to Spark as a mangled path that comes back not_read."""
+    import json
+
+    root = os.fsencode(tmp_path)
+    good = _touch(tmp_path / "cat" / "ok.png")
+    for rel in (b"cat/caf\xe9.png", b"d\xe9j\xe0/x.png"):
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as fh:
+            fh.write(b"x")
+    listing = list_source(str(tmp_path), EXTS, 1)
+    assert [c[0] for c in listing.candidates] == [good]
+    got = {s.path: s for s in listing.skipped}
+    assert set(got) == {f"{tmp_path}/cat/caf\\xe9.png", f"{tmp_path}/d\\xe9j\\xe0/x.png"}
+    for s in got.values():
+        assert s.reason == "bad_name" and "not valid UTF-8" in s.detail
+        # no lone surrogate: a report, a log line and the Delta commit (a Rust string) can carry it
+        assert json.dumps(s._asdict(), ensure_ascii=False).encode("utf-8").decode("utf-8").isprintable()
+    assert "b'caf\\xe9.png'" in got[f"{tmp_path}/cat/caf\\xe9.png"].detail
+    assert "b'd\\xe9j\\xe0'" in got[f"{tmp_path}/d\\xe9j\\xe0/x.png"].detail
+    assert "bad_name" in SKIP_REASONS
+
+
+def test_a_bad_name_fails_a_strict_ingest_naming_it(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.lakehouse.ingest import IngestError, ingest_folder
+
+    os.makedirs(tmp_path / "src" / "cat")
+    with open(os.path.join(os.fsencode(tmp_path / "src" / "cat"), b"na\xefve.png"), "wb") as fh:
+        fh.write(b"x")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "base.yaml")
+    cfg = load_config(root, [f"delta.table={tmp_path}/t", "ingest.strict=true"])
+    with pytest.raises(IngestError) as err:
+        ingest_folder(None, cfg, str(tmp_path / "src"))
+    assert f"{tmp_path}/src/cat/na\\xefve.png (bad_name: b'na\\xefve.png' is not valid UTF-8" in str(err.value)
