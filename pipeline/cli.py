@@ -12,7 +12,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.data.cache import clear, list_entries
 from pipeline.doctor import run_doctor
 from pipeline.errors import Terminated
-from pipeline.lakehouse.spark import spark_on_demand, spark_session
+from pipeline.lakehouse.spark import require_submitted_master, spark_on_demand, spark_session
 from pipeline.log import flush_and_exit, get_logger, setup_logging
 from pipeline.serving.predict import predict_table
 from pipeline.tune.sweep import run_tune, trials_asked
@@ -157,6 +157,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(sync_run(args.folder, args.overrides)))
             return 0
         cfg = load_config(args.conf, args.overrides)
+        require_submitted_master(cfg)  # under spark-submit: its --master and spark.master agree
         if args.command == "doctor":
             return run_doctor(cfg)
         if args.command == "promote":

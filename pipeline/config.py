@@ -291,6 +291,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         p = Path(path)
         extends = read_yaml(p).pop("extends", None) if p.exists() else None
         base = p.parent / (extends or "base.yaml")
+        if extends and not base.exists():  # only the implicit base.yaml is optional: a named one missing would
+            # silently leave every key it holds at the defaults
+            raise ConfigError(f"{p}: extends: {extends!r}, but {base} does not exist (the path is relative to "
+                              f"the profile's folder)")
         if base.resolve() != p.resolve() and base.exists():
             merged = read_yaml(base)
             merged.pop("extends", None)

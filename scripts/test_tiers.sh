@@ -148,7 +148,7 @@ BENCH_TESTS=tests/integration/test_bench.py
 LANE_TESTS=(training tune fsdp horovod_strategy notebooks small_table photos_decode lakehouse data_path direct_train
   cache_leases tracking secrets predict_races gate_fair spark_session_ownership databricks_install ingest_races
   ingest_accounting spark_on_demand gate_chance horovod_one_rank table_location_gate run_checkpoints sync_resume
-  doctor_notebook direct_source ingest_formats)
+  doctor_notebook direct_source ingest_formats ingest_hostile_names submit_master)
 LANE_TESTS=("${LANE_TESTS[@]/#/tests/integration/test_}")
 LANE_TESTS=("${LANE_TESTS[@]/%/.py}")
 # Lane B's own, first: tests whose heartbeat or lease needs writes to land within seconds, which the set-ups' disk

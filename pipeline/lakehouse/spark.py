@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Mapping, Optional
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -138,6 +138,35 @@ def _create(cfg: Config):
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def submitted_master() -> Optional[str]:
+    """The master spark-submit started this driver with (its `--master`, else spark-submit's own default `local[*]`);
+    None when this process was not started by spark-submit (no JVM handed over) or runs on Databricks. Connects to the
+    JVM spark-submit started; makes no session."""
+    if not os.environ.get("PYSPARK_GATEWAY_PORT") or os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return None
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # the gateway to spark-submit's JVM, whose system properties hold its master
+    return SparkConf().get("spark.master", None)
+
+
+def require_submitted_master(cfg: Config) -> None:
+    """Refuse (ConfigError naming both) a job spark-submit started with a master other than `spark.master`: the
+    session the project makes sets `spark.master` in code, which Spark lets win over `--master`, so the job would run
+    silently on the config's master, not where it was submitted. Two local masters differ only in threads: a
+    warning."""
+    master = submitted_master() if cfg.spark.master != "databricks" else None
+    if not master or master == cfg.spark.master:
+        return
+    if master.startswith("local") and cfg.spark.master.startswith("local"):  # this machine either way: its threads
+        log.warning("spark-submit's master %r is not spark.master %r: the session runs %r (this machine either way)",
+                    master, cfg.spark.master, cfg.spark.master)
+        return
+    raise ConfigError(f"spark-submit started this job with master {master!r} (its --master, or its default "
+                          f"local[*]) but config key 'spark.master' is {cfg.spark.master!r}: the job would run on "
+                          f"the config's; give spark.master={master} or submit with --master {cfg.spark.master}")
 
 
 def _plan_here() -> SessionPlan:

@@ -1,0 +1,22 @@
+"""A profile's `extends:`: the named base is merged under it, and a named base that is missing is an error."""
+import pytest
+
+from pipeline.config import ConfigError, load_config
+
+
+def test_a_named_base_is_merged_under_the_profile(tmp_path):
+    (tmp_path / "shared.yaml").write_text("model:\n  lr: 0.25\ntrain:\n  max_epochs: 7\n")
+    (tmp_path / "p.yaml").write_text("extends: shared.yaml\ntrain:\n  max_epochs: 3\n")
+    cfg = load_config(str(tmp_path / "p.yaml"))
+    assert cfg.model.lr == 0.25 and cfg.train.max_epochs == 3
+
+
+def test_a_named_base_that_is_missing_fails_naming_it(tmp_path):
+    (tmp_path / "p.yaml").write_text("extends: nope.yaml\ntrain:\n  max_epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"extends: 'nope.yaml'.*nope\.yaml does not exist"):
+        load_config(str(tmp_path / "p.yaml"))
+
+
+def test_without_extends_a_missing_base_yaml_is_fine(tmp_path):
+    (tmp_path / "p.yaml").write_text("train:\n  max_epochs: 3\n")
+    assert load_config(str(tmp_path / "p.yaml")).train.max_epochs == 3
