@@ -15,12 +15,95 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the key."""
 
 
+# what a command line means by null for a key that may be null (YAML's null words, and `none` as the value checks
+# have always taken it); anything else given to a text key is that text
+NULL_TEXTS = ("", "~", "null", "none")
+
+
+class Override:
+    """One `key=value` override's value as YAML reads it (`parsed`) beside the text as typed (`raw`, outer blanks
+    stripped): a key whose type is text (str, Optional[str], spark.conf's values) takes the text, every other key the
+    YAML value, so `mlflow.experiment=1.10` stays '1.10' while `model.lr=1e-3` is a float."""
+
+    __slots__ = ("parsed", "raw")
+
+    def __init__(self, parsed: Any, raw: str):
+        self.parsed = parsed
+        self.raw = raw
+
+    def is_null(self) -> bool:
+        return self.raw.lower() in NULL_TEXTS
+
+    def text(self) -> Any:
+        """The text a text key takes: the raw text, or what YAML made of a quoted one ('1.10' -> 1.10)."""
+        quoted = len(self.raw) >= 2 and self.raw[0] == self.raw[-1] and self.raw[0] in "'\""
+        return self.parsed if quoted and isinstance(self.parsed, str) else self.raw
+
+    def __repr__(self) -> str:
+        return repr(self.raw)
+
+
+class _YamlInt(int):
+    """An int read from a YAML file, with the text it was read from (`raw`): a text key told apart 1:30:00 from
+    5400."""
+
+    raw = ""
+
+
+class _YamlFloat(float):
+    """A float read from a YAML file, with the text it was read from (`raw`): 1.10 is not 1.1 for a text key."""
+
+    raw = ""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader whose ints and floats remember their text (`_YamlInt`, `_YamlFloat`)."""
+
+
+def _remembering(base: Any, wrap: type) -> Any:
+    def construct(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+        value = wrap(base(loader, node))
+        value.raw = str(node.value)
+        return value
+    return construct
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _remembering(yaml.SafeLoader.construct_yaml_int, _YamlInt))
+_Loader.add_constructor("tag:yaml.org,2002:float", _remembering(yaml.SafeLoader.construct_yaml_float, _YamlFloat))
+
+
+def _takes_text(tp: Any) -> bool:
+    return tp is str or (typing.get_origin(tp) is typing.Union and str in typing.get_args(tp))
+
+
+def _as_text(key: str, value: Any) -> str:
+    """A text key's value as text: an override's text, a string, or a number whose text YAML kept (123); a number
+    YAML changed (1.10 -> 1.1, 1:30:00 -> 5400, 0x10 -> 16) is refused, naming the key."""
+    if isinstance(value, Override):
+        if value.parsed is None and value.is_null():
+            raise ConfigError(f"config key '{key}': value None is not a str (this key cannot be null)")
+        return value.text()
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raw = getattr(value, "raw", None)
+        if raw is not None and raw != str(value):
+            raise ConfigError(f"config key '{key}': YAML reads {raw} as the {type_name(type(value).__mro__[1])} "
+                              f"{value!r}, not the text {raw!r}; quote it ('{raw}') to keep the text")
+        return str(value)
+    hint = " (quote it to keep the text)" if value is not None else ""
+    raise ConfigError(f"config key '{key}': value {value!r} is not a str{hint}")
+
+
 def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
 def coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotated type `tp`; return it (ints widen to floats)."""
+    """Check `value` against the annotated type `tp`; return it as a plain value (ints widen to floats). `value` is
+    what YAML read, or an `Override` (a command line's), of which a text key takes the text and any other the YAML."""
+    if isinstance(value, Override) and not _takes_text(tp):
+        value = value.parsed
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -31,6 +114,8 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
                 except ConfigError:
                     pass
             return coerce(key, value, args[-1])
+        if isinstance(value, Override):  # Optional[str] on the command line: null only for the null words
+            return None if value.is_null() else coerce(key, value, args[0])
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             return None
         return coerce(key, value, args[0])
@@ -42,14 +127,15 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (dict, Dict):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': value {value!r} is not a mapping")
-        return {str(k): str(v) for k, v in value.items()}
+        return {str(k): _as_text(f"{key}.{k}", v) if v is not None and not isinstance(v, bool) else str(v)
+                for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"config key '{key}': value {value!r} is not a bool (true/false)")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)
         number = _float_or_none(value)  # 1e3 or 1000.0: a whole number in float form is still refused, said how
         hint = f": write the whole number {int(number)}" if number is not None and number.is_integer() else ""
         raise ConfigError(f"config key '{key}': value {value!r} is not an int{hint}")
@@ -59,9 +145,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"config key '{key}': value {value!r} is not a finite float (e.g. 0.01 or 1e-4)")
         return number
     if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"config key '{key}': value {value!r} is not a str")
+        return _as_text(key, value)
     return value
 
 
@@ -91,7 +175,8 @@ def build(cls: type, data: Dict[str, Any], prefix: str) -> Any:
             raise ConfigError(f"unknown config key '{dotted}'; valid keys of {where}: {', '.join(names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = build(tp, value or {}, dotted)
+            section = value.parsed if isinstance(value, Override) else value  # `train=null`: the defaults
+            kwargs[key] = build(tp, section or {}, dotted)
         else:
             kwargs[key] = coerce(dotted, value, tp)
     return cls(**kwargs)
@@ -100,6 +185,8 @@ def build(cls: type, data: Dict[str, Any], prefix: str) -> Any:
 def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(base)
     for k, v in (over or {}).items():
+        if isinstance(v, Override) and isinstance(v.parsed, dict) and isinstance(out.get(k), dict):
+            v = v.parsed  # a section or spark.conf given as a mapping on the command line: merged as a file's is
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k == "conf":
             out[k] = {**out[k], **v}  # Spark's own dotted keys: one level, each override adds to the profile's
         elif isinstance(v, dict) and isinstance(out.get(k), dict):
@@ -110,7 +197,8 @@ def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def parse_override(text: str) -> Dict[str, Any]:
-    """`a.b=c` -> {'a': {'b': c}}, with c parsed as YAML (so 3, 0.1, true, null work)."""
+    """`a.b=c` -> {'a': {'b': Override(c as YAML, 'c')}}: YAML's value (so 3, 0.1, true, null, [1, 2] work) beside
+    the text, which a text key takes (`coerce`); spark.conf's own keys take the text alone."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.np=-2)")
     key, raw = text.split("=", 1)
@@ -118,13 +206,14 @@ def parse_override(text: str) -> Dict[str, Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        parsed = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
-    # spark.conf keys contain dots themselves: spark.conf.spark.jars=... -> conf['spark.jars']
+        parsed = raw
+    value = Override(parsed, raw.strip())
+    # spark.conf keys contain dots themselves: spark.conf.spark.jars=... -> conf['spark.jars'], the text as typed
     parts = key.split(".")
     if parts[:2] == ["spark", "conf"] and len(parts) > 2:
-        return {"spark": {"conf": {".".join(parts[2:]): str(value)}}}
+        return {"spark": {"conf": {".".join(parts[2:]): value.text()}}}
     node: Dict[str, Any] = {}
     cur = node
     for p in parts[:-1]:
@@ -136,7 +225,7 @@ def parse_override(text: str) -> Dict[str, Any]:
 
 def read_yaml(path: Path) -> Dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}  # a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as exc:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.distributed.backends import MachineFacts, get, name_of
+from pipeline.redact import redact_url
 
 PACKAGES = ["torch", "pytorch_lightning", "pyspark", "delta", "deltalake", "petastorm", "pyarrow", "numpy", "pandas",
             "mlflow", "horovod"]
@@ -40,6 +41,16 @@ def _version(module: str) -> Optional[str]:
 def _major_minor(v: Optional[str]) -> Tuple[int, int]:
     m = re.match(r"(\d+)\.(\d+)", v or "")
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def java_major(v: Optional[str]) -> int:
+    """Java's major version from `java -version`'s text: '1.8.0_392' -> 8 (the old 1.x scheme), '17', '17.0.15',
+    '21', '25-ea' -> 17, 17, 21, 25; 0 when there is no number."""
+    m = re.match(r"\s*(\d+)(?:\.(\d+))?", v or "")
+    if not m:
+        return 0
+    major = int(m.group(1))
+    return int(m.group(2)) if major == 1 and m.group(2) else major
 
 
 def java_version() -> Optional[str]:
@@ -107,7 +118,7 @@ def known_problems(versions: Dict[str, Optional[str]], java: Optional[str]) -> L
                         "3.x with Spark 3.5)")
     if java is None:
         problems.append("java not found: Spark 4.0 needs Java 17")
-    elif _major_minor(java)[0] < 17:
+    elif java_major(java) < 17:
         problems.append(f"java {java}: Spark 4.0 needs Java 17 or newer")
     for required in ("torch", "pyspark", "pyarrow", "mlflow", "pytorch_lightning"):
         if not versions.get(required):
@@ -232,10 +243,21 @@ def _profile_marker() -> Optional[str]:
 
 
 def direct_path(cfg: Config) -> Tuple[bool, str]:
-    """Whether data.source=direct can read the configured table (delta.table at delta.version), and why not."""
+    """Whether data.source=direct can read the configured table (delta.table at delta.version), and why not: a table
+    the library refuses (DeltaError: a catalog name, which delta-rs cannot resolve) is a "no" with its reason."""
     from pipeline.data.source import direct_readable  # local: numpy and pyarrow, out of `import pipeline.doctor`
+    from pipeline.lakehouse.delta_common import DeltaError
 
-    return direct_readable(cfg.delta.table, cfg.delta.version)
+    try:
+        return direct_readable(cfg.delta.table, cfg.delta.version)
+    except DeltaError as exc:
+        return False, " ".join(str(exc).split())
+
+
+def _say(line: str) -> None:
+    """Print one line of the report with the project's redaction applied (pipeline.redact): the config's texts it
+    names (delta.table and the reasons that quote it) keep no URL password, user token or signature."""
+    print(redact_url(line))
 
 
 def run_doctor(cfg: Config) -> int:
@@ -286,33 +308,33 @@ def run_doctor(cfg: Config) -> int:
 
         problems += timm_problems()
 
-    print("lakehouse doctor")
+    _say("lakehouse doctor")
     if dbr:
-        print(f"  {'databricks':<18} Databricks Runtime {dbr}: {where}")
+        _say(f"  {'databricks':<18} Databricks Runtime {dbr}: {where}")
     else:
-        print(f"  {'profile':<18} {profile} ({why}){f'; set up as {marker}' if marker else ''}")
-    print(f"  {'python':<18} {sys.version.split()[0]} ({sys.executable})")
+        _say(f"  {'profile':<18} {profile} ({why}){f'; set up as {marker}' if marker else ''}")
+    _say(f"  {'python':<18} {sys.version.split()[0]} ({sys.executable})")
     for p in PACKAGES:
-        print(f"  {DIST_NAMES.get(p, p):<18} {versions[p] or 'MISSING'}")
-    print(f"  {'java':<18} {java or 'MISSING'}")
-    print(f"  {'torch cuda':<18} {gpu.torch_cuda or 'none (CPU build)'}; torch.distributed nccl={gpu.dist_nccl}")
+        _say(f"  {DIST_NAMES.get(p, p):<18} {versions[p] or 'MISSING'}")
+    _say(f"  {'java':<18} {java or 'MISSING'}")
+    _say(f"  {'torch cuda':<18} {gpu.torch_cuda or 'none (CPU build)'}; torch.distributed nccl={gpu.dist_nccl}")
     if gpu.device_count:
         for i, (name, cap) in enumerate(zip(gpu.device_names, gpu.capabilities)):
-            print(f"  {'cuda device ' + str(i):<18} {name} (compute capability {cap[0]}.{cap[1]})")
+            _say(f"  {'cuda device ' + str(i):<18} {name} (compute capability {cap[0]}.{cap[1]})")
     else:
-        print(f"  {'cuda devices':<18} 0")
+        _say(f"  {'cuda devices':<18} 0")
     if hvd.installed:
-        print(f"  horovod build      pytorch={hvd.pytorch} gloo={hvd.gloo} nccl={hvd.nccl} mpi={hvd.mpi}")
-    print(f"  {'config':<18} train.backend={backend} train.np={cfg.train.np} data.reader={reader}")
+        _say(f"  horovod build      pytorch={hvd.pytorch} gloo={hvd.gloo} nccl={hvd.nccl} mpi={hvd.mpi}")
+    _say(f"  {'config':<18} train.backend={backend} train.np={cfg.train.np} data.reader={reader}")
     for name, state in engines.items():
-        print(f"  delta engine {name:<6} {state}")
-    print(f"  {'direct path':<18} {'yes' if direct_ok else 'no'}: {direct_why}")
+        _say(f"  delta engine {name:<6} {state}")
+    _say(f"  {'direct path':<18} {'yes' if direct_ok else 'no'}: {direct_why}")
     for note in notes:
-        print(f"  note: {note}")
+        _say(f"  note: {note}")
     if problems:
-        print("problems:")
+        _say("problems:")
         for p in problems:
-            print(f"  - {p}")
+            _say(f"  - {p}")
         return 1
-    print("ok: this install can run the pipeline")
+    _say("ok: this install can run the pipeline")
     return 0

@@ -12,6 +12,7 @@ import pandas as pd
 from pipeline.config import Config, load_config
 from pipeline.images import decode_image
 from pipeline.lakehouse.delta import get_engine
+from pipeline.lakehouse.spark import session_of
 from pipeline.log import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -21,6 +22,11 @@ HISTORY_COLUMNS = ["version", "timestamp", "operation", "rows"]
 BALANCE_COLUMNS = ["label", "label_index", "rows", "fraction"]
 REGISTRY_COLUMNS = ["version", "aliases", "status", "run_id", "delta_table", "delta_version", "created",
                     "gate_decision"]
+# a run's metric series that are not per epoch, left out of `run_history`: MLflow's system metrics (stepped by sample),
+# the job's events (restarts and OOM back-offs stepped by their count, an elastic relaunch's world_size) and tune's
+# one-off values (a trial's tune_<metric>, a study's best_<metric>)
+NOT_PER_EPOCH = ("restarts", "oom_backoffs", "world_size")
+NOT_PER_EPOCH_PREFIXES = ("system/", "tune_", "best_")
 
 
 # ---------------------------------------------------------------- notebook set-up
@@ -94,7 +100,9 @@ def _rows_at(spark, cfg: Config, version: int) -> Optional[int]:
 
 
 def table_history(spark, cfg: Config) -> pd.DataFrame:
-    """Every version of `delta.table`: version, timestamp, operation and the rows it holds."""
+    """Every version of `delta.table`: version, timestamp, operation and the rows it holds. `spark` here and below: a
+    session, or a `SparkOnDemand` (pipeline.lakehouse.spark), started when first needed."""
+    spark = session_of(spark)
     entries = get_engine(cfg.delta.engine).history(spark, cfg.delta.table)
     versions = sorted({int(e["version"]) for e in entries if e.get("version") is not None})
     return history_frame(entries, {v: _rows_at(spark, cfg, v) for v in versions})
@@ -110,7 +118,7 @@ def balance_frame(counts: Sequence[Dict[str, Any]]) -> pd.DataFrame:
 
 def _pinned_frame(spark, cfg: Config, version: Optional[int]):
     pinned_version = cfg.delta.version if version is None else version
-    return get_engine(cfg.delta.engine).read(spark, cfg.delta.table, pinned_version)
+    return get_engine(cfg.delta.engine).read(session_of(spark), cfg.delta.table, pinned_version)
 
 
 def class_balance(spark, cfg: Config, version: Optional[int] = None) -> pd.DataFrame:
@@ -175,12 +183,19 @@ def _client(cfg: Config):
     return configure(cfg.mlflow)
 
 
+def is_epoch_metric(key: str) -> bool:
+    """Whether the run's metric `key` is logged once per epoch at the epoch's step (not a system metric, a job event
+    or a one-off value: NOT_PER_EPOCH)."""
+    return key not in NOT_PER_EPOCH and not key.startswith(NOT_PER_EPOCH_PREFIXES)
+
+
 def run_history(cfg: Config, run_id: str) -> pd.DataFrame:
-    """A run's per-epoch metrics: one row per step (epoch), one column per metric."""
+    """A run's per-epoch metrics: one row per step (epoch), one column per metric logged each epoch; the run's other
+    series (system/*, restarts, oom_backoffs, ...: NOT_PER_EPOCH) are not epochs and are left out."""
     client = _client(cfg)
     run = client.get_run(run_id)
     series: Dict[str, Dict[int, float]] = {}
-    for key in sorted(run.data.metrics):
+    for key in sorted(k for k in run.data.metrics if is_epoch_metric(k)):
         for m in client.get_metric_history(run_id, key):
             series.setdefault(key, {})[int(m.step)] = float(m.value)
     frame = pd.DataFrame(series)

@@ -231,7 +231,6 @@ def _train_from(spark, cfg: Config, run_name: Optional[str], leases: Any, marks:
     marks["data_ready"] = time.time()
     rows_train, rows_val = data.rows
     world = world_size_of(cfg)
-    summary: Dict[str, Any] = {}
     # the converted data stays in the cache for the next job (`lakehouse cache ls|clear`)
     tags = {"world_size": world, "backend": name_of(cfg), "np": cfg.train.np, "data_source": cfg.data.source}
     with tracked_run(cfg, run_name=run_name, tags=tags) as run:
@@ -240,37 +239,46 @@ def _train_from(spark, cfg: Config, run_name: Optional[str], leases: Any, marks:
         offline = left_offline(job_dir_of(cfg, run.run_id))
         if offline is not None:  # the server never came back: `lakehouse sync-run <folder>` uploads the run
             record_job(offline, run, cfg, pinned, {"train": rows_train, "val": rows_val}, tags, r0, run_name)
-            return {"run_id": run.run_id, "offline_run": offline.folder, "model_name": cfg.mlflow.registered_model,
-                    "model_version": None, "delta_table": pinned.table, "delta_version": pinned.version,
-                    "epochs": r0.epochs, "val_loss": r0.metrics.get("val_loss"), "val_acc": r0.metrics.get("val_acc"),
-                    "tracking_uri": redact_url(run.tracking_uri)}
+            # the line's keys as a registered run's: nothing registered nor gated yet (sync-run does both)
+            return {**run_summary(run, cfg, pinned, (rows_train, rows_val), r0, marks, None, None),
+                    "offline_run": offline.folder}
         if not r0.model_uri:
             raise RuntimeError("rank 0 returned no model; nothing registered")
         version, decision = register_and_promote(run.client, cfg, r0.model_uri, run.run_id, pinned, r0.metrics,
                                                  {"data_source": cfg.data.source})
         marks["gated"] = time.time()
-        summary = {
-            "run_id": run.run_id,
-            "model_name": cfg.mlflow.registered_model,
-            "model_version": int(version),
-            "delta_table": pinned.table,
-            "delta_version": pinned.version,
-            "rows_train": rows_train,
-            "rows_val": rows_val,
-            "world_size": world,
-            "world_size_used": r0.world_size,  # fewer after an elastic relaunch (train.min_np)
-            "backend": name_of(cfg),
-            "data_source": cfg.data.source,  # converted (Spark, the cache) or direct (the table's own files)
-            "val_loss": r0.metrics.get("val_loss"),
-            "val_acc": r0.metrics.get("val_acc"),
-            "epochs": r0.epochs,
-            "batch_size_used": r0.batch_size,
-            "stopped_early": r0.stopped_early,
-            "champion": bool(decision and decision.promoted),
-            "tracking_uri": redact_url(run.tracking_uri),
-            "phases": phases(marks),
-        }
+        summary = run_summary(run, cfg, pinned, (rows_train, rows_val), r0, marks, int(version),
+                              bool(decision and decision.promoted))
     return summary
+
+
+def run_summary(run, cfg: Config, pinned, rows: Any, r0: Any, marks: Dict[str, float],
+                model_version: Optional[int], champion: Optional[bool]) -> Dict[str, Any]:
+    """The summary `lakehouse train` prints as its last line of JSON (the contract's keys and more), of a run
+    registered as `model_version` (None: not registered, as a run left offline) that the gate made champion or not
+    (None: not gated)."""
+    rows_train, rows_val = rows
+    return {
+        "run_id": run.run_id,
+        "model_name": cfg.mlflow.registered_model,
+        "model_version": model_version,
+        "delta_table": pinned.table,
+        "delta_version": pinned.version,
+        "rows_train": rows_train,
+        "rows_val": rows_val,
+        "world_size": world_size_of(cfg),
+        "world_size_used": r0.world_size,  # fewer after an elastic relaunch (train.min_np)
+        "backend": name_of(cfg),
+        "data_source": cfg.data.source,  # converted (Spark, the cache) or direct (the table's own files)
+        "val_loss": r0.metrics.get("val_loss"),
+        "val_acc": r0.metrics.get("val_acc"),
+        "epochs": r0.epochs,
+        "batch_size_used": r0.batch_size,
+        "stopped_early": r0.stopped_early,
+        "champion": champion,
+        "tracking_uri": redact_url(run.tracking_uri),
+        "phases": phases(marks),
+    }
 
 
 def phases(marks: Dict[str, float]) -> Dict[str, Any]:

@@ -142,3 +142,69 @@ def test_the_train_notebook_trains_with_two_local_processes_by_default():
     cells = _code_cells("02_train.ipynb")
     assert "train.np=-2" in cells[0].source
     assert any("workflow.train(spark, cfg)" in c.source for c in cells)
+
+
+def test_run_history_has_one_row_per_epoch_without_system_or_event_series(monkeypatch):
+    """MLflow's system metrics are stepped by sample (0..5 in a 3-epoch run) and restarts/oom_backoffs by their count:
+    none of them is an epoch, so none makes a row."""
+    def m(key, step, value):
+        return SimpleNamespace(key=key, step=step, value=value)
+
+    history = {
+        "val_loss": [m("val_loss", e, 1.0 - e / 10) for e in range(3)],
+        "train_loss": [m("train_loss", e, 2.0 - e / 10) for e in range(3)],
+        "system/cpu_utilization_percentage": [m("system/cpu_utilization_percentage", s, 50.0) for s in range(6)],
+        "system/system_memory_usage_megabytes": [m("system/system_memory_usage_megabytes", s, 9.0) for s in range(6)],
+        "restarts": [m("restarts", 1, 1.0)],
+        "oom_backoffs": [m("oom_backoffs", 1, 1.0), m("oom_backoffs", 2, 2.0)],
+        "world_size": [m("world_size", 0, 1.0)],
+    }
+
+    class Client:
+        def get_run(self, run_id):
+            return SimpleNamespace(data=SimpleNamespace(metrics={k: v[-1].value for k, v in history.items()}))
+
+        def get_metric_history(self, run_id, key):
+            return history[key]
+
+    monkeypatch.setattr(explore, "_client", lambda cfg: Client())
+    frame = explore.run_history(None, "run-1")
+    assert list(frame.index) == [0, 1, 2] and frame.index.name == "epoch"
+    assert sorted(frame.columns) == ["train_loss", "val_loss"]
+    assert frame["val_loss"].tolist() == pytest.approx([1.0, 0.9, 0.8])
+
+
+def test_the_notebooks_stop_only_a_session_the_pipeline_started(monkeypatch):
+    """A notebook on Databricks (or beside any session already there) adopts that session and must leave it running;
+    one the pipeline started is stopped at the end. Each notebook's own cells run here, with stand-in sessions."""
+    import re
+
+    import pipeline.lakehouse.spark as spark_mod
+    from pipeline.lakehouse.spark import session_of
+
+    class Session:
+        def __init__(self):
+            self.stopped = False
+            self.conf = SimpleNamespace(get=lambda key, default=None: default)
+
+        def stop(self):
+            self.stopped = True
+
+    cfg = explore.notebook_config("conf/local.yaml", chdir=False)
+    for name in NOTEBOOKS:
+        cells = _code_cells(name)
+        setup = [c.source for c in cells if "from pipeline.lakehouse.spark import" in c.source]
+        made = [c.source for c in cells if re.search(r"^spark = ", c.source, re.M)]
+        assert setup and made and "spark" in cells[-1].source, name
+        for adopted in (True, False):
+            there, ours = Session(), Session()
+            monkeypatch.setattr(spark_mod, "active_session", lambda: there if adopted else None)
+            monkeypatch.setattr(spark_mod, "_create", lambda cfg: ours)
+            scope = {"cfg": cfg}
+            for source in setup + made:
+                exec(compile(source, name, "exec"), scope)
+            session = session_of(scope["spark"])  # a step that needs the session
+            assert session is (there if adopted else ours)
+            exec(compile(cells[-1].source, name, "exec"), scope)
+            assert there.stopped is False, f"{name} stopped a session it did not start"
+            assert ours.stopped is (not adopted), f"{name} left its own session running"
