@@ -1,4 +1,5 @@
-"""A profile's `extends:`: the named base is merged under it, and a named base that is missing is an error."""
+"""A profile's `extends:` (the named base merged under it; a named base that is missing is an error) and the bounds
+of the seeds."""
 import pytest
 
 from pipeline.config import ConfigError, load_config
@@ -20,3 +21,12 @@ def test_a_named_base_that_is_missing_fails_naming_it(tmp_path):
 def test_without_extends_a_missing_base_yaml_is_fine(tmp_path):
     (tmp_path / "p.yaml").write_text("train:\n  max_epochs: 3\n")
     assert load_config(str(tmp_path / "p.yaml")).train.max_epochs == 3
+
+
+@pytest.mark.parametrize("key", ["data.seed", "train.seed", "tune.seed"])
+def test_a_seed_numpy_or_lightning_cannot_take_is_refused_naming_the_key(key):
+    # numpy's default_rng refused -1 only at the first batch; Lightning replaced it with a random seed, silently
+    for bad in ("-1", str(2 ** 32)):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"{key}={bad}"])
+    assert load_config(None, [f"{key}=0"]).flat()[key] == 0
