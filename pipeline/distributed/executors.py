@@ -1,5 +1,5 @@
 """What the driver knows of the Spark cluster's executors: their addresses, which of them answer now, the rank slots
-left on those that do, and the driver's own interface that they reach it on."""
+left on those that do, the driver's own interface that they reach it on, and cancelling the ranks' Spark jobs."""
 from __future__ import annotations
 
 import socket
@@ -54,17 +54,51 @@ def unanswering_executors(timeout_s: float = 2.0, known: Sequence[str] = ()) -> 
     return [a for a in wanted if not _answers(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]), timeout_s)]
 
 
+def _number(conf, key: str) -> Optional[float]:
+    """Spark setting `key` as a number; None when it is unset or not a number."""
+    try:
+        value = conf.get(key, None)
+        return float(value) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def is_local_master(master: str) -> bool:
+    """Whether Spark master `master` runs its tasks in the driver's JVM (`local`, `local[4]`, `local[*]`,
+    `local[4,2]`); `local-cluster[...]` starts real executors."""
+    return master == "local" or master.startswith("local[")
+
+
+def slots_per_executor(task_cpus: int, cores: Optional[float], gpus: Optional[float],
+                       task_gpus: Optional[float]) -> int:
+    """The tasks one executor runs at once: its `cores` // `task_cpus`, and where tasks ask for GPUs
+    (`spark.task.resource.gpu.amount` = `task_gpus` > 0) no more than its `gpus` // `task_gpus`."""
+    per = int(cores or 0) // max(1, task_cpus)
+    if task_gpus and task_gpus > 0 and gpus is not None:
+        per = min(per, int(gpus // task_gpus))
+    return max(0, per)
+
+
 def cluster_slots(timeout_s: float = 2.0) -> int:
     """Rank slots left on the cluster for an elastic relaunch (train.min_np): task slots on the executors that answer
-    now. Executors that do not are removed from the application first, so no task of the relaunch waits on them."""
+    now. Executors that do not are removed from the application first, so no task of the relaunch waits on them. On a
+    local master (`local[N]`) the driver runs the tasks: its `defaultParallelism` // `spark.task.cpus`. Where tasks ask
+    for GPUs (`spark.task.resource.gpu.amount`), an executor's slots are capped by its GPUs
+    (`spark.executor.resource.gpu.amount`; the driver's on a local master)."""
     sc = spark_context()
     if sc is None:
         return 0
-    executors = _executors(sc)
     conf = sc.getConf()
-    task_cpus = max(1, int(float(conf.get("spark.task.cpus", "1"))))
-    cores = conf.get("spark.executor.cores", None)
-    per = max(1, (int(cores) if cores else sc.defaultParallelism // max(1, len(executors))) // task_cpus)
+    task_cpus = max(1, int(_number(conf, "spark.task.cpus") or 1))
+    task_gpus = _number(conf, "spark.task.resource.gpu.amount")
+    if is_local_master(sc.master):
+        return slots_per_executor(task_cpus, sc.defaultParallelism, _number(conf, "spark.driver.resource.gpu.amount"),
+                                  task_gpus)
+    executors = _executors(sc)
+    cores = _number(conf, "spark.executor.cores") or sc.defaultParallelism // max(1, len(executors))
+    per = slots_per_executor(task_cpus, cores, _number(conf, "spark.executor.resource.gpu.amount"), task_gpus)
+    if not task_gpus:
+        per = max(1, per)  # an executor that answers runs at least one task that asks no GPU
     live = 0
     for executor_id, host, port in executors:
         if _answers(host, port, timeout_s):
@@ -74,6 +108,16 @@ def cluster_slots(timeout_s: float = 2.0) -> int:
                         port)
             sc._jsc.sc().killExecutor(executor_id)
     return live * per
+
+
+def cancel_spark_jobs() -> None:
+    """Cancel the Spark jobs running the ranks' tasks (what stops ranks on executors, which are not the driver's
+    processes): every job of this application, since Horovod's and TorchDistributor's launches run theirs in job groups
+    of their own making. The launch is the only Spark work the driver does while its ranks run. Nothing without a
+    Spark context."""
+    sc = spark_context()
+    if sc is not None:
+        sc.cancelAllJobs()
 
 
 def driver_nics() -> Optional[set]:

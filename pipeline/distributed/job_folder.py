@@ -7,6 +7,8 @@ rank and event), and where rank 0 leaves a run the tracking server never took (`
     rank<r>.class     its exception's classes, one a line, most specific first (restartability is decided from them)
     rank<r>.done      it returned
     rank<r>.sigterm   it stopped on SIGTERM, with the reason (a launcher may kill it before it returns)
+    rank<r>.progress  the step it reached, rewritten as it trains ("end" once it left training), where the driver
+                      watches for a stall (pipeline/distributed/progress.py)
     offline_run/      the run left offline (pipeline.tracking.offline), for `lakehouse sync-run`
 On a cluster the folder is on cluster storage (spark.shared_paths): the ranks write it on their hosts, the driver
 reads it on its own.
@@ -19,7 +21,7 @@ import shutil
 from typing import Dict, List
 
 OFFLINE_RUN = "offline_run"
-EVENTS = ("started", "error", "class", "done", "sigterm")
+EVENTS = ("started", "error", "class", "done", "sigterm", "progress")
 
 
 class JobFolder:

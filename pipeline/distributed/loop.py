@@ -49,6 +49,9 @@ class TrainJob:
     # resumes from, the attempt): the driver derives it, the restart policy re-derives it for each relaunch; a job
     # made without one (a test's, the bench's) gets `job_plan`'s, resuming from train.ckpt_restore as configured
     plan: Optional[RunPlan] = None
+    # how often each rank marks its progress in the job folder, where the driver watches the launch for a stall
+    # (pipeline/distributed/progress.py: the launcher sets it); None: not marked
+    heartbeat_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.plan is None and self.data is not None:  # (a job with no data has no plan: some unit tests')
@@ -205,6 +208,10 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
                                          enable_version_counter=False))
     if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
         callbacks.append(InjectedFaults(cfg.debug, first_attempt=run.attempt == 0))
+    if job.heartbeat_s:  # the driver's stall watchdog reads it (pipeline/distributed/progress.py)
+        from pipeline.distributed.progress import heartbeat
+
+        callbacks.append(heartbeat(job.folder, rank, job.heartbeat_s))
     gate = DriverVerdict(job.epoch_gate_dir, job.epoch_gate_timeout_s) if job.epoch_gate_dir else None
     if gate is not None:
         callbacks.append(gate)

@@ -27,13 +27,23 @@ def rank_env(config: Config) -> dict:
     return {
         **env,
         # A rank that stops taking part in collectives (dead peer, divergent code path) makes Horovod
-        # shut the job down after this many seconds instead of hanging.
-        "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(5, min(60, cfg.stall_timeout_s // 2))),
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(cfg.stall_timeout_s),
+        # shut the job down after this many seconds instead of hanging. Horovod shuts nothing down when the
+        # shutdown time is below the check time, so the check comes at most every half of it. (A gloo CPU build
+        # was not seen to shut down at all: the driver's own watchdog bounds a stuck rank, distributed/progress.py)
+        **horovod_stall_env(cfg.stall_timeout_s),
         "HOROVOD_GLOO_TIMEOUT_SECONDS": str(cfg.start_timeout_s),
         "LAKEHOUSE_PROGRESS": os.environ.get("LAKEHOUSE_PROGRESS", "1"),
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def horovod_stall_env(stall_timeout_s: int) -> Dict[str, str]:
+    """Horovod's stall inspector for `train.stall_timeout_s`: a check every half of it (1 s to 60 s) and the shutdown
+    at the bound itself, never before the first check (Horovod then disables the shutdown)."""
+    stall = int(stall_timeout_s)
+    check = max(1, min(60, stall // 2))
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(check),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(stall, check))}
 
 
 @contextmanager

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import traceback
-from typing import Callable, Dict, Iterator
+from typing import Callable, Dict, Iterator, Optional
 
 from pipeline.distributed.loop import RankResult, TrainJob
 from pipeline.log import flush_and_exit, get_logger
@@ -81,6 +82,33 @@ def exit_fast_after_delivery() -> None:
 def exit_now(code: int) -> None:
     """Flush the logs and the standard streams, then end the process without the interpreter's teardown."""
     flush_and_exit(code)
+
+
+# How a rank process ends when the driver that launched it is gone (`end_with_the_driver`): no one is left to take its
+# result, and it would hold the machine's cores or GPUs for the rest of the job
+DRIVER_GONE_EXIT = 75
+
+
+def end_with_the_driver(driver_pid: int, driver_start: Optional[int], poll_s: float = 0.5) -> threading.Event:
+    """In a rank process on the driver's machine: a daemon thread that ends this process (`exit_now`,
+    `DRIVER_GONE_EXIT`, after a log line) once the driver, process `driver_pid` started at `driver_start` (clock ticks
+    after boot, pipeline.data.leases.process_start; None: not compared), no longer runs: killed, even by SIGKILL,
+    which no handler of the driver's sees, while torchrun starts the ranks in sessions of their own. A new process
+    that took the driver's pid does not count as the driver (its start time differs). Set the returned event to stop
+    watching."""
+    from pipeline.data.leases import pid_alive
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if not pid_alive(driver_pid, driver_start):
+                log.error("the driver (pid %d) is gone: this rank process (pid %d) ends (exit %d)", driver_pid,
+                          os.getpid(), DRIVER_GONE_EXIT)
+                exit_now(DRIVER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="lakehouse-driver-watch", daemon=True).start()
+    return stop
 
 
 def with_env(worker: Callable[[TrainJob], RankResult], job: TrainJob, env: Dict[str, str]) -> RankResult:

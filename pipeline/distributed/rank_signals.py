@@ -1,12 +1,12 @@
 """The driver's hold on its rank processes: finding them among its descendants, and passing a SIGTERM on to them with
-a grace period before the ones left are killed."""
+a grace period before the ones left are killed (ranks in Spark tasks: their Spark jobs cancelled)."""
 from __future__ import annotations
 
 import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from pipeline.log import get_logger
 
@@ -40,20 +40,30 @@ class _TermState:
 
 
 @contextmanager
-def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
+def forward_sigterm(grace_s: float, remote: Optional[Callable[[], None]] = None) -> Iterator[_TermState]:
     """While ranks run, SIGTERM to the driver is passed on to them: each rank's StopSignals callback makes
     them agree to stop, rank 0 writes a last checkpoint, and they return. Ranks still alive after
-    `grace_s` are killed.
+    `grace_s` are killed. `remote`: how to stop ranks that are not this process's descendants (ranks in Spark tasks:
+    their Spark jobs cancelled, `executors.cancel_spark_jobs`), called on a thread of its own. The state says whether
+    a SIGTERM came (the launcher then ends the launch as Terminated, whatever the ranks returned). The grace period's
+    timer is cancelled when the block ends: it never kills the ranks of a later launch in the same process.
     """
     state = _TermState()
     if threading.current_thread() is not threading.main_thread():
         yield state
         return
+    timers: list = []
 
     def kill_leftovers() -> None:
         for proc in rank_processes():
             log.error("rank process %d did not stop within %.0f s of SIGTERM; killing it", proc.pid, grace_s)
             proc.kill()
+
+    def stop_remote() -> None:
+        try:
+            remote()
+        except Exception as exc:  # noqa: BLE001 - a context stopping: the launch's own error says the rest
+            log.warning("SIGTERM: stopping the ranks' Spark jobs failed: %s: %s", type(exc).__name__, exc)
 
     def on_term(signum, frame) -> None:
         if state.terminated:
@@ -66,8 +76,12 @@ def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
                 proc.send_signal(signal.SIGTERM)
             except Exception:
                 pass
+        if remote is not None:  # not from the handler itself: it may have interrupted a call into the JVM
+            log.warning("SIGTERM: cancelling the Spark jobs of the ranks' tasks")
+            threading.Thread(target=stop_remote, name="sigterm-cancel-ranks", daemon=True).start()
         timer = threading.Timer(grace_s, kill_leftovers)
         timer.daemon = True
+        timers.append(timer)
         timer.start()
 
     old = signal.signal(signal.SIGTERM, on_term)
@@ -75,3 +89,5 @@ def forward_sigterm(grace_s: float) -> Iterator[_TermState]:
         yield state
     finally:
         signal.signal(signal.SIGTERM, old)
+        for timer in timers:
+            timer.cancel()

@@ -397,3 +397,66 @@ def test_a_stuck_ddp_rank_fails_the_job_within_the_stall_timeout(table, tmp_path
     assert _alive_after(everything) == [], "processes left behind"
     _, runs, versions = _runs(tmp_path)
     assert [r.info.status for r in runs] == ["FAILED"] and versions == []
+
+
+def test_a_stuck_horovod_rank_is_ended_by_the_driver_within_the_stall_timeout(tmp_path):
+    """Horovod's own stall shutdown does not fire on a gloo CPU build (nothing within 75 s, measured), so the driver
+    watches the ranks' progress markers (pipeline/distributed/progress.py): a real 2-rank horovod.run whose rank 1
+    hangs after its first collective, rank 0 waiting in the next one, ends within train.stall_timeout_s of their last
+    progress, the failure naming the bound and both ranks; no rank left, and the driver's SIGINT/SIGTERM handlers are
+    as they were. (The rank function stands in for the training loop's progress marks.)"""
+    pytest.importorskip("horovod.torch")
+    import horovod
+
+    from pipeline.config import load_config
+    from pipeline.distributed import launcher
+    from pipeline.distributed.backends.horovod import _signals_left_to_the_driver, gloo_checked_by_the_ranks
+    from pipeline.distributed.loop import TrainJob
+    from pipeline.distributed.rank_failures import DistributedTrainingError
+    from pipeline.distributed.rank_signals import rank_processes
+
+    stall = 5
+
+    def rank_fn(job_dir):  # pickled by value (a closure): the ranks need not import this test module
+        import time as _time
+
+        import horovod.torch as hvd
+        import torch
+
+        from pipeline.distributed.job_folder import JobFolder
+        from pipeline.distributed.rank_process import repair_horovod_env
+
+        repair_horovod_env()
+        hvd.init()
+        folder = JobFolder(job_dir)
+        hvd.allreduce(torch.ones(1), name="first")
+        folder.write(hvd.rank(), "progress", "1")
+        if hvd.rank() == 1:
+            _time.sleep(300)  # stuck: alive, never reaching the next collective
+        hvd.allreduce(torch.ones(1), name="second")
+        return hvd.rank()
+
+    def launch_ranks(job):
+        assert job.heartbeat_s  # the driver watches this launch
+        with _signals_left_to_the_driver(), gloo_checked_by_the_ranks():
+            return horovod.run(rank_fn, args=(job.job_dir,), num_proc=2, use_gloo=True, hosts="localhost:2",
+                               verbose=0, start_timeout=60)
+
+    cfg = load_config(str(ROOT / "conf/local.yaml"), ["train.np=-2", "train.backend=horovod",
+                                                      f"train.stall_timeout_s={stall}"])
+    job = TrainJob(cfg=cfg, data=None, delta_table="t", delta_version=0, job_dir=str(tmp_path / "job"))
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    original, launcher._launch = launcher._launch, launch_ranks
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DistributedTrainingError) as info:
+            launcher.launch(job)
+        elapsed = time.monotonic() - t0
+    finally:
+        launcher._launch = original
+    text = str(info.value)
+    assert f"train.stall_timeout_s={stall} s" in text and "rank 0 (last at step 1" in text, text
+    assert "rank 1 (last at step 1" in text, text
+    assert elapsed < 55, f"the stuck launch took {elapsed:.0f} s to end"
+    assert rank_processes() == []  # no rank left behind
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

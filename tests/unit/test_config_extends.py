@@ -1,5 +1,5 @@
 """A profile's `extends:` (the named base merged under it; a named base that is missing is an error) and the bounds
-of the seeds."""
+of the seeds and the distributed timeouts."""
 import pytest
 
 from pipeline.config import ConfigError, load_config
@@ -30,3 +30,11 @@ def test_a_seed_numpy_or_lightning_cannot_take_is_refused_naming_the_key(key):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [f"{key}={bad}"])
     assert load_config(None, [f"{key}=0"]).flat()[key] == 0
+
+
+@pytest.mark.parametrize("key", ["train.stall_timeout_s", "train.start_timeout_s"])
+def test_a_distributed_bound_of_zero_or_less_is_refused_naming_the_key(key):
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*must be >= 1"):
+            load_config(None, [f"{key}={bad}"])
+    assert load_config(None, [f"{key}=1"]).flat()[key] == 1

@@ -39,6 +39,9 @@ class Backend:
     # its launcher forks the driver's Python to do so (pipeline/distributed/early_start.py waits for those forks)
     local_processes = False
     launcher_forks = False
+    # whether the driver watches its ranks on this machine for a stall (pipeline/distributed/progress.py): where the
+    # backend's own bound on a stuck rank may not fire (Horovod's stall shutdown on gloo)
+    watches_progress = False
 
     def start_local(self, cfg: Config, arg: Any) -> List[RankResult]:
         """Start `-train.np` rank processes on this machine, each running this backend's entry on `arg`: the job, or,

@@ -3,6 +3,7 @@ each training with `HorovodStrategy` (pipeline/distributed/horovod_strategy.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -24,21 +25,47 @@ log = get_logger(__name__)
 
 @contextmanager
 def _signals_left_to_the_driver() -> Iterator[None]:
-    """Horovod's Gloo launcher installs SIGINT/SIGTERM handlers, which only the main thread may do. Run off it (inside
-    `spark_tasks.bounded`), its launch leaves signals to the driver: `forward_sigterm` passes SIGTERM on to the
-    ranks."""
+    """Horovod's Gloo launcher installs SIGINT/SIGTERM handlers that set its shutdown event (which ends the ranks) and
+    never puts the previous ones back: after a launch on the main thread Ctrl-C no longer interrupted the driver, and
+    during it `forward_sigterm`'s handler was replaced. Inside this block its launch gets its event without them:
+    SIGTERM stays the driver's (`forward_sigterm` passes it on to the ranks); on the main thread a first Ctrl-C sets
+    the event (the launcher ends the ranks, in sessions of their own, which the terminal's SIGINT does not reach) and
+    KeyboardInterrupt is raised once the launch ended, a second one at once. SIGINT's and SIGTERM's handlers are
+    as before afterwards. Off the main thread (inside `spark_tasks.bounded`, or ranks started early) no handler is
+    installed: signals are the driver's."""
     import horovod.runner.gloo_run as gloo_run
 
     original = gloo_run.register_shutdown_event
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    interrupted = []
 
     def event_only() -> threading.Event:
-        return original() if threading.current_thread() is threading.main_thread() else threading.Event()
+        event = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            def on_interrupt(signum, frame) -> None:
+                if interrupted:
+                    raise KeyboardInterrupt
+                interrupted.append(signum)
+                log.warning("Ctrl-C: stopping the Horovod ranks (again to interrupt at once)")
+                event.set()
+
+            signal.signal(signal.SIGINT, on_interrupt)
+        return event
 
     gloo_run.register_shutdown_event = event_only
     try:
         yield
+    except Exception as exc:
+        if interrupted:  # the ranks it ended made the launch fail: the interrupt is what happened
+            raise KeyboardInterrupt from exc
+        raise
     finally:
         gloo_run.register_shutdown_event = original
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 @contextmanager
@@ -130,6 +157,7 @@ def horovod_rank_process(arg: Any) -> Optional[RankResult]:
 
 class Horovod(Backend):
     name = "horovod"
+    watches_progress = True  # its stall shutdown does not fire on a gloo CPU build (pipeline/distributed/progress.py)
 
     def launch(self, job: TrainJob) -> List[RankResult]:
         cfg = job.cfg

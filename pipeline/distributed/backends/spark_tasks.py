@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List
 
-from pipeline.distributed.executors import executor_addresses, spark_context, unanswering_executors
+from pipeline.distributed.executors import cancel_spark_jobs, executor_addresses, unanswering_executors
 from pipeline.distributed.loop import TrainJob
 from pipeline.distributed.rank_failures import DistributedTrainingError, failures
 from pipeline.log import get_logger
@@ -50,9 +50,7 @@ def bounded(job: TrainJob, call: Callable[[], Any]) -> Any:
         if thread.is_alive() and failed_at is not None and time.monotonic() - failed_at > grace:
             lost = unanswering_executors(known=list(seen))
             _ABANDONED.extend(t for t in threading.enumerate() if t not in before and not t.daemon)
-            sc = spark_context()
-            if sc is not None:
-                sc.cancelAllJobs()
+            cancel_spark_jobs()
             log.error("the ranks' launch did not return within %g s after a rank failed; cancelled its Spark jobs",
                       grace)
             raise DistributedTrainingError(

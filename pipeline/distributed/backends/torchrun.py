@@ -7,12 +7,15 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
+from pipeline.data.leases import process_start
 from pipeline.distributed.early_start import Handoff
 from pipeline.distributed.loop import RankResult
+from pipeline.distributed.rank_process import end_with_the_driver
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -34,11 +37,13 @@ def run_local(entry: Callable[[Any], Any], arg: Any, ranks: int) -> List[RankRes
     own = handoff is not arg
     if own:
         handoff.deliver(arg)
+    start = process_start(handoff.driver_pid)  # the ranks tell the driver from a process that took its pid later
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={ranks}",
-           "-m", __name__, f"{entry.__module__}:{entry.__qualname__}", handoff.path, str(handoff.driver_pid)]
+           "-m", __name__, f"{entry.__module__}:{entry.__qualname__}", handoff.path, str(handoff.driver_pid),
+           "-" if start is None else str(start)]
     env = {**os.environ, KEY_VAR: handoff.key.hex()}
     try:
-        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL)
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=dies_with_this_thread())
         if done.returncode != 0:
             raise RuntimeError(f"torchrun ({ranks} process(es) of {entry.__qualname__} on this machine) exited "
                                f"{done.returncode}")
@@ -50,15 +55,47 @@ def run_local(entry: Callable[[Any], Any], arg: Any, ranks: int) -> List[RankRes
             shutil.rmtree(handoff.path, ignore_errors=True)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def dies_with_this_thread(sig: int = signal.SIGTERM) -> Optional[Callable[[], None]]:
+    """A `preexec_fn` for torchrun's agent: the kernel sends it `sig` when the thread that started it ends, the
+    driver killed with it (SIGKILL included); on SIGTERM the agent stops its ranks. The C function is looked up here,
+    before the fork: the child runs only the call. None off Linux, or where libc has no prctl. (The ranks also end on
+    their own once the driver is gone: `rank_process.end_with_the_driver`.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the driver died before the call: no signal will come
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 def rank_main(argv: List[str]) -> int:
-    """A torchrun rank: `<module>:<entry> <hand-off folder> <driver pid>`, the key in KEY_VAR (dropped from the
-    environment at once). Runs the entry on the hand-off; rank 0 writes its result back."""
+    """A torchrun rank: `<module>:<entry> <hand-off folder> <driver pid> [<driver start> | -]`, the key in KEY_VAR
+    (dropped from the environment at once). Ends on its own once the driver is gone (`end_with_the_driver`), runs the
+    entry on the hand-off; rank 0 writes its result back."""
     where, path, driver_pid = argv[0], argv[1], int(argv[2])
+    driver_start = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
     handoff = Handoff(path, bytes.fromhex(os.environ.pop(KEY_VAR)), driver_pid)
-    module, name = where.split(":")
-    result = getattr(importlib.import_module(module), name)(handoff)
-    if result is not None and int(os.environ.get("RANK", "0")) == 0:
-        handoff.put(RESULT_FILE, result)
+    watching = end_with_the_driver(driver_pid, driver_start)
+    try:
+        module, name = where.split(":")
+        result = getattr(importlib.import_module(module), name)(handoff)
+        if result is not None and int(os.environ.get("RANK", "0")) == 0:
+            handoff.put(RESULT_FILE, result)
+    finally:
+        watching.set()
     return 0
 
 
