@@ -106,8 +106,8 @@ class BatchAssembler:
     Row groups stay uint8 views of the Arrow buffers until they are gathered, in a shuffle buffer of about
     `shuffle_buffer` rows, with one permutation (a quarter of the bytes of float32), into memory that is reused
     from one buffer to the next: a fresh multi-MB array page-faults on every write (measured 4-10x slower).
-    Batches are normalised one at a time into new tensors (or handed over as uint8 with `uint8_out`). The last batch
-    of a finite source may be short. With `with_ids` it yields (features, labels, row ids).
+    Batches are normalised one at a time into new tensors, each as it is handed over (or handed over as uint8 with
+    `uint8_out`). The last batch of a finite source may be short. With `with_ids` it yields (features, labels, row ids).
 
     With an encoded `transform` (pipeline.data.decode.EncodedRows) the rows are (encoded bytes, path) objects,
     shuffled alike, and each batch's features are an `EncodedBatch` carrying its index in the stream (batches skipped
@@ -139,6 +139,10 @@ class BatchAssembler:
         return self.transform.as_uint8(rows, self.pin) if self.uint8_out else self.transform.normalize(rows)
 
     def _emit(self, xs, ms, final: bool):
+        """A full shuffle buffer (the last, `final`, of a finite source) -> (its batches, the rows left over as the
+        start of the next buffer). The buffer is gathered and permuted here, in the scratch memory; its batches come
+        from a generator that makes each batch's tensor only when it is handed over, so one batch of float32 exists
+        at a time, not a whole buffer of them (~616 MB a rank at 1024 rows of 224 px)."""
         n = sum(len(m) for m in ms)
         x = np.concatenate(xs, out=self._buffer(0, n))
         meta = np.concatenate(ms)  # (n, 2) int64: label, row id
@@ -147,8 +151,12 @@ class BatchAssembler:
             x = np.take(x, perm, axis=0, out=self._buffer(1, n), mode="clip")  # clip: no temporary for `out`
             meta = meta[perm]
         full = n if final else (n // self.batch_size) * self.batch_size
+        # the rest leaves the scratch memory now; the batches read it until the last is handed over, and the next
+        # buffer (which reuses it) is gathered only after that
+        return self._batches(x, meta, full), [x[full:].copy()], [meta[full:]]
+
+    def _batches(self, x: np.ndarray, meta: np.ndarray, full: int):
         bs = self.batch_size
-        batches = []
         for i in range(0, full, bs):
             index = self.batches_made
             self.batches_made += 1
@@ -159,8 +167,7 @@ class BatchAssembler:
             if self.pin:
                 y = y.pin_memory()
             item = (self._features(x[i:i + bs], index), y)
-            batches.append(item + (meta[i:i + bs, 1].copy(),) if self.with_ids else item)
-        return batches, [x[full:].copy()], [meta[full:]]  # the rest leaves the scratch memory before it is reused
+            yield item + (meta[i:i + bs, 1].copy(),) if self.with_ids else item
 
     def __iter__(self):
         xs, ms, n = [], [], 0

@@ -27,7 +27,13 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 # threads that decode batches on the device at once, each on its own stream: one batch's host work (headers, nvJPEG's
 # Huffman stage, the padding copies) overlaps the next one's kernels; on an H100 one thread left the GPU 55-69 % busy
 GPU_DECODE_THREADS = 2
-RESIZE_CHUNK = 64  # images resized in one batched product on the device: bounds the padded float copy (~200 MB)
+# a batched resize pads its images to the tallest and widest among them: a batch's decoded images are resized in
+# chunks (`resize_plan`) of at most RESIZE_CHUNK images (bounding their weights and outputs) whose padded size,
+# count x (tallest + output size) x widest, stays within RESIZE_PIXELS positions (the padded copy and the row pass's
+# product): at most ~290 MB of float32 at 3 channels, 64 ImageNet-sized photos (500 px) a chunk. A fixed count
+# alone padded 64 mixed portrait and landscape 4032x3024 photos to 4032x4032 (12.5 GB of float32)
+RESIZE_CHUNK = 64
+RESIZE_PIXELS = 24_000_000
 
 
 def resample_weights(start: torch.Tensor, length: torch.Tensor, size: int, total: int) -> torch.Tensor:
@@ -45,10 +51,40 @@ def resample_weights(start: torch.Tensor, length: torch.Tensor, size: int, total
     return w / w.sum(-1, keepdim=True).clamp_(min=1e-12)
 
 
-def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Tuple], size: int) -> torch.Tensor:
-    """Each decoded (C, h, w) uint8 image's box (left, top, width, height, flip) resized to a (C, size, size) uint8
-    square, flipped where its box says: the images padded into one batch and resized by two batched matrix products
-    (rows, then columns), a handful of kernels for the whole batch instead of several per image."""
+def resize_plan(shapes: Sequence[Tuple[int, int]], size: int, budget: Optional[int] = None,
+                most: Optional[int] = None) -> List[List[int]]:
+    """The chunks in which images of (height, width) `shapes` are resized to `size` (`resized_crops`): lists of
+    their indices (ascending within a chunk), every image in one. The images in order of (height, width), each chunk
+    filled while it holds at most `most` images (RESIZE_CHUNK) and its padded size, count x (tallest + size) x widest,
+    stays within `budget` positions (RESIZE_PIXELS); an image over the budget on its own is a chunk alone."""
+    budget = RESIZE_PIXELS if budget is None else int(budget)
+    most = max(1, RESIZE_CHUNK if most is None else int(most))
+    chunks: List[List[int]] = []
+    part: List[int] = []
+    height = width = 0
+    for k in sorted(range(len(shapes)), key=lambda i: (int(shapes[i][0]), int(shapes[i][1]))):
+        h, w = int(shapes[k][0]), int(shapes[k][1])
+        if part and (len(part) >= most or (len(part) + 1) * (max(height, h) + size) * max(width, w) > budget):
+            chunks.append(sorted(part))
+            part, height, width = [], 0, 0
+        part.append(k)
+        height, width = max(height, h), max(width, w)
+    if part:
+        chunks.append(sorted(part))
+    return chunks
+
+
+def put_rows(out: torch.Tensor, rows: Sequence[int], values: torch.Tensor) -> None:
+    """`values` into rows `rows` (ascending) of `out`: a slice where they are consecutive, no index tensor."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        out[rows[0]:rows[-1] + 1] = values
+    else:
+        out[torch.tensor(list(rows), device=out.device)] = values
+
+
+def padded_resize(images: Sequence[torch.Tensor], boxes: Sequence[Tuple], size: int) -> torch.Tensor:
+    """One chunk of `resized_crops`: the images padded into one batch (to the tallest and widest of them) and resized
+    by two batched matrix products (rows, then columns), a handful of kernels for the whole chunk."""
     device, channels = images[0].device, images[0].shape[0]
     height, width = max(int(i.shape[1]) for i in images), max(int(i.shape[2]) for i in images)
     padded = torch.zeros((len(images), channels, height, width), dtype=torch.uint8, device=device)
@@ -64,6 +100,20 @@ def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Tuple], size: 
     cols = torch.where(flip[:, None, None], cols.flip(1), cols)  # a flipped box reads its columns right to left
     out = rows[:, None] @ padded.to(torch.float32) @ cols[:, None].transpose(-1, -2)  # (n, C, size, size)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Tuple], size: int) -> torch.Tensor:
+    """Each decoded (C, h, w) uint8 image's box (left, top, width, height, flip) resized to a (C, size, size) uint8
+    square, flipped where its box says, in the images' order: the images resized in the chunks of `resize_plan`, each
+    chunk padded into one batch and resized by two batched matrix products (`padded_resize`), a handful of kernels
+    per chunk instead of several per image."""
+    chunks = resize_plan([(int(i.shape[1]), int(i.shape[2])) for i in images], size)
+    if len(chunks) == 1:  # one chunk holds every image, in order
+        return padded_resize(images, boxes, size)
+    out = torch.empty((len(images), images[0].shape[0], size, size), dtype=torch.uint8, device=images[0].device)
+    for part in chunks:
+        put_rows(out, part, padded_resize([images[i] for i in part], [boxes[i] for i in part], size))
+    return out
 
 
 class GpuDecoder(Decoder):
@@ -154,13 +204,9 @@ class GpuDecoder(Decoder):
             if decoded[i].shape[-2:] != (headers[i][1], headers[i][0]):  # the header and the decoder disagree
                 raise RowDecodeError(f"row {rows[i, 1]}: decoded {tuple(decoded[i].shape[-2:])}, its header says "
                                      f"{headers[i][1]}x{headers[i][0]}")
-        for lo in range(0, len(done), RESIZE_CHUNK):
-            part = done[lo:lo + RESIZE_CHUNK]
-            crops = resized_crops([decoded[i] for i in part], [boxes[i] for i in part], self.size)
-            if part[-1] - part[0] == len(part) - 1:  # consecutive rows (a batch of JPEGs): a slice, no index tensor
-                out[part[0]:part[-1] + 1] = crops
-            else:
-                out[torch.tensor(part, device=self.device)] = crops
+        for chunk in resize_plan([tuple(decoded[i].shape[-2:]) for i in done], self.size):  # padding bounded
+            part = [done[k] for k in chunk]
+            put_rows(out, part, padded_resize([decoded[i] for i in part], [boxes[i] for i in part], self.size))
         if other:
             host = torch.empty((start, self.size, self.size, self.channels), dtype=torch.uint8)
             self._decode_rows(host, rows, boxes, other)
