@@ -22,17 +22,22 @@ def rank_processes() -> list:
     """This process's descendants that run a training rank."""
     import psutil
 
-    found = []
+    found, argvs = [], {}
     for proc in psutil.Process().children(recursive=True):
         try:
             argv = proc.cmdline()
+            parent = proc.ppid()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         # the Python process itself, not the `sh -c` that started it (a signalled shell would make
         # Horovod's launcher treat the rank as failed and kill the others before they checkpoint)
         if argv and "python" in os.path.basename(argv[0]) and any(m in " ".join(argv) for m in RANK_PROCESS_MARKERS):
-            found.append(proc)
-    return found
+            found.append((proc, parent, argv))
+            argvs[proc.pid] = argv
+    # a rank's fork (a decode worker: the same command line as the rank it was forked from) is the rank's to end, not
+    # a rank: a SIGTERM, its default action, killed it under the rank, which then failed on a dead worker instead of
+    # stopping at its next step with a last checkpoint
+    return [proc for proc, parent, argv in found if argvs.get(parent) != argv]
 
 
 class _TermState:
