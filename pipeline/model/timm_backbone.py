@@ -158,7 +158,9 @@ class TimmClassifier(nn.Module):
         return self.model(x)
 
     def head_module(self) -> nn.Module:
-        return self.model.get_classifier()
+        """timm's classifier; several heads (a distilled DeiT's (head, head_dist)) as one ModuleList."""
+        head = self.model.get_classifier()
+        return nn.ModuleList(head) if isinstance(head, (tuple, list)) else head
 
 
 # ----------------------------------------------------------------------------------------------- pretrained weights
@@ -294,6 +296,9 @@ def load_pretrained(model: nn.Module, path: str, in_chans: int) -> Dict[str, Any
         if key in reinit:
             continue
         if key not in state:
+            if key.endswith("num_batches_tracked"):  # a BatchNorm counter many files leave out: the network's
+                state[key] = tensor  # own, as torch's strict load fills it in (whatever the file's metadata says)
+                continue
             problems.append(f"{key} is missing from the file (the network expects {tuple(tensor.shape)})")
         elif state[key].shape != tensor.shape:
             problems.append(f"{key} has shape {tuple(state[key].shape)} in the file, the network expects "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -21,6 +22,11 @@ log = get_logger(__name__)
 
 FORMATS = ("onnx", "torchscript")
 FILES = {"onnx": "model.onnx", "torchscript": "model.pt"}
+# An ONNX model is one protobuf message, which cannot pass 2 GiB: a larger one keeps its weights in this one file
+# beside model.onnx (ONNX external data; onnxruntime reads it from beside the model). Models over ONNX_INLINE_LIMIT
+# bytes (2 GiB less room for the graph and the contract) are written so.
+ONNX_DATA_FILE = "model.onnx.data"
+ONNX_INLINE_LIMIT = 2 ** 31 - 2 ** 26
 # The legacy (TorchScript-based) ONNX exporter: it needs only torch and writes opset 17, which
 # onnxruntime runs. torch 2.13's default (dynamo=True) needs onnxscript, another dependency for
 # no gain on these plain conv nets.
@@ -50,19 +56,33 @@ def _probe(meta: Dict[str, Any], n: int = 4) -> torch.Tensor:
 
 
 def export_onnx(module: torch.nn.Module, meta: Dict[str, Any], contract: Dict[str, Any], path: Path) -> None:
-    """Write `module` as ONNX (dynamic batch) with the contract in the model's metadata_props."""
+    """Write `module` as ONNX (dynamic batch) with the contract in the model's metadata_props; a model over
+    ONNX_INLINE_LIMIT bytes keeps its weights in ONNX_DATA_FILE beside `path`."""
     import onnx
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter announces itself
-        torch.onnx.export(module, (_probe(meta, 2),), str(path), dynamo=False, opset_version=ONNX_OPSET,
-                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
-    model = onnx.load(str(path))
-    onnx.checker.check_model(model)
-    entry = model.metadata_props.add()
-    entry.key, entry.value = "preprocessing_contract", json.dumps(contract, sort_keys=True)
-    onnx.save(model, str(path))
+    with tempfile.TemporaryDirectory(prefix="onnx-", dir=path.parent) as raw_dir:
+        # torch writes a model over 2 GB as model.onnx plus a file per weight beside it: kept apart, then dropped
+        raw = Path(raw_dir) / path.name
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter announces itself
+            torch.onnx.export(module, (_probe(meta, 2),), str(raw), dynamo=False, opset_version=ONNX_OPSET,
+                              input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+        size = sum(f.stat().st_size for f in Path(raw_dir).iterdir() if f.is_file())
+        model = onnx.load(str(raw), load_external_data=False)
+        entry = model.metadata_props.add()
+        entry.key, entry.value = "preprocessing_contract", json.dumps(contract, sort_keys=True)
+        external = any(uses_external_data(t) for t in model.graph.initializer)
+        if size > ONNX_INLINE_LIMIT or external:
+            if external:
+                load_external_data_for_model(model, raw_dir)
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=ONNX_DATA_FILE)
+            os.chmod(path.parent / ONNX_DATA_FILE, path.stat().st_mode & 0o777)  # onnx creates it owner-only
+        else:
+            onnx.save_model(model, str(path))
+    onnx.checker.check_model(str(path))  # by path: a model with external data is checked without loading it
 
 
 def export_torchscript(module: torch.nn.Module, meta: Dict[str, Any], contract: Dict[str, Any], path: Path) -> None:
@@ -91,31 +111,65 @@ def run_exported(fmt: str, path: Path, pixels: np.ndarray) -> np.ndarray:
     raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
 
 
+def _who(meta: Dict[str, Any], model_info: Optional[Dict[str, Any]]) -> str:
+    info = model_info or {}
+    if info.get("name") is not None:
+        return f"model {info['name']!r} version {info.get('version')}"
+    return f"network {meta.get('arch')!r}"
+
+
 def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out_dir: Path,
                    model_info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write the network (`fmt`) and contract.json to `out_dir`; check it against torch on probe inputs.
 
+    The files are written to a folder beside `out_dir` and moved into it only once checked: a failed export leaves
+    `out_dir` as it was. A successful one replaces the files of an earlier export of this format there.
+
     Raises:
-        ExportError: unknown format, or the exported model's probabilities differ from torch's by more than 1e-4.
+        ExportError: unknown format, the export failed (naming the model and version), or the exported model's
+        probabilities differ from torch's by more than 1e-4.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    who = _who(meta, model_info)
     contract = preprocessing_contract(meta, {**(model_info or {}), "format": fmt, "file": FILES[fmt]})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / FILES[fmt]
-    module = _WithSoftmax(network).eval()
-    (export_onnx if fmt == "onnx" else export_torchscript)(module, meta, contract, path)
-    (out_dir / CONTRACT_FILE).write_text(json.dumps(contract, indent=2, sort_keys=True))
-    probe = _probe(meta, 8)
-    with torch.no_grad():
-        expected = module(probe).numpy()
-    got = run_exported(fmt, path, probe.numpy())
-    diff = float(np.abs(got - expected).max())
-    if not diff <= PARITY_TOL:
-        raise ExportError(f"{fmt} export of {model_info or meta['arch']}: probabilities differ from torch by "
-                          f"{diff:.3g} (> {PARITY_TOL}) on probe inputs; not logged")
-    return {"format": fmt, "path": str(path), "contract": str(out_dir / CONTRACT_FILE), "max_abs_diff": diff,
-            "bytes": path.stat().st_size}
+    out_dir = Path(out_dir)
+    dest = out_dir.resolve()  # the staging folder sits beside it, on its file system: the moves are renames
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
+    except OSError as exc:
+        raise ExportError(f"{fmt} export of {who}: cannot write beside {out_dir}: {exc}") from None
+    try:
+        module = _WithSoftmax(network).eval()
+        try:
+            (export_onnx if fmt == "onnx" else export_torchscript)(module, meta, contract, staging / FILES[fmt])
+            (staging / CONTRACT_FILE).write_text(json.dumps(contract, indent=2, sort_keys=True))
+            probe = _probe(meta, 8)
+            with torch.no_grad():
+                expected = module(probe).numpy()
+            got = run_exported(fmt, staging / FILES[fmt], probe.numpy())
+        except Exception as exc:
+            raise ExportError(f"{fmt} export of {who} failed ({type(exc).__name__}: {exc}); nothing written to "
+                              f"{out_dir}, not logged") from exc
+        diff = float(np.abs(got - expected).max())
+        if not diff <= PARITY_TOL:
+            raise ExportError(f"{fmt} export of {who}: probabilities differ from torch by {diff:.3g} "
+                              f"(> {PARITY_TOL}) on probe inputs; nothing written to {out_dir}, not logged")
+        files = [name for name in (ONNX_DATA_FILE, FILES[fmt], CONTRACT_FILE) if (staging / name).is_file()]
+        size = sum((staging / name).stat().st_size for name in files if name != CONTRACT_FILE)
+        try:
+            dest.mkdir(exist_ok=True)
+            for name in files:  # the weights first: model.onnx never names a data file not there yet
+                os.replace(staging / name, dest / name)
+            if fmt == "onnx" and ONNX_DATA_FILE not in files and (dest / ONNX_DATA_FILE).is_file():
+                (dest / ONNX_DATA_FILE).unlink()  # an earlier, larger export's weights: not this model's
+        except OSError as exc:
+            raise ExportError(f"{fmt} export of {who}: checked, but moving it into {out_dir} failed: {exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"format": fmt, "path": str(out_dir / FILES[fmt]), "contract": str(out_dir / CONTRACT_FILE),
+            "files": files, "max_abs_diff": diff, "bytes": size}
 
 
 def export_model(cfg, model_uri: str, fmt: str, out_dir: Optional[str] = None) -> Dict[str, Any]:
@@ -133,13 +187,13 @@ def export_model(cfg, model_uri: str, fmt: str, out_dir: Optional[str] = None) -
     info = {"name": pinned.name, "version": pinned.version, "run_id": pinned.run_id, "requested": model_uri}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lakehouse-export-") as tmp:
-        target = Path(out_dir) if out_dir else Path(tmp)
+        target = Path(out_dir) if out_dir else Path(tmp) / fmt
         result = export_network(network, meta, fmt, target, info)
         artifact_uri = None
         if pinned.run_id:
             artifact_path = f"{EXPORT_ARTIFACT_DIR}/{fmt}"
             try:
-                for name in (FILES[fmt], CONTRACT_FILE):  # only these two, whatever else `--out` holds
+                for name in result["files"]:  # this export's files only, whatever else `--out` holds
                     client.log_artifact(pinned.run_id, str(target / name), artifact_path=artifact_path)
                 client.set_model_version_tag(pinned.name, pinned.version, f"export_{fmt}",
                                              f"runs:/{pinned.run_id}/{artifact_path}")

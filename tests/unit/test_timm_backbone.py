@@ -175,3 +175,49 @@ def test_project_pretrained_file_keeps_the_table_size_not_timms_default(tmp_path
     t = _net(path).transform
     assert t["input_size"] == 0 and t["mean"] == pytest.approx([0.5]) and t["std"] == pytest.approx([0.5])
     assert _net(path, input_size=32).transform["input_size"] == 32
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_file_without_batchnorm_counters_loads_as_torchs_strict_load_does(tmp_path, fmt):
+    """num_batches_tracked is a BatchNorm counter many published files leave out; torch's strict load fills it in."""
+    from safetensors.torch import save_file
+
+    state = {k: v.clone() for k, v in _tiny().state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert len(state) < len(_tiny().state_dict())  # the tiny ResNet has BatchNorm layers
+    _tiny().load_state_dict(state, strict=True)  # what torch accepts
+    path = tmp_path / f"w.{fmt}"
+    if fmt == "safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    net = _net(str(path))
+    own = net.model.state_dict()
+    for key, tensor in state.items():
+        assert torch.equal(own[key], tensor), key
+    assert all(int(v) == 0 for k, v in own.items() if k.endswith("num_batches_tracked"))
+    del state["layer1.0.bn1.running_mean"]  # any other missing tensor is still refused
+    torch.save(state, tmp_path / "short.pt")
+    from pipeline.model.timm_backbone import PretrainedWeightsError
+
+    with pytest.raises(PretrainedWeightsError, match=r"first: layer1\.0\.bn1\.running_mean is missing"):
+        _net(str(tmp_path / "short.pt"))
+
+
+def test_a_distilled_deit_with_two_heads_freezes_its_backbone_and_takes_two_rates():
+    """A distilled DeiT's get_classifier() is (head, head_dist): both are the head for freeze_backbone/backbone_lr."""
+    from pipeline.model.module import ImageClassifier
+    from pipeline.model.nets import split_parameters
+
+    cfg = ModelConfig(arch="timm/deit_tiny_distilled_patch16_224", freeze_backbone=True, backbone_lr=0.01, lr=0.1)
+    model = ImageClassifier.from_config(cfg, 3, 4, cfg.lr, steps_per_epoch=2, max_epochs=1)
+    inner = model.network.model
+    assert isinstance(inner.get_classifier(), tuple)
+    backbone, head = split_parameters(model.network)
+    heads = [inner.head.weight, inner.head.bias, inner.head_dist.weight, inner.head_dist.bias]
+    assert [id(p) for p in head] == [id(p) for p in heads]
+    assert len(backbone) + len(head) == len(list(model.network.parameters()))
+    model.train()
+    assert all(not p.requires_grad for p in backbone) and all(p.requires_grad for p in head)
+    groups = model.configure_optimizers()["optimizer"].param_groups
+    assert [g["name"] for g in groups] == ["backbone", "head"]
+    assert [len(g["params"]) for g in groups] == [len(backbone), 4]
