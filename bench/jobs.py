@@ -102,20 +102,33 @@ def rank_job(cfg: Config, data, runs: List[Dict[str, Any]], steps: int, windows:
             "horovod_env": {k: os.environ.get(k) for k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")}}
 
 
+def horovod_run(fn: Callable[..., Any], args: tuple, np_: int, start_timeout: int) -> List[Any]:
+    """`fn(*args)` on `np_` local Horovod ranks (horovod.run over gloo), the process's SIGINT/SIGTERM handlers as
+    before once it returned or raised: horovod.run's register_shutdown_event replaces them for good, and a bound's
+    SIGTERM (`timeout`, scripts/device_gpu_run.sh) then no longer ended a bench that had launched ranks
+    (pipeline.distributed.backends.horovod.signals_left_to_the_driver: during the launch SIGTERM stays the
+    process's, and Horovod's middlemen end the ranks of a driver that died)."""
+    import horovod
+
+    from pipeline.distributed.backends.horovod import signals_left_to_the_driver
+
+    with signals_left_to_the_driver():
+        return horovod.run(fn, args=args, num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
+                           start_timeout=start_timeout, verbose=0)
+
+
 def launch(cfg: Config, data, np_: int, runs: List[Dict[str, Any]], steps: int, windows: int,
            rank_fn: Optional[Callable[..., Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """`rank_job` (or `rank_fn`, of the same arguments) on `np_` local Horovod ranks (gloo) with the launcher's rank
     environment; results by rank."""
-    import horovod
-
     from pipeline.distributed.rank_env import rank_env
     from pipeline.distributed.loop import TrainJob
 
     job = TrainJob(cfg=cfg, data=data, delta_table="", delta_version=0)
     t0 = time.perf_counter()
     with temporary_env({"LAKEHOUSE_PROGRESS": "0"}), temporary_env(rank_env(job.cfg)):
-        results = horovod.run(rank_fn or rank_job, args=(cfg, data, runs, steps, windows), num_proc=np_, use_gloo=True,
-                              hosts=f"localhost:{np_}", start_timeout=cfg.train.start_timeout_s, verbose=0)
+        results = horovod_run(rank_fn or rank_job, (cfg, data, runs, steps, windows), np_,
+                              cfg.train.start_timeout_s)
     results = sorted(results, key=lambda r: r["rank"])
     log.info("bench job of %d rank(s), runs %s: %.1f s", np_,
              [f"{r['kind']}:{r['source']}" + (f":{r['precision']}" if r["precision"] else "") for r in runs],

@@ -14,6 +14,7 @@ import json
 import tempfile
 from typing import Any, Dict
 
+from bench.core import machine
 from bench.photos_data import photos_without_spark, pillow_images_per_s, train_contents
 from bench.photos_gpu import FULL, loader_alone, photo_config
 from pipeline.config import load_config
@@ -37,7 +38,8 @@ def main(argv=None) -> int:
     data = photos_without_spark(tempfile.mkdtemp(prefix="photos_loader_"), args.rows, FULL.val_rows,
                                 FULL.image_size, FULL.batch_size)
     rows = train_contents(data, FULL.reference_images)
-    out: Dict[str, Any] = {"rows": args.rows, "batch_size": FULL.batch_size,
+    # machine(): the host, cores, torch and the GPU's name (torch.cuda.get_device_name), as the bench's reports
+    out: Dict[str, Any] = {"machine": machine(), "rows": args.rows, "batch_size": FULL.batch_size,
                            "pillow_one_core_images_per_s": pillow_images_per_s([r[0] for r in rows])}
 
     def save() -> None:  # after every figure: a call cut short keeps what it measured

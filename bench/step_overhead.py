@@ -296,12 +296,10 @@ def launch(cfg: Config, data, backend: str, world: int, warmups: Tuple[int, int]
     env = rank_env(cfg)
     t0 = time.perf_counter()
     if backend == "horovod":
-        import horovod
+        from bench.jobs import horovod_run  # the process's SIGINT/SIGTERM handlers as before afterwards
 
         with temporary_env(env):
-            results = horovod.run(horovod_rank, args=(cfg, data, warmups, steps, windows), num_proc=world,
-                                  use_gloo=True, hosts=f"localhost:{world}", start_timeout=cfg.train.start_timeout_s,
-                                  verbose=0)
+            results = horovod_run(horovod_rank, (cfg, data, warmups, steps, windows), world, cfg.train.start_timeout_s)
     else:
         import multiprocessing as mp
 

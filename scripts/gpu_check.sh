@@ -6,7 +6,10 @@
 #   LAKEHOUSE_BUNDLE=gpu_bundle              the folder made by scripts/fetch_gpu_bundle.sh on a networked machine
 #   PYTHON=python3                           the interpreter that has the CUDA torch
 #   GPU_CHECK_VENV=.venv-gpu                 a venv over that interpreter's packages (--system-site-packages)
-#   GPU_CHECK_TESTS=0                        install and build only (tests/gpu not run)
+#   GPU_CHECK_TESTS=0                        install and build only (tests/gpu not run; nor, unless
+#                                            GPU_CHECK_FIGURES=1, the report's plain-loop samples/s on the GPU)
+#   GPU_CHECK_FIGURES=0|1                    the report's plain-loop figures and bench figures on the GPU (default:
+#                                            1, 0 with GPU_CHECK_TESTS=0: scripts/device_gpu_run.sh measures its own)
 #   GPU_CHECK_HOROVOD=0                      install only: no Horovod build, no tier (the photo and loader figures
 #                                            need none: without Horovod the bench's photo jobs run in one process)
 #   GPU_CHECK_BENCH=0|quick|1                after the tier, `lakehouse bench --gpu` (quick or full) into gpu_bench.json
@@ -94,7 +97,24 @@ fi
 T_BENCH=$(date +%s)
 
 mkdir -p "$(dirname "$REPORT")"
-"$VPY" scripts/gpu_report.py --out "$REPORT" --junit "$WORK/junit.xml" --horovod-log "$WORK/horovod.err" \
-  --pytest-rc "$PYTEST_RC" --seconds "deps=$((T_DEPS - T0)),horovod=$((T_HVD - T_DEPS)),tests=$((T_TESTS - T_HVD)),bench=$((T_BENCH - T_TESTS))"
+REPORT_ARGS=(--out "$REPORT" --junit "$WORK/junit.xml" --horovod-log "$WORK/horovod.err" --pytest-rc "$PYTEST_RC"
+  --seconds "deps=$((T_DEPS - T0)),horovod=$((T_HVD - T_DEPS)),tests=$((T_TESTS - T_HVD)),bench=$((T_BENCH - T_TESTS))")
+if [ "${GPU_CHECK_FIGURES:-${GPU_CHECK_TESTS:-1}}" = 0 ]; then
+  # the report without its GPU loops (plain_loop, bench_figures), which counted in the device run's install bound;
+  # the device, versions and Horovod's build as always
+  "$VPY" - "${REPORT_ARGS[@]}" <<'EOF'
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("gpu_report", "scripts/gpu_report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+skipped = "GPU_CHECK_FIGURES=0 (GPU_CHECK_TESTS=0): not measured"
+report.plain_loop = lambda: {"skipped": skipped}
+report.bench_figures = lambda: {"skipped": skipped}
+sys.argv[0] = "scripts/gpu_report.py"
+sys.exit(report.main())
+EOF
+else
+  "$VPY" scripts/gpu_report.py "${REPORT_ARGS[@]}"
+fi
 log "report: $REPORT"
 exit "$PYTEST_RC"

@@ -24,7 +24,7 @@ log = get_logger(__name__)
 
 
 @contextmanager
-def _signals_left_to_the_driver() -> Iterator[None]:
+def signals_left_to_the_driver() -> Iterator[None]:
     """Horovod's Gloo launcher installs SIGINT/SIGTERM handlers that set its shutdown event (which ends the ranks) and
     never puts the previous ones back: after a launch on the main thread Ctrl-C no longer interrupted the driver, and
     during it `forward_sigterm`'s handler was replaced. Inside this block its launch gets its event without them:
@@ -66,6 +66,9 @@ def _signals_left_to_the_driver() -> Iterator[None]:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if interrupted:
         raise KeyboardInterrupt
+
+
+_signals_left_to_the_driver = signals_left_to_the_driver  # the name used before it was public (tests, the backend)
 
 
 @contextmanager
