@@ -48,7 +48,7 @@ test:
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning,
 # and data.decode=gpu's code run on torchvision's CPU decoder.
 VISION_TESTS := tests/unit/test_timm_backbone.py tests/unit/test_timm_finetune.py tests/integration/test_timm_train.py \
-	tests/unit/test_decode_stage.py tests/unit/test_gpu_decode_headers.py
+	tests/unit/test_decode_stage.py tests/unit/test_gpu_decode_headers.py tests/unit/test_batched_resize.py
 test-vision: .venv-vision/.installed
 	.venv-vision/bin/python -m pytest $(VISION_TESTS) -ra
 
