@@ -157,7 +157,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(sync_run(args.folder, args.overrides)))
             return 0
         cfg = load_config(args.conf, args.overrides)
-        require_submitted_master(cfg)  # under spark-submit: its --master and spark.master agree
+        if args.command in ("train", "tune", "ingest", "predict", "bench"):  # the commands that make a session
+            require_submitted_master(cfg)  # under spark-submit: its --master and spark.master agree
         if args.command == "doctor":
             return run_doctor(cfg)
         if args.command == "promote":

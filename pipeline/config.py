@@ -153,7 +153,9 @@ class TrainConfig:
     # driver pins, converts and plans the data; they take the job once it is made (off: they start after it)
     early_start: bool = True
     # A rank that cannot finish a collective within this many seconds shuts the job down (Horovod's stall check;
-    # on a Spark cluster the launcher also gives the other ranks this long to return after one failed).
+    # on a Spark cluster the launcher also gives the other ranks this long to return after one failed). Local
+    # Horovod ranks (train.np=-N) that mark no step for this long, once each finished its first batch, are ended by
+    # the driver: one batch, an epoch end's checkpoint or a tune verdict wait must fit in it (>= 1).
     stall_timeout_s: int = 120
     # Elastic (train.np=N on a cluster): after a restartable failure with fewer task slots left than the job's ranks
     # (a host lost), go on from the last checkpoint with the ranks that remain, down to this many (restated for the

@@ -20,6 +20,9 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 END = "end"  # what a rank's marker says once it left training (fit's teardown): not watched from then on
+# what it says from the start of training until its first batch ended: the launch is not watched until every rank
+# marked a step (a resumed rank skips the epochs already trained before its first batch: minutes on a large shard)
+STARTING = "starting"
 
 
 def heartbeat_interval(stall_timeout_s: float) -> float:
@@ -28,9 +31,10 @@ def heartbeat_interval(stall_timeout_s: float) -> float:
 
 
 def heartbeat(folder: JobFolder, rank: int, interval_s: float):
-    """A Lightning callback that marks rank `rank`'s progress in `folder`: at the start of training, after a training
-    or validation batch (at most once every `interval_s` seconds: one small write) and `END` at fit's teardown (rank 0
-    may then log the model for minutes: not a stall)."""
+    """A Lightning callback that marks rank `rank`'s progress in `folder`: `STARTING` at the start of training (not
+    watched until its first batch ended), its step after a training or validation batch (at most once every
+    `interval_s` seconds: one small write) and `END` at fit's teardown (rank 0 may then log the model for minutes:
+    not a stall)."""
     import pytorch_lightning as pl
 
     class Heartbeat(pl.Callback):
@@ -44,7 +48,8 @@ def heartbeat(folder: JobFolder, rank: int, interval_s: float):
                 folder.write(rank, "progress", str(trainer.global_step))
 
         def on_train_start(self, trainer, pl_module) -> None:
-            self._beat(trainer, force=True)
+            self._last = -math.inf  # the first batch's end is marked at once
+            folder.write(rank, "progress", STARTING)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self._beat(trainer)
@@ -61,7 +66,8 @@ def heartbeat(folder: JobFolder, rank: int, interval_s: float):
 def stalled(folder: JobFolder, bound_s: float, now: float) -> Optional[str]:
     """Why the launch of `folder`'s ranks counts as stalled at `now` (time.time()), or None: the ranks still training
     (a progress marker that is not `END`, no `done` or `error` marker) all marked none for more than `bound_s`. None
-    before any rank began training (the start is `train.start_timeout_s`'s)."""
+    before any rank began training (the start is `train.start_timeout_s`'s), and while any rank still says
+    `STARTING` (its first batch not yet ended)."""
     ended = set(folder.ranks_with("done")) | set(folder.ranks_with("error"))
     silent = {}
     for rank, path in sorted(folder.ranks_with("progress").items()):
@@ -74,6 +80,8 @@ def stalled(folder: JobFolder, bound_s: float, now: float) -> Optional[str]:
         step = folder.read(rank, "progress").strip()
         if step == END:
             continue
+        if step == STARTING:  # before its first batch ended (a resume's skip, the loader's start): not yet watched
+            return None
         if age <= bound_s:
             return None
         silent[rank] = (step, age)

@@ -49,7 +49,8 @@ def forward_sigterm(grace_s: float, remote: Optional[Callable[[], None]] = None)
     """While ranks run, SIGTERM to the driver is passed on to them: each rank's StopSignals callback makes
     them agree to stop, rank 0 writes a last checkpoint, and they return. Ranks still alive after
     `grace_s` are killed. `remote`: how to stop ranks that are not this process's descendants (ranks in Spark tasks:
-    their Spark jobs cancelled, `executors.cancel_spark_jobs`), called on a thread of its own. The state says whether
+    their Spark jobs cancelled, `executors.cancel_spark_jobs`), called on a thread of its own when no rank runs on
+    this host, else at the grace period's end (a local master's tasks are signalled first). The state says whether
     a SIGTERM came (the launcher then ends the launch as Terminated, whatever the ranks returned). The grace period's
     timer is cancelled when the block ends: it never kills the ranks of a later launch in the same process.
     """
@@ -59,10 +60,12 @@ def forward_sigterm(grace_s: float, remote: Optional[Callable[[], None]] = None)
         return
     timers: list = []
 
-    def kill_leftovers() -> None:
+    def kill_leftovers(then_remote: bool) -> None:
         for proc in rank_processes():
             log.error("rank process %d did not stop within %.0f s of SIGTERM; killing it", proc.pid, grace_s)
             proc.kill()
+        if then_remote:
+            stop_remote()
 
     def stop_remote() -> None:
         try:
@@ -81,10 +84,15 @@ def forward_sigterm(grace_s: float, remote: Optional[Callable[[], None]] = None)
                 proc.send_signal(signal.SIGTERM)
             except Exception:
                 pass
-        if remote is not None:  # not from the handler itself: it may have interrupted a call into the JVM
+        # ranks in Spark tasks on other hosts: their Spark jobs cancelled now (not from the handler itself: it may
+        # have interrupted a call into the JVM); on this host (a local master's tasks) they were just signalled and
+        # write a last checkpoint first: cancelling their tasks now would kill them before it, so only at the grace
+        # period's end
+        later = remote is not None and bool(ranks)
+        if remote is not None and not ranks:
             log.warning("SIGTERM: cancelling the Spark jobs of the ranks' tasks")
             threading.Thread(target=stop_remote, name="sigterm-cancel-ranks", daemon=True).start()
-        timer = threading.Timer(grace_s, kill_leftovers)
+        timer = threading.Timer(grace_s, kill_leftovers, args=(later,))
         timer.daemon = True
         timers.append(timer)
         timer.start()

@@ -148,8 +148,13 @@ def submitted_master() -> Optional[str]:
         return None
     from pyspark import SparkConf, SparkContext
 
-    SparkContext._ensure_initialized()  # the gateway to spark-submit's JVM, whose system properties hold its master
-    return SparkConf().get("spark.master", None)
+    try:
+        SparkContext._ensure_initialized()  # the gateway to spark-submit's JVM, whose system properties hold its master
+        return SparkConf().get("spark.master", None)
+    except Exception as exc:  # noqa: BLE001 - a gateway port left in the environment with no JVM behind it
+        log.warning("PYSPARK_GATEWAY_PORT is set but no spark-submit JVM answers there (%s: %s); the master "
+                    "spark-submit gave, if any, is not checked", type(exc).__name__, exc)
+        return None
 
 
 def require_submitted_master(cfg: Config) -> None:

@@ -1,6 +1,7 @@
 """Export a registered model version's network to ONNX or TorchScript with its preprocessing contract, checked and logged to its run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -122,8 +123,9 @@ def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out
                    model_info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write the network (`fmt`) and contract.json to `out_dir`; check it against torch on probe inputs.
 
-    The files are written to a folder beside `out_dir` and moved into it only once checked: a failed export leaves
-    `out_dir` as it was. A successful one replaces the files of an earlier export of this format there.
+    The files are written to a hidden folder inside `out_dir` and moved into place only once checked: a failed
+    export leaves `out_dir` as it was (removed again if this call made it). A successful one replaces the files of an
+    earlier export of this format there. Only `out_dir` itself must be writable (a volume's root, a mount point).
 
     Raises:
         ExportError: unknown format, the export failed (naming the model and version), or the exported model's
@@ -134,12 +136,14 @@ def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out
     who = _who(meta, model_info)
     contract = preprocessing_contract(meta, {**(model_info or {}), "format": fmt, "file": FILES[fmt]})
     out_dir = Path(out_dir)
-    dest = out_dir.resolve()  # the staging folder sits beside it, on its file system: the moves are renames
+    dest = out_dir.resolve()  # the staging folder sits inside it, on its file system: the moves are renames
+    made = not dest.exists()
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
+        dest.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=dest))
     except OSError as exc:
-        raise ExportError(f"{fmt} export of {who}: cannot write beside {out_dir}: {exc}") from None
+        raise ExportError(f"{fmt} export of {who}: cannot write to {out_dir}: {exc}") from None
+    moved = False
     try:
         module = _WithSoftmax(network).eval()
         try:
@@ -159,15 +163,18 @@ def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out
         files = [name for name in (ONNX_DATA_FILE, FILES[fmt], CONTRACT_FILE) if (staging / name).is_file()]
         size = sum((staging / name).stat().st_size for name in files if name != CONTRACT_FILE)
         try:
-            dest.mkdir(exist_ok=True)
             for name in files:  # the weights first: model.onnx never names a data file not there yet
                 os.replace(staging / name, dest / name)
+                moved = True
             if fmt == "onnx" and ONNX_DATA_FILE not in files and (dest / ONNX_DATA_FILE).is_file():
                 (dest / ONNX_DATA_FILE).unlink()  # an earlier, larger export's weights: not this model's
         except OSError as exc:
             raise ExportError(f"{fmt} export of {who}: checked, but moving it into {out_dir} failed: {exc}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if made and not moved:
+            with contextlib.suppress(OSError):
+                dest.rmdir()  # this call made it and put nothing in it: left as it was (absent)
     return {"format": fmt, "path": str(out_dir / FILES[fmt]), "contract": str(out_dir / CONTRACT_FILE),
             "files": files, "max_abs_diff": diff, "bytes": size}
 

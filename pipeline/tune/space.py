@@ -32,6 +32,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from pipeline.config import Config, ConfigError, apply_overrides
+from pipeline.log import get_logger
+
+log = get_logger(__name__)
 
 KINDS = ("float", "int", "categorical")
 TOP_KEYS = ("params", "fixed", "enqueue")
@@ -189,8 +192,9 @@ def _number(source: str, where: str, spec: Dict[str, Any], name: str, kind: str)
     return value
 
 
-def parse_param(source: str, key: str, spec: Any) -> Param:
-    """One `params` entry -> Param, or a ConfigError naming the file and key."""
+def parse_param(source: str, key: str, spec: Any, stored: bool = False) -> Param:
+    """One `params` entry -> Param, or a ConfigError naming the file and key. `stored`: a study's own space (a
+    resume), whose range off its step grid is a warning: the study was made before that was refused."""
     where = f"params.{key}"
     if not isinstance(spec, dict):
         raise _err(source, where, f"must be a mapping with 'type' ({', '.join(KINDS)}), got {spec!r}")
@@ -230,21 +234,28 @@ def parse_param(source: str, key: str, spec: Any) -> Param:
     if log and low <= 0:
         raise _err(source, where, f"'low' ({low}) must be > 0 with 'log: true'")
     if step is not None:
-        _check_grid(source, where, low, high, step)
+        _check_grid(source, where, low, high, step, stored)
     return Param(key=key, kind=kind, low=low, high=high, log=log, step=step)
 
 
-def _check_grid(source: str, where: str, low: float, high: float, step: float) -> None:
+def _check_grid(source: str, where: str, low: float, high: float, step: float, stored: bool = False) -> None:
     """A stepped range draws `low + k * step` only: a `step` wider than the range leaves `low` alone, and a `high`
-    off that grid is lowered by Optuna, silently; both are refused (in Optuna's own decimal arithmetic)."""
+    off that grid is lowered by Optuna, silently; both are refused (in Optuna's own decimal arithmetic). In a study's
+    stored space (`stored`: a resume) a warning: the study began with it, before this was refused."""
     span, st = Decimal(str(high)) - Decimal(str(low)), Decimal(str(step))
+    problem = None
     if st > span:
-        raise _err(source, where, f"'step' ({step}) is wider than the range from 'low' ({low}) to 'high' ({high}): "
-                                  f"every trial would draw {low}; lower 'step' or widen the range")
-    if span % st != 0:
+        problem = _err(source, where, f"'step' ({step}) is wider than the range from 'low' ({low}) to 'high' "
+                                      f"({high}): every trial would draw {low}; lower 'step' or widen the range")
+    elif span % st != 0:
         below = Decimal(str(low)) + (span // st) * st
-        raise _err(source, where, f"'high' ({high}) is not 'low' ({low}) plus a whole number of 'step' ({step}): "
-                                  f"Optuna would lower it to {below}; set 'high' to {below} or {below + st}")
+        problem = _err(source, where, f"'high' ({high}) is not 'low' ({low}) plus a whole number of 'step' "
+                                      f"({step}): Optuna would lower it to {below}; set 'high' to {below} or "
+                                      f"{below + st}")
+    if problem is not None and stored:
+        log.warning("%s; the study began with this space, so its trials keep drawing from it", problem)
+    elif problem is not None:
+        raise problem
 
 
 def _check_key(source: str, where: str, key: Any) -> None:
@@ -271,7 +282,7 @@ def samples(param: Param) -> Sequence[Any]:
     return (float(param.low), float(param.high))
 
 
-def parse_space(data: Any, cfg: Config, source: str = "<text>", text: str = "") -> SearchSpace:
+def parse_space(data: Any, cfg: Config, source: str = "<text>", text: str = "", stored: bool = False) -> SearchSpace:
     """A loaded YAML document -> SearchSpace, every key and value checked against `cfg`.
 
     Raises:
@@ -291,7 +302,7 @@ def parse_space(data: Any, cfg: Config, source: str = "<text>", text: str = "") 
     params: Dict[str, Param] = {}
     for key, spec in raw_params.items():
         _check_key(source, f"params.{key}", key)
-        param = parse_param(source, key, spec)
+        param = parse_param(source, key, spec, stored)
         for value in samples(param):
             _check_values(source, f"params.{key}", cfg, {key: value})
         params[key] = param
@@ -335,9 +346,10 @@ def load_space(path: str, cfg: Config) -> SearchSpace:
     return space_from_text(text, cfg, str(path))
 
 
-def space_from_text(text: str, cfg: Config, source: str = "<text>") -> SearchSpace:
+def space_from_text(text: str, cfg: Config, source: str = "<text>", stored: bool = False) -> SearchSpace:
+    """A search space from its YAML text (`stored`: a study's own, on resume: see `parse_param`)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"search space {source} is not valid YAML: {exc}") from None
-    return parse_space(data, cfg, source, text)
+    return parse_space(data, cfg, source, text, stored)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -61,6 +62,11 @@ def sweep_config(cfg: Config, n_trials: Optional[int], timeout_s: Optional[float
     """`cfg` with `--trials` as `tune.n_trials` and `--timeout` as `tune.timeout_s` (those given), checked: the
     config the sweep runs, logs and shows is the one it uses."""
     check_cli_values(n_trials, timeout_s)
+    if cfg.tune.pruner != "none" and cfg.tune.verdict_timeout_s >= cfg.train.stall_timeout_s:
+        # the ranks wait for the verdict at an epoch end without a step: the driver's stall watchdog would end them
+        raise ConfigError(f"config key 'tune.verdict_timeout_s' ({cfg.tune.verdict_timeout_s:g} s) must be below "
+                          f"train.stall_timeout_s ({cfg.train.stall_timeout_s} s): the ranks wait for the pruning "
+                          f"verdict without making progress, and a wait that long counts as a stall")
     values: Dict[str, Any] = {}
     if n_trials is not None:
         values["tune.n_trials"] = int(n_trials)
@@ -90,13 +96,15 @@ def _open(cfg: Config, space_path: Optional[str], asked: bool, resume: Optional[
     if resume:
         study = load_study(cfg, resume, storage, url)
         stored = study.user_attrs.get(ATTR_SPACE) or ""
-        if space_path:
+        if space_path and stored and Path(space_path).is_file() and Path(space_path).read_text() == stored:
+            space = space_from_text(stored, cfg, str(space_path), stored=True)  # the study's own, as it began
+        elif space_path:
             space = load_space(space_path, cfg)
             if stored and space.text != stored:
                 raise ConfigError(f"--resume {resume}: search space {space_path} differs from the one the study "
                                   f"started with; resume without --space to use the study's own")
         elif stored:
-            space = space_from_text(stored, cfg, f"(study {resume})")
+            space = space_from_text(stored, cfg, f"(study {resume})", stored=True)
         else:
             raise ConfigError(f"--resume {resume}: the study has no stored search space; pass --space")
         kept = study.user_attrs.get(ATTR_N_TRIALS)

@@ -120,3 +120,34 @@ def test_ctrl_c_during_a_horovod_launch_stops_its_ranks_then_interrupts_the_driv
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
             assert event.wait(5)  # horovod's launcher ends the ranks on it; the launch then returns
     assert signal.getsignal(signal.SIGINT) is int_before
+
+
+def test_ranks_in_a_local_masters_tasks_are_signalled_first_and_their_jobs_cancelled_only_after_the_grace(
+        monkeypatch):
+    """train.np=N on a local master: the Spark tasks' ranks are this host's processes; cancelling their jobs at once
+    would kill them before their last checkpoint, so they get the SIGTERM and the cancel waits for the grace."""
+    events = []
+
+    class Rank:
+        pid = 12345
+
+        def send_signal(self, sig):
+            events.append("signalled")
+
+        def kill(self):
+            events.append("killed")
+
+    alive = [Rank()]
+    monkeypatch.setattr(rank_signals, "rank_processes", lambda: list(alive))
+    cancelled = threading.Event()
+
+    def cancel():
+        events.append("cancelled")
+        cancelled.set()
+
+    with rank_signals.forward_sigterm(grace_s=0.5, remote=cancel):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert events == ["signalled"]  # not cancelled with the signal
+        alive.clear()  # the rank stopped within the grace
+        assert cancelled.wait(10), events
+    assert events == ["signalled", "cancelled"]  # nothing left to kill; the jobs cancelled at the grace's end

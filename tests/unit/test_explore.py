@@ -191,7 +191,7 @@ def test_the_notebooks_stop_only_a_session_the_pipeline_started(monkeypatch):
             self.stopped = True
 
     cfg = explore.notebook_config("conf/local.yaml", chdir=False)
-    for name in NOTEBOOKS:
+    for name in [*NOTEBOOKS, "04_tune.ipynb"]:
         cells = _code_cells(name)
         setup = [c.source for c in cells if "from pipeline.lakehouse.spark import" in c.source]
         made = [c.source for c in cells if re.search(r"^spark = ", c.source, re.M)]

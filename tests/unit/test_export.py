@@ -141,3 +141,21 @@ def test_an_exporter_failure_is_an_export_error_naming_the_model_and_leaves_noth
     with pytest.raises(ex.ExportError, match=r"onnx export of model 'clf' version 3 failed \(RuntimeError: protobuf"):
         ex.export_network(_net(width=4), {**META, "width": 4}, "onnx", out, {"name": "clf", "version": "3"})
     assert os.listdir(tmp_path) == []
+
+
+def test_the_export_is_staged_inside_out_so_only_out_must_be_writable(monkeypatch, tmp_path):
+    """A volume's root or a mount point as --out: its parent may be read-only, and a rename from the parent into a
+    mount point crosses file systems; the staging folder is inside --out, on its file system."""
+    made = []
+    real = ex.tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made.append(Path(kwargs["dir"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ex.tempfile, "mkdtemp", recording)
+    out = tmp_path / "volume"
+    out.mkdir()
+    ex.export_network(_net(width=4), {**META, "width": 4}, "torchscript", out)
+    assert made == [out.resolve()]
+    assert set(os.listdir(out)) == {"model.pt", CONTRACT_FILE}  # the staging folder gone

@@ -50,16 +50,30 @@ def test_the_ranks_count_as_stalled_only_when_every_rank_still_training_is_silen
     assert progress.stalled(folder, 10, time.time()) is None
 
 
+def test_a_rank_before_its_first_batch_keeps_the_launch_unwatched(tmp_path):
+    """A resumed rank skips the epochs already trained before its first batch (minutes on a large shard): that is
+    not a stall, and the others wait for it in their first collective."""
+    folder = JobFolder(str(tmp_path))
+    _mark(folder, 0, "0", 300)
+    _mark(folder, 1, progress.STARTING, 300)
+    assert progress.stalled(folder, 10, time.time()) is None
+    _mark(folder, 1, "0", 30)  # its first batch ended, long ago: both silent past the bound
+    assert "rank 1 (last at step 0, 30 s ago)" in progress.stalled(folder, 10, time.time())
+
+
 def test_a_rank_marks_its_progress_throttled_and_its_end(tmp_path):
     pytest.importorskip("pytorch_lightning")
     folder = JobFolder(str(tmp_path))
     beat = progress.heartbeat(folder, 1, interval_s=3600)
     trainer = SimpleNamespace(global_step=0)
     beat.on_train_start(trainer, None)
-    assert folder.read(1, "progress") == "0"
+    assert folder.read(1, "progress") == progress.STARTING  # not watched before its first batch ended
+    trainer.global_step = 1
+    beat.on_train_batch_end(trainer, None, None, None, 0)  # the first batch's end: marked at once
+    assert folder.read(1, "progress") == "1"
     trainer.global_step = 5
     beat.on_train_batch_end(trainer, None, None, None, 4)  # within the interval: not rewritten
-    assert folder.read(1, "progress") == "0"
+    assert folder.read(1, "progress") == "1"
     beat.teardown(trainer, None, "fit")
     assert folder.read(1, "progress") == progress.END
 
