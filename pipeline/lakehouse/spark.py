@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -169,9 +170,10 @@ def require_submitted_master(cfg: Config) -> None:
         log.warning("spark-submit's master %r is not spark.master %r: the session runs %r (this machine either way)",
                     master, cfg.spark.master, cfg.spark.master)
         return
-    raise ConfigError(f"spark-submit started this job with master {master!r} (its --master, or its default "
-                          f"local[*]) but config key 'spark.master' is {cfg.spark.master!r}: the job would run on "
-                          f"the config's; give spark.master={master} or submit with --master {cfg.spark.master}")
+    given, ours = redact_url(master), redact_url(cfg.spark.master)  # a k8s://https://user:token@... URL
+    raise ConfigError(f"spark-submit started this job with master {given!r} (its --master, or its default "
+                      f"local[*]) but config key 'spark.master' is {ours!r}: the job would run on the config's; "
+                      f"give spark.master={given} or submit with --master {ours}")
 
 
 def _plan_here() -> SessionPlan:

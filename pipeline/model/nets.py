@@ -90,10 +90,10 @@ def network_from_config(model_cfg: Any, in_channels: int, num_classes: int) -> n
 
 
 def head_module(network: nn.Module) -> nn.Module:
-    """The classifier head: timm's get_classifier(), the project nets' `head`; several heads as one ModuleList."""
+    """The classifier head: timm's get_classifier() (several heads as one ModuleList: TimmClassifier.head_module), the
+    project nets' `head`."""
     if hasattr(network, "head_module"):
-        head = network.head_module()
-        return nn.ModuleList(head) if isinstance(head, (tuple, list)) else head
+        return network.head_module()
     head = getattr(network, "head", None)
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(network).__name__} has no classifier head to tell from its backbone")
