@@ -4,8 +4,8 @@ the ranks at the row level, and read per rank with pyarrow into the arrow reader
 Three steps, each a function:
 
 - `split_index`: the rows of each file in each split, by the one split rule (`split.row_key` and
-  `split.is_validation`, as the converted path's Spark filter): it reads the `data.split_key` column (`path`, or
-  `content` to hash), nothing else.
+  `split.is_validation`, as the converted path's Spark filter): it reads the `data.split_key` column (`path`; for
+  `content`, the digests ingest stores, or the bytes to hash where a row has none), nothing else.
 - `plan_ranges` / `plan_direct`: metadata only. The split's rows, file after file, are cut into one contiguous run per
   rank: train into equal shares (the total a multiple of the world size; fewer than world-size rows left out, logged),
   validation into shares that differ by at most one row (every validation row read once; `SplitPlan.eval_steps` pads
@@ -31,7 +31,7 @@ from pipeline.data.readers import ArrowShardReader, RowGroup, pass_order
 from pipeline.data.shards import CONTENT, LABEL, PATH, ConversionError
 from pipeline.lakehouse.delta_files import DeltaFiles, arrow_filesystem
 from pipeline.lakehouse.partition import PlanError, ShardPlan, plan_shards
-from pipeline.lakehouse.split import is_validation, row_key, split_rule
+from pipeline.lakehouse.split import DIGEST, is_validation, row_key, split_rule, stored_digest
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -72,10 +72,9 @@ def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, va
             check_types(pf.schema_arrow, f"Delta table data file {uri}")
             if column not in pf.schema_arrow.names:
                 raise KeyError(f"no column {column!r} (data.split_key={split_key})")
+            digests = split_key == "content" and DIGEST in pf.schema_arrow.names
             for g in range(pf.num_row_groups):
-                for value in pf.read_row_group(g, columns=[column], use_threads=False).column(0).to_pylist():
-                    key = (row_key(split_key, value, None) if split_key == "path"
-                           else row_key(split_key, None, value))
+                for key in _group_keys(pf, g, split_key, column, digests):
                     if key is not None:
                         (val if is_validation(key, val_fraction) else train).append(row)
                     row += 1
@@ -85,6 +84,21 @@ def _file_split(uri: str, storage_options: Mapping[str, str], split_key: str, va
         raise ConversionError(f"Delta table data file {uri} row {row}: the split key cannot be read "
                               f"({type(exc).__name__}: {exc})") from None
     return np.asarray(train, np.int64), np.asarray(val, np.int64)
+
+
+def _group_keys(pf, group: int, split_key: str, column: str, digests: bool) -> List[Optional[str]]:
+    """Each row's split key in row group `group` of the Parquet file `pf`: with `digests` (the content key and a
+    DIGEST column) the stored digests, the bytes read only in a group where some row has none (`split.row_key`)."""
+    if digests:
+        stored = pf.read_row_group(group, columns=[DIGEST], use_threads=False).column(0).to_pylist()
+        if all(stored_digest(d) is not None for d in stored):
+            return stored
+        contents = pf.read_row_group(group, columns=[column], use_threads=False).column(0).to_pylist()
+        return [row_key(split_key, None, c, d) for c, d in zip(contents, stored)]
+    values = pf.read_row_group(group, columns=[column], use_threads=False).column(0).to_pylist()
+    if split_key == "path":
+        return [row_key(split_key, v, None) for v in values]
+    return [row_key(split_key, None, v) for v in values]
 
 
 # What the ranks' loader takes of each column it reads (batches.py): (the type said in words, pyarrow type predicates)
@@ -142,7 +156,8 @@ def check_columns(pinned: DeltaFiles) -> None:
 
 def split_index(pinned: DeltaFiles, val_fraction: float, split_key: str, threads: int = INDEX_THREADS) -> SplitIndex:
     """Each file's rows in train and val by the split rule of `data.split_key` (the converted path's rule, so the same
-    validation rows): reads that one column of every file (`path`; `content` to hash), on `threads` threads."""
+    validation rows): reads that one column of every file (`path`; for `content` the stored digests, or the bytes to
+    hash), on `threads` threads."""
     split_rule(split_key)  # a key that is not one of partition.SPLIT_KEYS is refused, naming the config key
     check_columns(pinned)
     uris = [f.uri for f in pinned.files]

@@ -71,6 +71,8 @@ class SparkDeltaEngine(DeltaEngine):
         writer_id = uuid.uuid4().hex
         writer = (df.write.format("delta").mode(mode)
                   .option("userMetadata", _user_metadata(commit_metadata, writer_id, claim, read_version)))
+        if mode == "overwrite":  # the new rows' columns replace the table's, as the delta-rs engine's overwrite does
+            writer = writer.option("overwriteSchema", "true")
         if partition_by:
             writer = writer.partitionBy(*partition_by)
         if catalog_name(table):

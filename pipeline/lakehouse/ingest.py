@@ -9,13 +9,17 @@ import pandas as pd
 
 from pipeline.config import Config
 from pipeline.lakehouse.delta import ConcurrentWriteError, get_engine
+from pipeline.lakehouse.split import DIGEST, stored_digest_column
 from pipeline.lakehouse.source import (IngestError, SkippedFile, SourceListing, label_rule, list_source, read_udf,
                                        skipped_counts)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
 
-TABLE_COLUMNS = ["path", "label", "label_index", "width", "height", "mode", "content"]
+# DIGEST (sha256): the SHA-256 of `content` in lowercase hex, computed as the file is read. An append finds the bytes
+# the table holds by it, and the content split key is read from it (pipeline.lakehouse.split): 64 bytes a row, where
+# a table without the column has every byte of every row read and hashed on each append and each plan of the split.
+TABLE_COLUMNS = ["path", "label", "label_index", "width", "height", "mode", DIGEST, "content"]
 _READ_PARTITION_BYTES = 64 * 2**20  # files are read by executors in partitions of about this many bytes
 
 # Every ingest commit claims this key (see DeltaEngine.write): two ingests that read the same version cannot both
@@ -80,6 +84,7 @@ class _TableState:
     version: Optional[int]  # None: no table yet
     classes: Dict[str, int]
     known: Optional["DataFrame"]  # sha256 -> _in_table (a path holding those bytes); None on overwrite
+    columns: List[str] = field(default_factory=lambda: list(TABLE_COLUMNS))  # what this commit writes
 
 
 def _table_state(engine, spark, table: str, mode: str) -> _TableState:
@@ -105,11 +110,19 @@ def _table_state(engine, spark, table: str, mode: str) -> _TableState:
                                   f"has two labels, {other!r} and {r['label']!r}; repair the table before appending")
             classes[r["label"]] = int(r["label_index"])
     known = None
-    if "content" in df.columns:
-        # no hash column in the table: the bytes already in it are hashed at the version read
-        known = (df.select(F.sha2(F.col("content"), 256).alias("sha256"), "path").groupBy("sha256")
-                 .agg(F.min("path").alias("_in_table")))
-    return _TableState(pinned.version, classes, known)
+    if DIGEST in df.columns:  # the digests stored; only rows without one (another writer's) have their bytes hashed
+        stored = df.filter(stored_digest_column().isNotNull()).select(F.col(DIGEST).alias("sha256"), "path")
+        hashed = df.filter(F.col(DIGEST).isNull()).select(F.sha2(F.col("content"), 256).alias("sha256"), "path")
+        known = stored.unionByName(hashed)
+    elif "content" in df.columns:
+        log.warning("Delta table %s has no %s column (written before ingest stored one): this append hashes every "
+                    "row's bytes to find those it already holds, and a plan of the content split reads them all; "
+                    "an ingest with --mode overwrite writes the table with it", table, DIGEST)
+        known = df.select(F.sha2(F.col("content"), 256).alias("sha256"), "path")
+    if known is not None:
+        known = known.groupBy("sha256").agg(F.min("path").alias("_in_table"))
+    columns = [c for c in TABLE_COLUMNS if c != DIGEST or DIGEST in df.columns]  # an append keeps the table's own
+    return _TableState(pinned.version, classes, known, columns)
 
 
 def is_strict(cfg: Config) -> bool:
@@ -264,7 +277,7 @@ def _commit_attempt(spark, engine, table: str, mode: str, good, skipped: List[Sk
                  "committed (skipped %d: %s)", root, table, state.version, len(skipped), counts)
         return result
     mapping = spark.createDataFrame(sorted(classes.items()), "label string, label_index int")
-    out = new.join(F.broadcast(mapping), on="label", how="left").select(*TABLE_COLUMNS)
+    out = new.join(F.broadcast(mapping), on="label", how="left").select(*state.columns)
     rows = out.count()
     report = {"source": root, "files_found": listing.files_found, "rows_written": rows, "label_rule": rule,
               "read_version": state.version, "skipped_counts": skipped_counts(skipped),

@@ -9,6 +9,7 @@ or in Spark (`held_out_frame`, a catalog-named table), pipeline.tracking.heldout
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
@@ -20,6 +21,11 @@ SPLIT_BUCKETS = 10_000
 SPLIT_KEYS = ("content", "path")
 # A run that records no `data.split_key` was trained before the key existed: with this rule.
 LEGACY_SPLIT_KEY = "path"
+# The column in which ingest stores each row's SHA-256 of `content` (lowercase hex, as hashlib and Spark's sha2 give
+# it): the content key is read from it, 64 bytes a row, where a stored value has that form; a row without one (a
+# table written before the column, or by another writer) has its bytes hashed, as every row once was.
+DIGEST = "sha256"
+_DIGEST_FORM = re.compile(r"[0-9a-f]{64}")
 
 
 def _check_key(split_key: str) -> None:
@@ -52,11 +58,22 @@ def split_rule(split_key: str) -> str:
             f"crc32(path) % {SPLIT_BUCKETS}")
 
 
-def row_key(split_key: str, path: Optional[str], content: Optional[bytes]) -> Optional[str]:
+def stored_digest(value: Optional[str]) -> Optional[str]:
+    """A row's stored DIGEST value where it has the form of one (64 lowercase hex digits); else None: hash the
+    bytes."""
+    return value if isinstance(value, str) and _DIGEST_FORM.fullmatch(value) else None
+
+
+def row_key(split_key: str, path: Optional[str], content: Optional[bytes], digest: Optional[str] = None) \
+        -> Optional[str]:
     """The string a row's bucket is computed from under `split_key` (None: the row has no such value; it is in no
-    split). `bucket_column` is the same in Spark."""
+    split): for `content`, the row's stored DIGEST (`stored_digest`) or else the SHA-256 of its bytes. `bucket_column`
+    is the same in Spark."""
     _check_key(split_key)
     if split_key == "content":
+        digest = stored_digest(digest)
+        if digest is not None:
+            return digest
         return None if content is None else hashlib.sha256(content).hexdigest()
     return path
 
@@ -72,49 +89,65 @@ class HoldOut:
         return f"val_fraction {self.val_fraction:g} by {self.split_key}"
 
 
-def held_out_by_all(holdouts: Iterable[HoldOut]) -> Tuple[HoldOut, ...]:
-    """The conditions a row must meet to be held out by EVERY one of `holdouts` (rows none of them trained on).
+def held_out_by_all(holdouts: Iterable[HoldOut], split: str = "val") -> Tuple[HoldOut, ...]:
+    """The conditions of the rows in `split` for EVERY one of `holdouts`: `val`, the rows none of them trained on;
+    `train`, the rows all of them trained on.
 
     Under one split key a smaller fraction's validation rows are a subset of a larger one's (the bucket is below
-    `val_buckets(fraction)`), so per key the smallest fraction is the intersection; under different keys the row must
-    be held out under each (sorted by key, so the result is the same in any order).
+    `val_buckets(fraction)`), so per key the smallest fraction is the intersection of the validation rows, and the
+    largest leaves the intersection of the training rows; under different keys the row must be held out (or trained
+    on) under each (sorted by key, so the result is the same in any order).
     """
+    pick = min if split == "val" else max
     smallest: dict = {}
     for h in holdouts:
         _check_key(h.split_key)
-        smallest[h.split_key] = min(smallest.get(h.split_key, h.val_fraction), h.val_fraction)
+        smallest[h.split_key] = pick(smallest.get(h.split_key, h.val_fraction), h.val_fraction)
     if not smallest:
         raise ValueError("held_out_by_all needs at least one hold-out")
     return tuple(HoldOut(f, k) for k, f in sorted(smallest.items()))
 
 
-def in_split(split: str, conditions: Tuple[HoldOut, ...], path: Optional[str], content: Optional[bytes]) -> bool:
+def in_split(split: str, conditions: Tuple[HoldOut, ...], path: Optional[str], content: Optional[bytes],
+             digest: Optional[str] = None) -> bool:
     """Whether a row is in `split` under all `conditions` (see `held_out_by_all`): `val` when every condition holds it
     out, `train` when none does (rows every model trained on). A row without a key value is in neither."""
     held = []
     for c in conditions:
-        key = row_key(c.split_key, path, content)
+        key = row_key(c.split_key, path, content, digest)
         if key is None:
             return False
         held.append(is_validation(key, c.val_fraction))
     return all(held) if split == "val" else not any(held)
 
 
-def bucket_column(split_key: str):
+def stored_digest_column():
+    """The Spark column of a row's stored DIGEST where it has the form of one (`stored_digest`), else null."""
+    from pyspark.sql import functions as F
+
+    return F.when(F.col(DIGEST).rlike(f"^{_DIGEST_FORM.pattern}$"), F.col(DIGEST))
+
+
+def bucket_column(split_key: str, with_digest: bool = False):
     """The Spark column of a row's split bucket under `split_key`: `split_bucket(row_key(...))`, computed by Spark
-    (sha2 gives the same lowercase hex as hashlib; crc32 the same checksum as zlib). Null where the key value is."""
+    (sha2 gives the same lowercase hex as hashlib; crc32 the same checksum as zlib). Null where the key value is.
+    `with_digest`: the frame has the DIGEST column, whose well-formed values are the content key (`stored_digest`)."""
     from pyspark.sql import functions as F
 
     _check_key(split_key)  # a key that is not one of SPLIT_KEYS is refused, naming the config key
     key = F.sha2(F.col("content"), 256) if split_key == "content" else F.col("path")
+    if split_key == "content" and with_digest:
+        key = F.coalesce(stored_digest_column(), key)
     return F.pmod(F.crc32(key.cast("binary")), F.lit(SPLIT_BUCKETS))
 
 
 def held_out_frame(df, conditions: Tuple[HoldOut, ...], split: str = "val"):
     """The rows of `df` in `split` under every one of `conditions` (`held_out_by_all`): `val`, the rows every model
-    held out; `train`, the rows every model trained on. `in_split`'s rule, run in Spark."""
+    held out; `train`, the rows every model trained on. `in_split`'s rule, run in Spark (the DIGEST column read where
+    `df` has it)."""
+    with_digest = DIGEST in df.columns
     for c in conditions:
-        bucket, threshold = bucket_column(c.split_key), val_buckets(c.val_fraction)
+        bucket, threshold = bucket_column(c.split_key, with_digest), val_buckets(c.val_fraction)
         df = df.filter(bucket < threshold) if split == "val" else df.filter(bucket.isNotNull() & (bucket >= threshold))
     return df
 

@@ -236,7 +236,7 @@ class _Scoring:
             self.rows[key] = self.given
             return key
         key = held_out_by_all([self.own] if holder is None else
-                              [self.own, holdout_of(self.client, holder, self.val_fraction)])
+                              [self.own, holdout_of(self.client, holder, self.val_fraction)], split_of(self.metric))
         if key not in self.rows:
             self.rows[key] = held_out_rows(self.table, self.data_version, key, split_of(self.metric))
         return key

@@ -22,8 +22,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from pipeline.lakehouse.split import (LEGACY_SPLIT_KEY, SPLIT_KEYS, HoldOut, held_out_by_all, held_out_frame,
-                                      in_split)
+from pipeline.lakehouse.split import (DIGEST, LEGACY_SPLIT_KEY, SPLIT_KEYS, HoldOut, held_out_by_all,
+                                      held_out_frame, in_split, stored_digest)
 from pipeline.log import get_logger
 from pipeline.tracking.registry import RegistryError
 
@@ -95,11 +95,12 @@ def split_of(metric: str) -> str:
     return "train" if metric.startswith("train_") else "val"
 
 
-def _conditions(holdout: Union[float, HoldOut, Sequence[HoldOut]]) -> Tuple[HoldOut, ...]:
-    """A bare fraction is the path rule (what it meant before data.split_key); one or several HoldOuts are merged."""
+def _conditions(holdout: Union[float, HoldOut, Sequence[HoldOut]], split: str = "val") -> Tuple[HoldOut, ...]:
+    """A bare fraction is the path rule (what it meant before data.split_key); one or several HoldOuts are merged
+    for `split` (`held_out_by_all`)."""
     if isinstance(holdout, (int, float)):
         return (HoldOut(float(holdout), LEGACY_SPLIT_KEY),)
-    return held_out_by_all([holdout] if isinstance(holdout, HoldOut) else list(holdout))
+    return held_out_by_all([holdout] if isinstance(holdout, HoldOut) else list(holdout), split)
 
 
 def _rule_words(conditions: Tuple[HoldOut, ...], split: str) -> str:
@@ -134,6 +135,10 @@ def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split
             with fs.open_input_file(path) as fh:
                 parquet = pq.ParquetFile(fh)
                 lacking = [c for c in read if c not in parquet.schema_arrow.names]
+                if lacking == [DIGEST]:  # a file written before the table had digests: its bytes are hashed
+                    for batch in parquet.iter_batches(batch_size=size, columns=[c for c in read if c != DIGEST]):
+                        yield batch.append_column(DIGEST, pa.nulls(batch.num_rows, pa.string()))
+                    return
                 if lacking:
                     raise RegistryError(f"promotion gate: data file {uri} of Delta table {table} version {version} "
                                         f"has no column(s) {', '.join(lacking)}")
@@ -156,16 +161,29 @@ def _delta_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], split
                     cols = {c: batch.column(c).to_pylist() for c in read}
                     yield {**cols, **{c: [v] * batch.num_rows for c, v in fixed.items()}}
 
-    def scan(size: int, with_content: bool) -> Iterator[Chunk]:
-        columns = ["path", "label"] + (["content"] if with_content else [])
+    digests = by_content and DIGEST in names  # the content key read from the digests ingest stores
+
+    def scan(size: int, with_content: bool, lacking: Optional[List[bool]] = None) -> Iterator[Chunk]:
+        """The rows in the split, in chunks. `lacking`: stop at a row whose content key needs its bytes (no stored
+        digest) when they are not read, and say so there."""
+        columns = ["path", "label"] + (["content"] if with_content else []) + ([DIGEST] if digests else [])
         for batch in batches(columns, size):
             paths, labels = batch["path"], batch["label"]
             contents = batch["content"] if with_content else [None] * len(paths)
-            keep = [i for i, p in enumerate(paths) if p is not None and in_split(split, conditions, p, contents[i])]
+            stored = batch[DIGEST] if digests else [None] * len(paths)
+            if lacking is not None and any(stored_digest(d) is None for d in stored):
+                lacking.append(True)
+                return
+            keep = [i for i, p in enumerate(paths)
+                    if p is not None and in_split(split, conditions, p, contents[i], stored[i])]
             if keep:
                 yield ([contents[i] for i in keep], [None if labels[i] is None else str(labels[i]) for i in keep])
 
-    labels = [lab for _, chunk in scan(GATE_CHUNK_ROWS * 4, by_content) for lab in chunk]
+    # the labels first, from the stored digests where every row has one; else from the bytes
+    lacking: List[bool] = []
+    labels = [lab for _, chunk in scan(GATE_CHUNK_ROWS * 4, False, lacking) for lab in chunk] if digests else []
+    if not digests or lacking:
+        labels = [lab for _, chunk in scan(GATE_CHUNK_ROWS * 4, by_content) for lab in chunk]
     return HeldOutRows(table, int(version), split, None, labels, lambda size: scan(size, True),
                        _rule_words(conditions, split))
 
@@ -195,7 +213,8 @@ def _catalog_rows(table: str, version: int, conditions: Tuple[HoldOut, ...], spl
     if missing:
         raise RegistryError(f"promotion gate: Delta table {table} version {version} has no column(s) "
                             f"{', '.join(missing)}; it has {df.columns}")
-    rows = held_out_frame(df.select(*GATE_COLUMNS).filter(df["path"].isNotNull()), conditions, split)
+    columns = list(GATE_COLUMNS) + ([DIGEST] if DIGEST in df.columns else [])
+    rows = held_out_frame(df.select(*columns).filter(df["path"].isNotNull()), conditions, split)
     labels = [None if r[0] is None else str(r[0]) for r in rows.select("label").toLocalIterator()]
 
     def stream(size: int) -> Iterator[Chunk]:
@@ -224,7 +243,7 @@ def held_out_rows(table: str, version: int, holdout: Union[float, HoldOut, Seque
     """
     from pipeline.lakehouse.delta import DeltaError, catalog_name
 
-    conditions = _conditions(holdout)
+    conditions = _conditions(holdout, split)
     try:
         read = _catalog_rows if catalog_name(table) else _delta_rows
         rows = read(table, int(version), conditions, split)

@@ -301,3 +301,63 @@ def test_the_data_module_reads_direct_data_with_the_direct_reader(uneven_table):
         assert sorted(dm.val_loader.ids_read) == sorted(direct_row_ids(data.val, 1, 2))
     finally:
         dm.teardown("fit")
+
+
+def test_stored_digests_give_the_split_on_every_path_and_the_bytes_where_a_row_has_none(spark, digits_dir, tmp_path):
+    """A table whose first file predates the digest column, then rows with digests: right ones, null, malformed,
+    and well-formed ones that are not their bytes' (chosen to land in the other split, so the digest is seen to be
+    read). The direct plan, a real conversion (Spark) and the gate's delta-rs rows hold out the same rows: those of
+    the stored digest where it has the form of one, else of the bytes' hash."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from deltalake import write_deltalake
+
+    from pipeline.data.convert import class_names_of, convert_for_training
+    from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.split import HoldOut, is_validation
+    from pipeline.tracking.heldout import held_out_rows
+
+    rows = _rows(digits_dir)[:300]
+    forged = 0
+    for i, r in enumerate(rows[100:], start=100):
+        real = hashlib.sha256(r["content"]).hexdigest()
+        r["sha256"], r["key"] = real, real
+        if i % 30 == 0:
+            r["sha256"] = None
+        elif i % 30 == 10:
+            r["sha256"] = real.upper()  # not the form of a digest: the bytes decide
+        elif i % 30 == 20:
+            k = 0
+            while is_validation(hashlib.sha256(b"forged %d %d" % (i, k)).hexdigest(), 0.2) == is_validation(real, 0.2):
+                k += 1
+            r["sha256"] = r["key"] = hashlib.sha256(b"forged %d %d" % (i, k)).hexdigest()
+            forged += 1
+    for r in rows[:100]:
+        r["key"] = hashlib.sha256(r["content"]).hexdigest()
+    table = tmp_path / "digests"
+    old = pa.schema([("path", pa.string()), ("label", pa.string()), ("label_index", pa.int32()),
+                     ("content", pa.binary())])
+    write_deltalake(str(table), pa.Table.from_pylist([{k: r[k] for k in old.names} for r in rows[:100]], schema=old),
+                    mode="overwrite")
+    new = pa.schema(list(old) + [("sha256", pa.string())])
+    write_deltalake(str(table), pa.Table.from_pylist([{k: r[k] for k in new.names} for r in rows[100:]], schema=new),
+                    mode="append", schema_mode="merge")
+    expected = sorted(r["path"] for r in rows if is_validation(r["key"], 0.2))
+    assert forged == 7 and 0 < len(expected) < len(rows)
+
+    _, data = _direct(table, 2, split_key="content", val_fraction=0.2)
+    assert sorted(p for r in _read_split(data.val, 2) for _, p in r) == expected
+
+    cfg = make_config(tmp_path, f"delta.table={table}", "data.decode=cpu", "data.reader=arrow",
+                      "data.split_key=content")
+    df, pinned = get_engine("delta-rs").read(spark, str(table))
+    converted = convert_for_training(spark, df, cfg, 2, class_names_of(df), pinned)
+    assert sorted(p for url in converted.val.file_urls
+                  for p in pq.read_table(url.replace("file://", ""), columns=["path"]).column(0).to_pylist()) == expected
+
+    gate = held_out_rows(str(table), pinned.version, HoldOut(0.2, "content"))
+    by_content = {r["content"]: r["path"] for r in rows}
+    assert sorted(by_content[c] for chunk, _ in gate.chunks() for c in chunk) == expected
+    assert len(gate.labels) == len(expected)

@@ -1,5 +1,6 @@
 """Data plane on real parts: Spark local[2], Delta via delta-rs, Petastorm converters and the DataModule."""
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -57,6 +58,37 @@ def test_ingest_append_and_time_travel(spark, digits_dir, tmp_path):
     row = df1.filter("label = 'one'").first()
     assert row.width == 32 and row.height == 32 and row.mode == "L" and row.content[:4] == b"\x89PNG"
     assert set(df1.columns) >= {"path", "label", "label_index", "width", "height", "content"}
+    # each row's stored digest is its bytes' SHA-256 (what an append and the content split read instead of the bytes)
+    assert all(r.sha256 == hashlib.sha256(r.content).hexdigest() for r in df1.select("sha256", "content").collect())
+
+
+def test_an_append_to_a_table_without_digests_keeps_its_columns_and_finds_its_bytes(spark, digits_dir, tmp_path,
+                                                                                     caplog):
+    """A table written before ingest stored digests: an append hashes the table's bytes to skip those it holds,
+    writes the table's own columns (no schema change, no refusal), and says how to gain the column; an overwrite
+    writes it."""
+    from deltalake import DeltaTable
+
+    from pipeline.lakehouse.delta import get_engine
+
+    cfg = make_config(tmp_path)
+    first = _subset(digits_dir, tmp_path / "a", 2, classes={"one", "two"})
+    _ingest(spark, cfg, first)
+    df, _ = _read(spark, cfg)
+    get_engine("delta-rs").write(df.drop("sha256"), cfg.delta.table, "overwrite")  # as an older ingest left it
+    old = DeltaTable(cfg.delta.table)
+    assert "sha256" not in old.schema().to_arrow().names
+    more = _subset(digits_dir, _subset(digits_dir, tmp_path / "b", 1, classes={"one"}), 3, classes={"three"})
+    with caplog.at_level("WARNING", logger="pipeline.lakehouse.ingest"):
+        res = _ingest(spark, cfg, more)
+    assert (res.version, res.rows_written, res.skipped_counts()) == (old.version() + 1, 3, {"already_in_table": 1})
+    assert "has no sha256 column" in caplog.text and "--mode overwrite" in caplog.text
+    after, _ = _read(spark, cfg)
+    assert "sha256" not in after.columns and after.count() == 7
+    over = _ingest(spark, cfg, more, mode="overwrite")
+    again, _ = _read(spark, cfg, over.version)
+    assert again.count() == 4
+    assert all(r.sha256 == hashlib.sha256(r.content).hexdigest() for r in again.select("sha256", "content").collect())
 
 
 def test_bad_file_skipped_and_listed_or_fails_whole_ingest(spark, digits_dir, tmp_path):

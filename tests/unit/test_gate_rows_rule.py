@@ -17,7 +17,7 @@ ROWS = [(f"/mnt/a/img/{i}.png", f"image-{i}".encode()) for i in range(2000)]
 
 
 def _held(rules, split="val"):
-    return {p for p, c in ROWS if in_split(split, held_out_by_all(rules), p, c)}
+    return {p for p, c in ROWS if in_split(split, held_out_by_all(rules, split), p, c)}
 
 
 def test_same_key_takes_the_smaller_fraction_which_is_the_intersection():
@@ -39,6 +39,27 @@ def test_train_rows_are_those_no_version_held_out():
     rules = [HoldOut(0.1, "content"), HoldOut(0.2, "path")]
     train = _held(rules, "train")
     assert train == {p for p, _ in ROWS} - _held([rules[0]]) - _held([rules[1]])
+
+
+def test_train_rows_under_one_key_are_those_the_largest_fraction_trained_on():
+    """Two versions split by content at 0.1 and 0.5: the rows both trained on are outside the 0.5 version's
+    validation (the smaller fraction would take in rows the 0.5 version held out)."""
+    rules = [HoldOut(0.1, "content"), HoldOut(0.5, "content")]
+    assert held_out_by_all(rules, "train") == (HoldOut(0.5, "content"),)
+    train = _held(rules, "train")
+    assert train == {p for p, _ in ROWS} - _held([rules[1]]) and not train & _held([rules[1]])
+    assert 0.45 < len(train) / len(ROWS) < 0.55
+
+
+def test_a_stored_digest_is_the_content_key_where_it_has_the_form_of_one():
+    path, content = "/mnt/a/cat/1.png", b"\x89PNG bytes"
+    real, other = hashlib.sha256(content).hexdigest(), hashlib.sha256(b"other").hexdigest()
+    assert row_key("content", path, content, real) == real
+    assert row_key("content", path, None, other) == other  # read instead of the bytes: they need not be there
+    for bad in (None, real.upper(), real[:-1], real + "0", b"\x00" * 32, 7):
+        assert row_key("content", path, content, bad) == real  # not a digest's form: the bytes are hashed
+    assert row_key("path", path, content, other) == path
+    assert in_split("val", (HoldOut(1.0, "content"),), path, None, other) is True
 
 
 def test_split_keys():
