@@ -41,9 +41,11 @@ demo: setup
 	bash scripts/demo.sh
 
 # The tiers and their summary line: scripts/test_tiers.sh. It sets up the four venvs at once (the classic one too, so
-# no prerequisite here), then runs the tiers; a tier whose set-up failed is said and not run.
+# no prerequisite here), then runs the tiers; a tier whose set-up failed is said and not run. The recipe names no
+# $(MAKE) (nor a `+`): a line that does runs even under `make -n`, and `make -n test` would run the whole suite. The
+# script runs `make` itself (MAKE=... for another), with MAKEFLAGS (-k, -s, ...) inherited from the environment.
 test:
-	MAKE="$(MAKE)" VISION_TESTS="$(VISION_TESTS)" bash scripts/test_tiers.sh
+	VISION_TESTS="$(VISION_TESTS)" bash scripts/test_tiers.sh
 
 # The vision tier alone (the classic run skips these files, naming why): timm backbones, pretrained weights, fine-tuning,
 # and data.decode=gpu's code run on torchvision's CPU decoder.

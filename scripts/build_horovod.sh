@@ -65,6 +65,10 @@ if command -v flock >/dev/null 2>&1 && exec 9> "$LOCK"; then
   [ $rc = 0 ] || echo "build_horovod: cannot lock $LOCK (flock exit $rc): building without the lock" >&2
 fi
 if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
+  # the compiler, make and the interpreter's Python.h, before the download and minutes of compiling (Debian: g++ and
+  # python3.X-dev)
+  . "$ROOT/scripts/need_disk.sh"
+  need_tools "$PY" "building Horovod ${HVD_VERSION} for $PY" build || exit 1
   echo "building horovod ${HVD_VERSION} ($LAKEHOUSE_HVD_CACHE_KEY) with ${MAKEFLAGS}; about 4 minutes on 2 cores, 2 on 16"
   # Horovod's setup imports cffi before anything else.
   "$PY" -c "import cffi, pycparser" 2>/dev/null || pip_get "cffi" "pycparser"

@@ -31,21 +31,8 @@ if [ "${JAVA_MAJOR:-0}" -lt 17 ]; then
   exit 1
 fi
 
-# A candidate counts only if it runs (pyenv's shims exist for versions that are not active) and is one of $PYTHONS.
-supported() { "$1" -c "import sys; sys.exit(0 if '%d.%d' % sys.version_info[:2] in '$PYTHONS'.split() else 1)" >/dev/null 2>&1; }
-WANTED="Python ${PYTHONS// / or }"
-if [ -n "${PYTHON:-}" ]; then
-  supported "$PYTHON" || { echo "PYTHON=$PYTHON is not a working $WANTED (profile $PROFILE)" >&2; exit 1; }
-else
-  CANDS="$(for v in $PYTHONS; do printf 'python%s ' "$v"; done)python3"
-  for cand in $CANDS; do
-    if supported "$cand"; then PYTHON=$cand; break; fi
-  done
-  if [ -z "${PYTHON:-}" ]; then
-    echo "no $WANTED found for profile $PROFILE (tried $CANDS); install one or set PYTHON=/path/to/python" >&2
-    exit 1
-  fi
-fi
+# $PYTHON, else the first of python3.11, python3.12, python3 that runs and is one of $PYTHONS (scripts/need_disk.sh)
+pick_python "$PYTHONS" "profile $PROFILE" || exit 1
 
 # A CUDA torch in the chosen interpreter (GPU images, Databricks ML) is reused: the venv sees the interpreter's
 # packages and the CPU wheel is not installed over it. Otherwise torch 2.13.0 (the CPU wheel here) as pinned.
@@ -57,17 +44,29 @@ if [ -n "$BASE_TORCH_CUDA" ]; then
   export LAKEHOUSE_TORCH_REQUIREMENT=torch  # setup.py: accept the torch that is there
   echo "setup ($PROFILE): reusing $PYTHON's CUDA torch $(echo "$BASE_TORCH" | awk '{print $1}') (CUDA $BASE_TORCH_CUDA) through --system-site-packages"
 fi
+# What the venv and the Horovod build need from the system, checked now rather than minutes into the install: the
+# venv module (Debian: python3.X-venv) for a new venv; g++, make and Python.h (python3.X-dev) unless the venv has
+# Horovod or the wheel cache has one for this Python and torch (build_horovod.sh checks again before it builds).
+TOOLS=()
+[ -x "$VENV/bin/python" ] || TOOLS+=(venv)
+VENV_TORCH=2.13.0  # the pinned CPU wheel (below), or the CUDA torch reused
+[ -z "$BASE_TORCH_CUDA" ] || VENV_TORCH=$(echo "$BASE_TORCH" | awk '{print $1}')
+if ! { [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import horovod" >/dev/null 2>&1; } &&
+  ! horovod_wheel_cached "$PYTHON" "$VENV_TORCH"; then
+  TOOLS+=(build)
+fi
+[ ${#TOOLS[@]} -eq 0 ] || need_tools "$PYTHON" "the $PROFILE profile's set-up ($VENV)" "${TOOLS[@]}" || exit 1
 if [ -x "$VENV/bin/python" ] && [ -n "$BASE_TORCH_CUDA" ] && ! grep -q "include-system-site-packages = true" "$VENV/pyvenv.cfg"; then
   echo "$VENV exists without the system site packages, so it cannot see the CUDA torch; remove it and re-run" >&2
   exit 1
 fi
 # the pinned stack (~2.7 GiB in the venv) and the Horovod build
-[ -f "$VENV/.installed" ] || need_disk 5 . "the $PROFILE profile's venv ($VENV)"
+[ -f "$VENV/.installed" ] || need_disk "$NEED_GIB_PROFILE" . "the $PROFILE profile's venv ($VENV)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "${VENV_ARGS[@]}" "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | quiet
 if [ -z "$BASE_TORCH_CUDA" ]; then
   # torch first, alone, so pip takes the CPU wheel (a CUDA build is several GB); then the rest, pinned.
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | quiet
+  "$VENV/bin/python" -m pip install -q "torch==$VENV_TORCH" 2>&1 | quiet
 fi
 # One editable install of the project at a time in this checkout (`make test` sets the venvs up at once): each writes
 # lakehouse_pipeline.egg-info/ in the source tree.

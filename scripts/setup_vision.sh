@@ -7,7 +7,9 @@
 # A CUDA torch runs on a machine without a GPU, so the CUDA build of torch 2.14.1 with torchvision 0.29.1 does.
 # Horovod is built for that torch (C++20 torch extension), gloo only: there is no nvcc here and the tier runs on CPU.
 #   VENV=DIR          another venv folder (default .venv-vision)
-#   PYTHON=python3.X  the interpreter (default python3.11)
+#   PYTHON=python3.X  the interpreter (default: as scripts/setup.sh picks it, python3.11, else python3.12, else a
+#                     python3 that is one of them; torch 2.14.1, torchvision 0.29.1 and the classic pins have wheels
+#                     for both, though this machine's own copies of torch and torchvision are for 3.11 alone)
 #   TORCH=2.14.1 TORCHVISION=0.29.1   a matching pair (pip here is capped at those by /etc/xdg/pip)
 #   LAKEHOUSE_HOROVOD_GLOO_ONLY=0     build Horovod with NCCL instead (a GPU machine with nvcc)
 #   LAKEHOUSE_VISION_HOROVOD=0        no Horovod build (~4 minutes on 2 cores): the venv trains with train.backend=ddp,
@@ -17,7 +19,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-vision}
-PYTHON=${PYTHON:-python3.11}
 TORCH=${TORCH:-2.14.1}
 TORCHVISION=${TORCHVISION:-0.29.1}
 quiet() { grep -v "^WARNING: Location" || true; }
@@ -31,13 +32,33 @@ if [ "${JAVA_MAJOR:-0}" -lt 17 ]; then
     "openjdk-17-jre-headless)" >&2
   exit 1
 fi
-# torch, torchvision and timm already there: only the project (its pins may have changed) and Horovod are checked
+# torch, torchvision and timm already there: the venv is kept (below), and its interpreter is the one built for
+HAVE_STACK=0
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, torchvision, timm" >/dev/null 2>&1; then
+  HAVE_STACK=1
+  BASE_PY=$VENV/bin/python
+else  # a new venv: the interpreter picked as scripts/setup.sh picks it (scripts/need_disk.sh)
+  pick_python "3.11 3.12" "the vision venv ($VENV)" || exit 1
+  BASE_PY=$PYTHON
+fi
+# What the venv and the Horovod build need from the system, checked now rather than minutes into the install: the venv
+# module (Debian: python3.X-venv) for a new venv; g++, make and Python.h (python3.X-dev) for a Horovod build, unless
+# the venv has Horovod or the wheel cache has one for this Python and torch (build_horovod.sh checks again)
+TOOLS=()
+[ $HAVE_STACK = 1 ] || TOOLS+=(venv)
+if [ "${LAKEHOUSE_VISION_HOROVOD:-1}" != 0 ] &&
+  ! { [ $HAVE_STACK = 1 ] && "$VENV/bin/python" -c "import horovod" >/dev/null 2>&1; } &&
+  ! horovod_wheel_cached "$BASE_PY" "$TORCH"; then
+  TOOLS+=(build)
+fi
+[ ${#TOOLS[@]} -eq 0 ] || need_tools "$BASE_PY" "the vision venv's set-up ($VENV)" "${TOOLS[@]}" || exit 1
+# torch, torchvision and timm already there: only the project (its pins may have changed) and Horovod are checked
+if [ $HAVE_STACK = 1 ]; then
   echo "$VENV: torch, torchvision and timm already installed; checking the project and Horovod"
 else
   # torch's CUDA build and its libraries take ~5.6 GiB in the venv, the pipeline's stack ~2.5, and pip unpacks each
   # wheel beside it
-  need_disk 10 . "the vision venv ($VENV)"
+  need_disk "$NEED_GIB_VISION" . "the vision venv ($VENV)"
   # A failed install (a full disk, a lost download, a failed Horovod build) leaves no half-built venv for a later run
   # to trust.
   drop_venv() { [ ! -f "$VENV/pyvenv.cfg" ] || rm -rf "$VENV"; }

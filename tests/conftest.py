@@ -259,7 +259,11 @@ def mlflow_server(tmp_path_factory):
 
 
 def cli(*args: str) -> List[str]:
-    return [str(ROOT / ".venv/bin/lakehouse"), *args]
+    """`lakehouse ARGS` in the venv running the tests (`python -m pipeline.cli` is the console script's own code), so
+    that the modern and dbr-15.4 data-path tiers run their own profile's CLI, not the classic venv's. The child finds
+    `pipeline` through the venv's editable install of this checkout (`make test`'s venvs), or PYTHONPATH where set: a
+    venv installed from another checkout needs PYTHONPATH=<this checkout>."""
+    return [sys.executable, "-m", "pipeline.cli", *args]
 
 
 def pytest_unconfigure(config):

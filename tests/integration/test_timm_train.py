@@ -22,7 +22,7 @@ except Exception as exc:  # ImportError, or torchvision's RuntimeError beside a 
 pytestmark = [pytest.mark.vision, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(timm is None, reason=WHY if timm is None else "")]
 
-# the lakehouse script of the venv running the tests (conftest's cli() is the classic venv's)
+# the lakehouse script of the venv running the tests (as conftest's cli() now gives too)
 LAKEHOUSE = str(Path(sys.executable).parent / "lakehouse")
 CONTRACT_KEYS = {"run_id", "model_name", "model_version", "delta_table", "delta_version", "rows_train", "rows_val",
                  "world_size", "backend", "val_loss", "val_acc", "epochs", "stopped_early"}
