@@ -1,9 +1,9 @@
 """`lakehouse bench`: the pipeline's performance as ratios of two quantities measured in the same run, with targets.
 
 One module per measurement (conversion, loader, input_bound, shard_balance, scaling, overheads, gpu, tune_overhead,
-restart_cost, job_phases, epoch_parity, cross_host, step_overhead, photo_decode), the references they are compared with
-(reference), the product's train() timed step by step (lightning_path) and in Horovod ranks (jobs); this runner
-assembles them into one report.
+restart_cost, job_phases, epoch_parity, cross_host, step_overhead, photo_decode, split_digest), the references they
+are compared with (reference), the product's train() timed step by step (lightning_path) and in Horovod ranks (jobs);
+this runner assembles them into one report.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from bench.core import FULL, QUICK, TARGETS, Result, Sizes, load, machine
+from bench.core import FULL, QUICK, TARGETS, VERDICT_RULE, Result, Sizes, load, machine, verdict
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger, quiet_third_party_warnings
 
@@ -36,11 +36,11 @@ def loaders_side_by_side(results: List[Result]) -> Dict[str, Dict[str, Dict[str,
 
 MEASUREMENTS = ("loader", "input_bound", "shard_balance", "predict_throughput", "overheads", "tune_overhead",
                 "restart_cost", "scaling", "gpu", "job_phases", "epoch_parity", "cross_host", "step_overhead", "direct_source",
-                "photo_decode")
+                "photo_decode", "split_digest")
 # what `--only` picks from; the conversion always runs (it prepares), unless only STANDALONE ones are asked for:
 # cross_host trains on the multi-host cluster's own table, step_overhead on batches it makes, photo_decode decodes
-# photos it renders (no Spark)
-STANDALONE = ("cross_host", "step_overhead", "photo_decode")
+# photos it renders, split_digest plans the split of tables it writes with delta-rs (no Spark)
+STANDALONE = ("cross_host", "step_overhead", "photo_decode", "split_digest")
 
 
 def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.json",
@@ -62,8 +62,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     local = [m for m in MEASUREMENTS if want(m) and m not in STANDALONE]  # the ones on this machine's sample
 
     from bench import (conversion, cross_host, direct_source, epoch_parity, gpu, input_bound, job_phases, loader,
-                       overheads, photo_decode, predict_throughput, restart_cost, scaling, shard_balance, step_overhead,
-                       tune_overhead)
+                       overheads, photo_decode, predict_throughput, restart_cost, scaling, shard_balance, split_digest,
+                       step_overhead, tune_overhead)
     from bench.datasets import ensure_sample, ensure_synthetic
     from bench.report import log_table, log_to_mlflow
     from pipeline.data.cache import remove_entry
@@ -86,7 +86,7 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "load": {"before": load()},
         "sizes": dataclasses.asdict(sizes), "config": {k: v for k, v in cfg.flat().items() if k.startswith("data.")},
         "readers": {"configured": loader.configured_reader(cfg), "measured": readers},
-        "only": sorted(only) if only else None,
+        "only": sorted(only) if only else None, "verdict_rule": VERDICT_RULE,
     }
     results: List[Result] = []
     seconds: Dict[str, float] = {}  # measurement -> its wall time in this run (the conversion's: "conversion")
@@ -104,7 +104,8 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
     bench_cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, experiment=f"{cfg.mlflow.experiment}-bench"))
     log.info("bench%s: %d repeat(s), synthetic table of %d images, readers %s", " --quick" if quick else "",
              sizes.repeats, sizes.synthetic_rows, readers)
-    skipped: Dict[str, str] = {}
+    skipped: Dict[str, str] = {}  # part -> why this machine cannot run it
+    failed: Dict[str, str] = {}  # part -> why it gave no figure
     cluster = None
     if want("cross_host"):
         try:
@@ -115,6 +116,15 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
             skipped["cross_host"] = str(exc)
             log.warning("bench: cross_host skipped: %s", exc)
     report["skipped"] = skipped
+
+    def part(name: str, measure: Callable[[], List[Result]]) -> None:
+        """Run one part; one that gives no figure is listed in `failed` (one that raises ends the bench)."""
+        found = measure()
+        results.extend(found)
+        if not found:
+            failed[name] = "yielded no figure"
+            log.error("bench: %s yielded no figure", name)
+
     with spark_session(cfg) if local else contextlib.nullcontext() as spark:  # no Spark where nothing needs it
         synth = {}
         if local:
@@ -149,6 +159,12 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                             res, dev = input_bound.measure_input_bound(cfg, prep, sizes, one_rank[prep.name])
                         results.append(res)
                         per_device[prep.name] = dev
+                    if want("scaling") and prep is preps[-1]:
+                        # right after the 1-rank job it divides by (the 2-rank job, then a 1-rank job again: the
+                        # bracket), not at the end of the bench tens of minutes later
+                        with timed("scaling"):
+                            part("scaling", lambda: scaling.measure_horovod_scaling(cfg, prep, sizes,
+                                                                                    one_rank[prep.name]))
                     if want("shard_balance"):
                         with timed("shard_balance"):
                             results.append(shard_balance.measure_shard_balance(cfg, prep))
@@ -170,23 +186,27 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                                                                                  quick=quick, spark=spark),
                     "epoch_parity": lambda: epoch_parity.measure_epoch_parity(bench_cfg, preps[-1], sizes, work_dir,
                                                                               quick=quick),
-                    "scaling": lambda: scaling.measure_horovod_scaling(cfg, preps[-1], sizes,
-                                                                       one_rank[preps[-1].name]),
                     "cross_host": lambda: cross_host.measure_cross_host(sizes, quick=quick),
                     "step_overhead": lambda: step_overhead.measure_step_overhead(cfg, sizes, work_dir, quick=quick),
+                    "split_digest": lambda: split_digest.measure_split_digest(sizes, quick=quick),
                     "photo_decode": lambda: (photo_decode.measure_photo_decode(sizes, quick=quick)
                                              + photo_decode.measure_decode_per_core(sizes, quick=quick)),
                 }
                 for name, measure in measures.items():
                     if want(name) and (name != "cross_host" or cluster is not None):
                         with timed(name):
-                            results.extend(measure())
+                            part(name, measure)
                 if want("gpu"):
                     with timed("gpu"):
-                        gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
-                    results.extend(gpu_results)
-                    if gpu_dev:
-                        per_device["gpu_per_precision"] = gpu_dev
+                        no_cuda = gpu.cuda_problem()
+                        if no_cuda:  # counts against the verdict only when asked for by name (--only gpu)
+                            skipped["gpu"] = no_cuda
+                            log.warning("bench: gpu skipped: %s", no_cuda)
+                        else:
+                            gpu_results, gpu_dev = gpu.measure_gpu(cfg, preps[-1], sizes)
+                            part("gpu", lambda: gpu_results)
+                            if gpu_dev:
+                                per_device["gpu_per_precision"] = gpu_dev
                 report["load"]["after"] = load()
                 report["datasets"] = datasets
                 report["throughput"] = per_device
@@ -194,7 +214,9 @@ def run_bench(cfg: Config, quick: bool = False, out: str = "work/bench/bench.jso
                 report["results"] = [dataclasses.asdict(r) for r in results]
                 report["ratios"] = {r.key: r.ratio for r in results}
                 report["passed"] = {r.key: r.passed for r in results}
-                report["all_passed"] = all(r.passed for r in results)
+                judged = verdict(results, skipped, failed, explicit=only or ())
+                report["skipped"], report["failed"] = skipped, judged["failed"]
+                report["all_passed"], report["complete"] = judged["all_passed"], judged["complete"]
                 report["duration_s"] = time.perf_counter() - t_start
                 report["measurement_s"] = {k: round(v, 1) for k, v in seconds.items()}  # where the run's time went
                 report["mlflow_run_id"] = run.run_id

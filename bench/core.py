@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from pipeline.log import get_logger
 
@@ -98,6 +98,10 @@ TARGETS: Dict[str, Tuple[str, float, str]] = {
     "gpu_photos_loader_images_per_s": (">=", 6000.0, "images/s of the train ShardLoader alone with data.decode=gpu "
                                                      "(nvJPEG, crop, flip), each batch normalised into bf16 on the "
                                                      "GPU"),
+    "split_plan_digest_speedup": (">=", 10.0, "seconds of the direct path's plan of the content split "
+                                              "(`split_index`) over a table of ImageNet-shaped photos without the "
+                                              "sha256 column (every image read and hashed) / over the same rows with "
+                                              "it (the stored digests read), both from the page cache"),
     "gpu_photos_cpu_decode_per_core": (">=", 0.9, "images/s per decode worker of the train ShardLoader alone with "
                                                   "data.decode=cpu (all cores) / a plain Pillow decode loop on one "
                                                   "core, same bytes"),
@@ -172,6 +176,26 @@ class Result:
     @property
     def key(self) -> str:
         return f"{self.name}/{self.dataset}" + (f"/{self.variant}" if self.variant else "")
+
+
+# The report's verdict (`verdict`), written into every report as `verdict_rule`.
+VERDICT_RULE = ("all_passed: at least one figure was measured, every one passed, and `complete` holds. complete: no "
+                "part asked for failed or yielded no figure (`failed`: a part that raised or gave nothing, a figure "
+                "that could not be measured, NaN, with the reason) and none asked for by name (--only, --gpu) was "
+                "skipped. A part this machine cannot run (no CUDA for `gpu`, no multi-host cluster for `cross_host`) "
+                "is listed in `skipped` with the reason and counts against neither when it was only implied (no "
+                "--only); a figure a part leaves out by design or for the machine (`skipped` under the figure's key) "
+                "never counts")
+
+
+def verdict(results: List["Result"], skipped: Dict[str, str], failed: Dict[str, str],
+            explicit: Sequence[str]) -> Dict[str, Any]:
+    """{"all_passed", "complete", "failed"} of a report (VERDICT_RULE). `skipped` and `failed`: {part or figure key:
+    reason}; `explicit`: the parts asked for by name. The figures that are NaN join `failed` under their key, with
+    their note as the reason."""
+    failed = {**failed, **{r.key: r.note or "not measured (NaN)" for r in results if r.ratio != r.ratio}}
+    complete = bool(results) and not failed and not any(k in explicit for k in skipped)
+    return {"all_passed": complete and all(r.passed for r in results), "complete": complete, "failed": failed}
 
 
 def median(values: List[float]) -> float:

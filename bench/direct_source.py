@@ -89,6 +89,16 @@ def reader_rows_per_s(cfg: Config, table: str, repeats: int, min_rows: int) -> D
             "per_repeat": [ratio(d, p) for d, p in zip(rates["direct"], rates["plain"])]}
 
 
+def round_order(kinds: List[str], i: int) -> List[str]:
+    """The order of round `i`'s jobs: the converted kinds in their own order (converted_first empties the cache, so
+    converted_warm, which needs its entry, comes after it), the direct job moved one place later each round (first in
+    round 0, then after converted_first, then after converted_warm, ...), so that it neither always follows a job
+    that read the same files nor always runs last, where drifting load falls."""
+    converted = [k for k in kinds if k != "direct"]
+    at = i % (len(converted) + 1)
+    return converted[:at] + ["direct"] + converted[at:]
+
+
 def rank_peak_rss_mb(client, run_id: str) -> List[float]:
     """Each rank's peak RSS over the job (MB): the highest `peak_rss_mb_rank_<r>` rank 0 logged (ru_maxrss of the
     rank process, sampled at every epoch end; the model logging after the last epoch is not in it, on either path)."""
@@ -104,7 +114,8 @@ def rank_peak_rss_mb(client, run_id: str) -> List[float]:
 def measure_direct_source(cfg: Config, prep, sizes: Sizes, work_dir: str, quick: bool = False,
                           spark: Optional[Any] = None) -> List[Result]:
     """Per round, on the sample: a converted job with an empty cache (first run), the same again (warm cache), a
-    direct job; on the synthetic table: a converted job with an empty cache and a direct job. 2 Horovod ranks,
+    direct job; on the synthetic table: a converted job with an empty cache and a direct job; the direct job's place
+    rotates from round to round (`round_order`). 2 Horovod ranks,
     data.decode=cpu on both paths, `EPOCHS` epochs each, each a new process as a user runs it. `spark`: the bench's
     session, which makes the synthetic table when it is missing (`bench.datasets.ensure_synthetic`)."""
     import yaml
@@ -158,10 +169,12 @@ def measure_direct_source(cfg: Config, prep, sizes: Sizes, work_dir: str, quick:
         return phases
 
     rounds = 1 if quick else sizes.repeats
+    orders: Dict[str, List[List[str]]] = {dataset: [] for dataset in runs}
     with discarded(root, cfg.mlflow, model):
         for i in range(rounds):
             for dataset, kinds in runs.items():
-                for kind in kinds:
+                orders[dataset].append(round_order(list(kinds), i))
+                for kind in orders[dataset][-1]:
                     kinds[kind].append(one(dataset, kind, i))
         read = reader_rows_per_s(cfg, synthetic, max(3, sizes.repeats), sizes.loader_min_rows)
     results = []
@@ -175,6 +188,7 @@ def measure_direct_source(cfg: Config, prep, sizes: Sizes, work_dir: str, quick:
                          "direct_extra_disk_bytes": median([r["extra_disk_bytes"] for r in direct]),
                          against + "_extra_disk_bytes": median([r["extra_disk_bytes"] for r in kinds[against]]),
                          "rows": table_rows[dataset], "epochs": EPOCHS, "world_size": WORLD,
+                         "order_per_round": orders[dataset],
                          "per_run": {k: kinds[k] for k in (against, "direct")}}
                 results.append(Result(name, dataset, median(per), parts, len(per), per,
                                       variant=against.replace("converted_", "vs_")))
@@ -184,6 +198,7 @@ def measure_direct_source(cfg: Config, prep, sizes: Sizes, work_dir: str, quick:
     memory = {"direct_rank_peak_rss_mb": [r["rank_peak_rss_mb"] for r in synth["direct"]],
               "converted_first_rank_peak_rss_mb": [r["rank_peak_rss_mb"] for r in synth["converted_first"]],
               "rows": table_rows["synthetic"], "epochs": EPOCHS, "world_size": WORLD,
+              "order_per_round": orders["synthetic"],
               "how": "the highest peak_rss_mb_rank_<r> (the rank process's ru_maxrss at each epoch end, logged to "
                      "MLflow by rank 0) over the job, the larger of the two ranks"}
     results.append(Result("direct_rank_memory", "synthetic", median(per), memory, len(per), per, variant="vs_first"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench.core import Result, Sizes, input_bound_fraction, median, ratio
+from bench.core import VERDICT_RULE, Result, Sizes, input_bound_fraction, median, ratio, verdict
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
 
@@ -42,11 +42,21 @@ def gpu_results(dataset: str, figures: Dict[str, Dict[str, List[float]]]) -> Tup
     return results, per_dev
 
 
-def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str, Any]]:
-    """On one GPU (1 Horovod rank), per precision: plain loop, train() in memory, train() with the real loader."""
+def cuda_problem() -> Optional[str]:
+    """Why the GPU figures cannot run here (torch sees no CUDA device), or None."""
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return None
+    return f"torch {torch.__version__} sees no CUDA device (CUDA build: {torch.version.cuda or 'none'})"
+
+
+def measure_gpu(cfg: Config, prep, sizes: Sizes) -> Tuple[List[Result], Dict[str, Any]]:
+    """On one GPU (1 Horovod rank), per precision: plain loop, train() in memory, train() with the real loader.
+    Nothing without CUDA (the caller lists the part under `skipped` with `cuda_problem()`)."""
+    import torch
+
+    if cuda_problem() is not None:
         return [], {}
     from bench.conversion import replan
     from bench.input_bound import later_warmup
@@ -120,8 +130,6 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     import tempfile
     import time
 
-    import torch
-
     from bench import loader
     from bench.conversion import Prepared
     from bench.core import FULL, QUICK, load, machine
@@ -136,9 +144,9 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     if fallback:
         log.warning("bench --gpu: %s", fallback)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, reader=reader))
-    if not torch.cuda.is_available() and not (on_cpu_switch() and parts == ["photos"]):
-        raise ConfigError(f"bench --gpu: torch {torch.__version__} sees no CUDA device "
-                          f"(CUDA build: {torch.version.cuda or 'none'})")
+    no_cuda = cuda_problem()
+    if no_cuda and not (on_cpu_switch() and parts == ["photos"]):
+        raise ConfigError(f"bench --gpu: {no_cuda}")
     # 3 repeats and 50k rows per loader repeat: the figures fit one device-tool call (10 minutes) with the tier
     sizes = QUICK if quick else dataclasses.replace(FULL, repeats=3, loader_min_rows=50_000)
     # train.threads_per_rank as configured (null: torch's default for one process per GPU, as users run it)
@@ -157,17 +165,26 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
                               "load": {"before": load()}, "sizes": dataclasses.asdict(sizes), "batch_size": bs,
                               "dataset": prep.info(), "reader": reader, "reader_fallback": fallback,
-                              "per_arch": {}, "parts": parts}
+                              "per_arch": {}, "parts": parts, "verdict_rule": VERDICT_RULE}
     results: List[Result] = []
+    # {part, or a figure's key: why}: a figure a part leaves out here (the photos' decode=gpu without nvJPEG, ...);
+    # a part that raised or gave no figure. Every part of --gpu is asked for by name (--gpu itself names them).
+    skipped: Dict[str, str] = {}
+    failed: Dict[str, str] = {}
 
     def write(final: bool = False) -> None:
         report["load"]["after"] = load()
         report["results"] = [dataclasses.asdict(r) for r in results]
         report["ratios"] = {r.key: r.ratio for r in results}
         report["passed"] = {r.key: r.passed for r in results}
-        report["all_passed"] = all(r.passed for r in results)
+        judged = verdict(results, skipped, failed, explicit=parts)
+        report["skipped"], report["failed"] = dict(skipped), judged["failed"]
+        # while the run goes on (a report written after each part) neither holds: the rest is not measured yet
+        report["all_passed"] = final and judged["all_passed"]
+        report["complete"] = final and judged["complete"]
+        report["finished"] = final  # the run reached its end (a call cut short leaves false)
         report["duration_s"] = time.perf_counter() - t0
-        report["complete"], report["out"] = final, out
+        report["out"] = out
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(out, "w") as fh:
             json.dump(report, fh, indent=2, default=str)
@@ -179,10 +196,17 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
     try:
         if "photos" in parts:  # first: the figures never measured yet; `write` keeps each part's as it ends
             try:
-                results.extend(measure_photos(cfg, work, quick, save=photos_so_far)[0])
+                photo_results, photo_dev = measure_photos(cfg, work, quick, save=photos_so_far)
             except Exception as exc:  # recorded; the architectures still run
                 log.exception("bench --gpu: the photo figures failed")
-                report.setdefault("photos", {})["failed"] = f"{type(exc).__name__}: {exc}"
+                failed["photos"] = f"{type(exc).__name__}: {exc}"
+                report.setdefault("photos", {})["failed"] = failed["photos"]
+            else:
+                results.extend(photo_results)
+                skipped.update(photo_dev.get("skipped", {}))
+                if not photo_results:  # the rows could not be written: nothing else ran
+                    failed["photos"] = f"yielded no figure: {photo_dev.get('errors') or 'no error recorded'}"
+                    report.setdefault("photos", photo_dev)
             write()
         for reader in (loader.available_readers(cfg) if "archs" in parts else ()):
             res = loader.measure_loader(cfg, prep, sizes, reader, uncached=True)
@@ -192,6 +216,8 @@ def run_gpu_bench(cfg: Config, out: str, quick: bool = False, archs: Sequence[st
             acfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=arch, pretrained=None))
             log.info("bench --gpu: %s at batch %d", arch, bs)
             arch_results, per_dev = measure_gpu(acfg, prep, sizes)
+            if not arch_results:
+                failed[f"archs/{arch}"] = cuda_problem() or "yielded no figure"
             for r in arch_results:
                 r.variant = f"{arch}/{r.variant}"
             results.extend(arch_results)

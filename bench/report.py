@@ -31,6 +31,10 @@ def log_table(report: Dict[str, Any]) -> None:
     m = report["machine"]
     lines.append(f"machine: {m['cpus']} CPU(s), device {m['device']}; load before {report['load']['before']}, "
                  f"after {report['load']['after']}; {report['repeats']} repeat(s){' (--quick)' if report['quick'] else ''}")
+    for key in ("skipped", "failed"):
+        lines += [f"{key}: {name}: {why}" for name, why in (report.get(key) or {}).items()]
+    if "all_passed" in report:
+        lines.append(f"all_passed {report['all_passed']}, complete {report.get('complete')}")
     for line in lines:
         log.info("%s", line)
 

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from bench.core import Result, Sizes, discarded, median, patched, ratio
 from pipeline.config import Config, apply_overrides, world_size_of
@@ -49,18 +49,40 @@ def attempts(client, run_id: str, launches: List[List[float]]) -> Dict[str, floa
             "second_attempt_s": e1 - s1}
 
 
+def restart_problem(run: Dict[str, Any]) -> Optional[str]:
+    """Why a run with the injected failure does not measure one restart (None when it does): its `restarts` metric
+    is not [1] or its ranks were not launched exactly twice (the failure never fired, or it restarted again)."""
+    if run["restarts"] == [1] and run["launches"] == 2:
+        return None
+    return (f"restarts metric {run['restarts']}, {run['launches']} launch(es): the injected failure did not restart "
+            f"the run exactly once")
+
+
 def cost_result(whole: List[float], cut: List[float], epoch_s: List[float], start_s: List[float], dataset: str,
-                context: Dict[str, Any]) -> Result:
-    """The restart_cost figure: median over the pairs of (cut - whole) / (epoch + start), with the issue's form of
-    the same comparison (wall ratio and its bound) in the parts."""
+                context: Dict[str, Any], dropped: Optional[Dict[str, str]] = None) -> Result:
+    """The restart_cost figure: median over the valid pairs of (cut - whole) / (epoch + start), with the issue's form
+    of the same comparison (wall ratio and its bound) in the parts. `dropped`: {pair: why} of the pairs left out
+    (their run with the failure did not restart once: `restart_problem`); with no pair left the figure is NaN (not a
+    pass). A negative figure (the run with the failure was the faster: the noise between runs exceeds the cost) is
+    not a pass either."""
+    dropped = dropped or {}
     per = [ratio(c - w, e + s) for w, c, e, s in zip(whole, cut, epoch_s, start_s)]
     w, c, e, s = median(whole), median(cut), median(epoch_s), median(start_s)
     parts = {"uninterrupted_s": w, "with_failure_s": c, "extra_s": c - w, "epoch_s": e, "process_start_s": s,
              "wall_ratio": ratio(c, w), "wall_ratio_bound": 1 + ratio(e + s, w),
-             "uninterrupted_s_per_pair": whole, "with_failure_s_per_pair": cut, **context}
+             "uninterrupted_s_per_pair": whole, "with_failure_s_per_pair": cut, "dropped_pairs": dropped, **context}
     note = ("the run with the failure lost more than the interrupted epoch and a relaunch: see extra_s against "
             "epoch_s + process_start_s")
-    return Result("restart_cost", dataset, median(per), parts, len(per), per, note=note)
+    if not per:
+        note = (f"not measured: no valid pair ({len(dropped)} dropped: "
+                f"{'; '.join(f'{k}: {v}' for k, v in dropped.items()) or 'none timed'})")
+    result = Result("restart_cost", dataset, median(per), parts, len(per), per, note=note)
+    if result.ratio < 0:
+        result.passed = False
+        result.note = ("negative: the run with the failure took less wall time than the uninterrupted one; the "
+                       "run-to-run noise is larger than the cost, so the figure says nothing (rerun on a quieter "
+                       "machine, or with more pairs)")
+    return result
 
 
 def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) -> List[Result]:
@@ -128,10 +150,11 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
         for i in range(1, sizes.pairs + 1):
             for name in (("cut", "whole") if i % 2 else ("whole", "cut")):
                 (cut if name == "cut" else whole).append(one(name, i, fail_step if name == "cut" else None))
-    bad = [c for c in cut if c["restarts"] != [1] or c["launches"] != 2]
-    if bad:
-        log.warning("restart cost: %d run(s) with the failure did not restart exactly once: %s", len(bad),
-                    [(c["restarts"], c["launches"]) for c in bad])
+    problems = [restart_problem(c) for c in cut]  # pair i: whole[i] and cut[i]
+    kept = [i for i, p in enumerate(problems) if p is None]
+    dropped = {f"pair {i + 1}": p for i, p in enumerate(problems) if p is not None}
+    if dropped:
+        log.warning("restart cost: %d pair(s) left out: %s", len(dropped), dropped)
     context = {"epochs": EPOCHS, "fail_at_step": fail_step, "fail_epoch": FAIL_EPOCH, "steps_per_epoch": steps,
                "fail_rank": FAIL_RANK, "world_size": world_size_of(base), "backend": base.train.backend,
                "batch_size": base.data.batch_size, "restarts_per_run_with_failure": [c["restarts"] for c in cut],
@@ -140,8 +163,9 @@ def measure_restart_cost(spark, cfg: Config, prep, sizes: Sizes, work_dir: str) 
                "uninterrupted_launch_s": [w["launch_s"] for w in whole],
                "with_failure_attempts_s": [c["attempts"] for c in cut],
                "path": "pipeline.workflow.train with train.max_restarts=1 vs without a failure"}
-    result = cost_result([w["wall"] for w in whole], [c["wall"] for c in cut], [w["epoch_s"] for w in whole],
-                         [w["start_s"] for w in whole], prep.name, context)
+    result = cost_result([whole[i]["wall"] for i in kept], [cut[i]["wall"] for i in kept],
+                         [whole[i]["epoch_s"] for i in kept], [whole[i]["start_s"] for i in kept], prep.name, context,
+                         dropped)
     log.info("restart cost on %s: uninterrupted %.2f s, with one failure %.2f s, epoch %.2f s, start %.2f s: "
              "ratio %.3f (wall ratio %.3f <= bound %.3f)", prep.name, result.parts["uninterrupted_s"],
              result.parts["with_failure_s"], result.parts["epoch_s"], result.parts["process_start_s"], result.ratio,

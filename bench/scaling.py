@@ -1,12 +1,13 @@
 """Horovod scaling of the product's train() (Lightning, HorovodStrategy, real ShardLoader), 2 ranks / 1, beside its
-controls measured in the same run: independent plain processes, and Horovod alone on batches held in memory."""
+controls measured in the same run: independent plain processes, and Horovod alone on batches held in memory. The
+1-rank figure brackets the 2-rank job: the 1-rank job right before it and another right after it."""
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List
 
 from bench.core import Result, Sizes, median, ratio, windows_rate
-from bench.input_bound import LOADER_RUN, later_warmup, warmup_run
+from bench.input_bound import LOADER_RUN, later_warmup, runs, warmup_run
 from bench.jobs import launch, per_run, run_spec
 from bench.reference import solo_run
 from pipeline.config import Config
@@ -27,12 +28,14 @@ def _cores(ranks: List[Dict[str, Any]], key: str) -> float:
 def measure_horovod_scaling(cfg: Config, prep, sizes: Sizes, one_rank_job: List[Dict[str, Any]]) -> List[Result]:
     """The pipeline's 2-rank / 1-rank scaling, and its 2-rank throughput / Horovod alone's, with the controls.
 
-    `one_rank_job`: input_bound.one_rank_job on the same data set (its run LOADER_RUN is the pipeline on 1 rank).
-    The 2-rank job runs, in the same two rank processes after an untimed warm-up train(): Horovod alone, the pipeline, the pipeline on in-memory
-    batches, Horovod alone again. machine: two independent plain processes at once / one (what this machine gives a
-    second process); horovod_alone: Horovod with 2 ranks on in-memory batches / one plain process (a size-1 Horovod
-    optimizer does no allreduce, so the plain process is its 1-rank run). The pipeline can only approach
-    horovod_alone, which can only approach machine.
+    `one_rank_job`: input_bound.one_rank_job on the same data set, run just before (its run LOADER_RUN is the
+    pipeline on 1 rank). Right after the 2-rank job, a 1-rank job again (the same runs up to LOADER_RUN): the 1-rank
+    rate of window k is the mean of the two jobs' window k, so that drifting load falls on both sides. The 2-rank job
+    runs, in the same two rank processes after an untimed warm-up train(): Horovod alone, the pipeline, the pipeline
+    on in-memory batches, Horovod alone again. machine: two independent plain processes at once / one (what this
+    machine gives a second process); horovod_alone: Horovod with 2 ranks on in-memory batches / one plain process (a
+    size-1 Horovod optimizer does no allreduce, so the plain process is its 1-rank run). The pipeline can only
+    approach horovod_alone, which can only approach machine.
     """
     steps, windows = sizes.train_steps, sizes.repeats
     one = per_run(one_rank_job, LOADER_RUN)
@@ -41,7 +44,10 @@ def measure_horovod_scaling(cfg: Config, prep, sizes: Sizes, one_rank_job: List[
                                          run_spec("train", later_warmup(sizes), "memory"),
                                          run_spec("horovod_alone", later_warmup(sizes))], steps, windows)
     alone_a, two, two_mem, alone_b = (per_run(two_job, i) for i in range(1, 5))  # run 0: the warm-up
-    one_rates, two_rates, two_mem_rates = _rates(one), _rates(two), _rates(two_mem)
+    one_after = per_run(launch(cfg, prep.data1, 1, runs(sizes)[:LOADER_RUN + 1], steps, windows), LOADER_RUN)
+    one_before_rates, one_after_rates = _rates(one), _rates(one_after)
+    one_rates = [(a + b) / 2 for a, b in zip(one_before_rates, one_after_rates)]
+    two_rates, two_mem_rates = _rates(two), _rates(two_mem)
     alone_rates = [(a + b) / 2 for a, b in zip(_rates(alone_a), _rates(alone_b))]
     log.info("pipeline (train() + HorovodStrategy + ShardLoader): 1 rank %.0f, 2 ranks %.0f samples/s; Horovod alone "
              "2 ranks %.0f", median(one_rates), median(two_rates), median(alone_rates))
@@ -57,6 +63,10 @@ def measure_horovod_scaling(cfg: Config, prep, sizes: Sizes, one_rank_job: List[
     machine, alone = ratio(solo2, solo1), ratio(mem2, solo1)
     over_alone = ratio(median(two_rates), mem2)
     parts = {"samples_per_s_2_ranks": median(two_rates), "samples_per_s_1_rank": median(one_rates),
+             "samples_per_s_1_rank_before": median(one_before_rates),
+             "samples_per_s_1_rank_after": median(one_after_rates),
+             "compared": "the 2-rank job's windows / the mean of the same windows of the 1-rank job run just before "
+                         "it (input_bound's) and of a 1-rank job run just after it",
              "path": "pipeline.distributed.loop.train() + HorovodStrategy + ShardLoader, horovod.run (gloo)",
              "control_machine_2_procs_over_1": machine, "control_horovod_alone_2_ranks_over_1": alone,
              "control_samples_per_s": {"plain_1_proc": solo1, "plain_2_procs": solo2,

@@ -128,6 +128,14 @@ def overhead_result(backend: str, world: int, job: List[Dict[str, Any]], device_
     return Result(result_name(device_type), DATASET, figure, parts, len(per), per, variant=variant, note=note)
 
 
+def failed_result(backend: str, world: int, device_type: str, error: str, compiled: bool = False) -> Result:
+    """The Result of a job that raised: NaN (not a pass), with the error as its note, under the job's own key."""
+    variant = f"{backend}/np{world}" + ("/compile" if compiled else "")
+    return Result(result_name(device_type), DATASET, float("nan"),
+                  {"backend": backend, "world_size": world, "compile": compiled, "error": error}, 0, [],
+                  variant=variant, note=f"not measured: the job failed: {error}")
+
+
 # ------------------------------------------------------------------ in a rank
 def plain_loop(cfg: Config, data, batches: List[Tuple[Any, Any]], precision: Optional[str], warmup: int, steps: int,
                windows: int, backend: Optional[str] = None) -> Dict[str, Any]:
@@ -338,8 +346,9 @@ def placeable_worlds(worlds, gpus: Optional[int] = None) -> List[int]:
 
 def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool = False,
                           backends=BACKENDS, worlds=WORLDS, compiled: Optional[bool] = None) -> List[Result]:
-    """Every backend x world size: one job each (`launch`), a Result per job. `compiled`: train.compile for train()
-    (None: the config's). Its scratch data set is written under `work_dir` and removed."""
+    """Every backend x world size: one job each (`launch`), a Result per job (NaN with the error as its note where the
+    job raised: `failed_result`). `compiled`: train.compile for train() (None: the config's). Its scratch data set is
+    written under `work_dir` and removed."""
     import shutil
 
     from bench.conversion import replan
@@ -363,7 +372,9 @@ def measure_step_overhead(cfg: Config, sizes: Sizes, work_dir: str, quick: bool 
                 try:
                     job = launch(bcfg, data, backend, world, warmups, steps, windows)
                 except Exception as exc:  # one job's failure costs its figure, not the others' (a one-shot GPU call)
-                    log.error("step overhead %s/np%d not measured: %s", backend, world, str(exc).splitlines()[0])
+                    error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                    log.error("step overhead %s/np%d not measured: %s", backend, world, error)
+                    results.append(failed_result(backend, world, device().type, error, compiled=compiled))
                     continue
                 res = overhead_result(backend, world, job, device().type, warmup, compiled=compiled)
                 log.info("step overhead %s: train() %.3f ms/step, plain loop %.3f, overhead %.3f ms (per window %s); "

@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -130,10 +130,32 @@ def breakdown(pairs: List[Pair]) -> Breakdown:
                "run_rest": med([x["wall"] - x["train_in_run"] - x["prepare"] - x["register"] for x in a])})
 
 
-def overhead_result(pairs: List[Pair], dataset: str, study: Dict[str, Any], context: Dict[str, Any]) -> Result:
+def valid_pairs(pairs: Dict[int, Pair], states: Dict[int, str], n: int) -> Tuple[List[Pair], Dict[str, str]]:
+    """The timed pairs (1..n) that measure a trial: both runs timed and the trial COMPLETE (a PRUNED or FAILED one
+    did less work than its train alone); and {pair: why} of those left out."""
+    kept, dropped = [], {}
+    for i in range(1, n + 1):
+        if i not in pairs:
+            dropped[f"pair {i}"] = "not timed (the trial or its train alone did not run)"
+        elif states.get(i) != "COMPLETE":
+            dropped[f"pair {i}"] = f"trial state {states.get(i)}, not COMPLETE"
+        else:
+            kept.append(pairs[i])
+    return kept, dropped
+
+
+def no_pair_note(dropped: Dict[str, str]) -> str:
+    return (f"not measured: no valid pair ({len(dropped)} left out: "
+            f"{'; '.join(f'{k}: {v}' for k, v in dropped.items()) or 'none timed'})")
+
+
+def overhead_result(pairs: List[Pair], dataset: str, study: Dict[str, Any], context: Dict[str, Any],
+                    dropped: Optional[Dict[str, str]] = None) -> Result:
     """The tune_overhead figure: median over the pairs of trial wall ÷ train alone wall (less its registration),
     with the spread, the parts, the stricter ratio without the train's data preparation and the study's one-off
-    work (not in the per-trial figure)."""
+    work (not in the per-trial figure). `dropped`: {pair: why} of the pairs left out (`valid_pairs`); with no pair
+    the figure is NaN (not a pass)."""
+    dropped = dropped or {}
     per = [p.overhead for p in pairs]
     parts: Dict[str, Any] = {
         "trial_s": median([p.trial["wall"] for p in pairs]),
@@ -149,6 +171,7 @@ def overhead_result(pairs: List[Pair], dataset: str, study: Dict[str, Any], cont
         "order": [p.order for p in pairs],
         "breakdown_s": breakdown(pairs).__dict__,
         "study_one_off_s": study,
+        "dropped_pairs": dropped,
         **context,
     }
     b = breakdown(pairs)
@@ -159,10 +182,12 @@ def overhead_result(pairs: List[Pair], dataset: str, study: Dict[str, Any], cont
             f"{parts['overhead_from_parts']:.3f}; the rest of the gap is the ranks' training time (same epochs, same "
             f"data in both), trial / alone {parts['ranks_trial_over_alone']:.3f} in the median pair: run-to-run "
             f"noise where its spread straddles 1")
+    if not per:
+        note = no_pair_note(dropped)
     return Result("tune_overhead", dataset, median(per), parts, len(per), per, note=note)
 
 
-def from_parts_result(pairs: List[Pair], dataset: str) -> Result:
+def from_parts_result(pairs: List[Pair], dataset: str, dropped: Optional[Dict[str, str]] = None) -> Result:
     """The same ratio from the directly measured parts (variant `from_parts`): 1 + (the trial's own work - the train
     alone's own work) / the train alone, per pair; blind to the ranks' run-to-run noise, and to any slowdown of the
     training itself other than the verdict waits (the wall ratio, the headline, sees that)."""
@@ -171,7 +196,7 @@ def from_parts_result(pairs: List[Pair], dataset: str) -> Result:
               "alone's time outside its ranks, registration excluded) / the train alone's wall time")
     return Result("tune_overhead", dataset, median(per), {"per_trial_extra_s": median([p.extra_s for p in pairs]),
                                                           "train_alone_s": median([p.alone_s for p in pairs])},
-                  len(per), per, method=method, variant="from_parts")
+                  len(per), per, method=method, variant="from_parts", note="" if per else no_pair_note(dropped or {}))
 
 
 def _alone_config(tcfg: Config, fixed: Dict[str, Any], trial: Dict[str, Any], root: str, i: int) -> Config:
@@ -283,12 +308,14 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
     def alone_parts(s: float, e: float) -> Dict[str, float]:
         return {"wall": e - s, **{k: spans.within(k, s, e) for k in ("prepare", "train_in_run", "ranks", "register")}}
 
-    pairs = [Pair(trial_parts(*trial_spans[i][:2]), alone_parts(*alone_spans[i]),
-                  "alone first" if i % 2 else "trial first")
-             for i in range(1, n + 1) if i in trial_spans and i in alone_spans]
+    measured = {i: Pair(trial_parts(*trial_spans[i][:2]), alone_parts(*alone_spans[i]),
+                        "alone first" if i % 2 else "trial first")
+                for i in range(1, n + 1) if i in trial_spans and i in alone_spans}
+    pairs, dropped = valid_pairs(measured, {i: s[2] for i, s in trial_spans.items()}, n)
     states = {str(i): s[2] for i, s in sorted(trial_spans.items())}
-    if len(pairs) < n or any(s != "COMPLETE" for s in states.values()):
-        log.warning("tune overhead: %d of %d pair(s) measured, trial states %s", len(pairs), n, states)
+    if dropped:
+        log.warning("tune overhead: %d of %d pair(s) left out: %s (trial states %s)", len(dropped), n, dropped,
+                    states)
     runs = list(trial_spans.values()) + list(alone_spans.values())
     in_study = [r for r in runs if r[0] >= t_start]
     first = trial_spans[0] if 0 in trial_spans else (t_end, t_end, "")
@@ -305,9 +332,9 @@ def measure_tune_overhead(spark, cfg: Config, prep, sizes: Sizes, work_dir: str)
                "conversions": summary.get("conversions"), "world_size": world_size_of(tcfg),
                "backend": tcfg.train.backend, "batch_size": tcfg.data.batch_size, "pruner": "median (cannot prune)",
                "storage": "sqlite (bench's own)", "path": "pipeline.tune.sweep.run_tune vs pipeline.workflow.train"}
-    result = overhead_result(pairs, prep.name, study, context)
+    result = overhead_result(pairs, prep.name, study, context, dropped)
     log.info("tune overhead on %s: trial %.2f s, train alone %.2f s, ratio %.3f (%s)", prep.name,
              result.parts["trial_s"], result.parts["train_alone_s"], result.ratio,
              ", ".join(f"{p.overhead:.3f}" for p in pairs))
-    return [result, from_parts_result(pairs, prep.name)]
+    return [result, from_parts_result(pairs, prep.name, dropped)]
 

@@ -57,14 +57,24 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         assert r["parts"] and r["spread"], r
         key = f"{r['name']}/{r['dataset']}" + (f"/{r['variant']}" if r["variant"] else "")
         assert report["ratios"][key] == r["ratio"]
+    # the verdict: every part asked for gave its figures; a part this machine cannot run is skipped with the reason
+    assert report["failed"] == {} and report["complete"] is True, report["failed"]
+    assert report["all_passed"] == all(report["passed"].values()) and "all_passed" in report["verdict_rule"]
+    if device == "cpu":
+        assert "CUDA" in report["skipped"]["gpu"], report["skipped"]
     assert {r["dataset"] for r in report["results"]} == {"sample", "synthetic", "tiny_cnn_16px", "photos_4032x3024",
-                                                       "photos_imagenet_shaped"}
+                                                       "photos_imagenet_shaped", "imagenet_shaped_photos_delta"}
     # where the run's time went, per measurement (the conversion prepares both data sets)
     spent = report["measurement_s"]
     assert set(spent) == {"conversion", "loader", "input_bound", "shard_balance", "predict_throughput", "overheads",
                           "tune_overhead", "restart_cost", "job_phases", "direct_source", "epoch_parity", "scaling",
-                          "step_overhead", "photo_decode", "gpu"}, spent
+                          "step_overhead", "photo_decode", "split_digest", "gpu"}, spent
     assert all(v >= 0 for v in spent.values()) and sum(spent.values()) <= report["duration_s"], spent
+    # the content split planned from the stored digests against hashing every photo (the two plans checked equal)
+    digest = next(r for r in report["results"] if r["name"] == "split_plan_digest_speedup")
+    p = digest["parts"]
+    assert p["rows"] == 400 and 0 < p["val_rows"] < 400 and 0 < p["stored_s"] < p["hashed_s"], p
+    assert digest["repeats"] == 2 and math.isfinite(digest["ratio"]) and digest["ratio"] > 1, digest
     # the step overhead: train() against a plain loop on the same in-memory batches, one job per backend and world
     # size (also alone, without Spark: test_bench_photo_decode_quick runs a standalone part by itself)
     steps = [r for r in report["results"] if r["name"] == STEP_OVERHEAD[device]]
@@ -83,6 +93,8 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
                     "pipeline_2_ranks_in_memory"):  # measured, not assumed
         assert scaling["control_samples_per_s"][control] > 0, scaling
     assert "train()" in scaling["path"] and scaling["samples_per_s_1_rank"] > 0 and scaling["samples_per_s_2_ranks"] > 0
+    # the 1-rank rate brackets the 2-rank job: a 1-rank job just before it and one just after
+    assert scaling["samples_per_s_1_rank_before"] > 0 and scaling["samples_per_s_1_rank_after"] > 0
     alone = next(r for r in report["results"] if r["name"] == "horovod_pipeline_over_alone")
     assert alone["ratio"] == pytest.approx(scaling["pipeline_2_ranks_over_horovod_alone_2_ranks"])
     assert scaling["control_machine_2_procs_over_1"] == pytest.approx(
@@ -100,6 +112,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     tune = next(r for r in report["results"] if r["name"] == "tune_overhead")
     assert tune["dataset"] == "sample" and tune["target"] == 1.10
     assert tune["repeats"] == tune["parts"]["timed_pairs"] == 1  # --quick: one timed pair of whole trainings
+    assert tune["parts"]["dropped_pairs"] == {}
     assert set(tune["parts"]["trial_states"].values()) == {"COMPLETE"} and tune["parts"]["conversions"] == 1
     assert tune["parts"]["trial_s"] > 0 and tune["parts"]["train_alone_s"] > 0
     assert tune["parts"]["study_one_off_s"]["register_best"] > 0  # apart from the per-trial figure
@@ -108,6 +121,7 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
     restart = next(r for r in report["results"] if r["name"] == "restart_cost")
     assert restart["dataset"] == "sample" and [h[-1] for h in restart["parts"]["restarts_per_run_with_failure"]] == [1]
     assert restart["parts"]["with_failure_s"] > 0 and restart["parts"]["epoch_s"] > 0
+    assert restart["parts"]["dropped_pairs"] == {} and restart["repeats"] == 1
     assert restart["parts"]["process_start_s"] > 0
     predict = {r["dataset"]: r["parts"] for r in report["results"] if r["name"] == "predict_throughput"}
     assert set(predict) == {"sample", "synthetic"}
@@ -156,6 +170,10 @@ def test_bench_quick_writes_every_ratio(tmp_path: Path):
         first = direct[("direct_wall", dataset, "vs_first")]
         assert first["direct_extra_disk_bytes"] == 0 < first["converted_first_extra_disk_bytes"], first
     assert direct[("direct_wall", "synthetic", "vs_first")]["rows"] == 2000  # --quick: the quick synthetic table
+    # --quick: one round, the direct job first (its place rotates from round to round)
+    assert direct[("direct_wall", "sample", "vs_warm")]["order_per_round"] == [
+        ["direct", "converted_first", "converted_warm"]]
+    assert direct[("direct_wall", "synthetic", "vs_first")]["order_per_round"] == [["direct", "converted_first"]]
     memory = direct[("direct_rank_memory", "synthetic", "vs_first")]
     assert all(len(p) == 2 and min(p) > 0 for p in memory["direct_rank_peak_rss_mb"] +
                memory["converted_first_rank_peak_rss_mb"]), memory

@@ -53,3 +53,28 @@ def test_a_job_gives_one_result_named_by_device_with_the_backend_and_world_in_it
     gpu = overhead_result("ddp", 1, job, "cuda", warmup=10, compiled=True)
     assert gpu.name == result_name("cuda") == "gpu_step_overhead_ms" and gpu.target == 0.25
     assert gpu.key.endswith("ddp/np1/compile") and gpu.ratio == gpu.parts["overhead_ms_with_warmup_counted"]
+
+
+def test_a_job_that_raises_gives_a_nan_figure_with_its_error(tmp_path, monkeypatch):
+    """Every job failing (`--only step_overhead`) leaves one NaN figure per job, not an empty result list."""
+    import math
+
+    from bench import step_overhead
+    from bench.core import QUICK
+    from pipeline.config import Config
+
+    def failing(cfg, data, backend, world, warmups, steps, windows):
+        raise RuntimeError(f"{backend} np{world}: rank 1 exited with code 1\ntraceback ...")
+
+    monkeypatch.setattr(step_overhead, "launch", failing)
+    monkeypatch.setattr(step_overhead, "placeable_worlds", lambda worlds: list(worlds))
+    results = step_overhead.measure_step_overhead(Config(), QUICK, str(tmp_path), quick=True)
+    assert {r.variant for r in results} == {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}
+    for r in results:
+        assert math.isnan(r.ratio) and not r.passed and r.repeats == 0 and r.per_repeat == []
+        assert r.name == result_name("cpu") or r.name == result_name("cuda")
+        assert "RuntimeError" in r.note and "rank 1 exited" in r.note and "traceback" not in r.note
+        assert r.parts["backend"] == r.variant.split("/")[0] and r.parts["world_size"] == int(r.variant[-1])
+    assert not list(tmp_path.glob("step_overhead_*"))  # its scratch data set is removed
+    compiled = step_overhead.failed_result("ddp", 2, "cuda", "OSError: x", compiled=True)
+    assert compiled.key == "gpu_step_overhead_ms/tiny_cnn_16px/ddp/np2/compile" and compiled.parts["compile"]

@@ -87,3 +87,27 @@ def test_breakdown_splits_each_wall_into_its_parts():
     assert a["registration"] == 2.0 and a["prepare_data_cache_hit"] == 1.0
     assert a["ranks"] + a["train_in_run_outside_ranks"] + a["prepare_data_cache_hit"] + a["registration"] + \
         a["run_rest"] == pytest.approx(a["wall"])
+
+
+def test_only_complete_timed_trials_make_pairs():
+    from bench.tune_overhead import valid_pairs
+
+    timed = {1: _pair(21.0, 22.0), 2: _pair(5.0, 22.0), 3: _pair(8.0, 22.0)}  # 2 pruned early, 3 failed: short walls
+    pairs, dropped = valid_pairs(timed, {0: "COMPLETE", 1: "COMPLETE", 2: "PRUNED", 3: "FAIL"}, 4)
+    assert pairs == [timed[1]]
+    assert set(dropped) == {"pair 2", "pair 3", "pair 4"}
+    assert "PRUNED" in dropped["pair 2"] and "FAIL" in dropped["pair 3"] and "not timed" in dropped["pair 4"]
+    r = overhead_result(pairs, "sample", {}, {}, dropped)
+    assert r.ratio == pytest.approx(1.05) and r.repeats == 1 and r.parts["dropped_pairs"] == dropped
+
+
+def test_without_a_complete_trial_both_figures_are_nan_and_say_why():
+    import math
+
+    from bench.tune_overhead import valid_pairs
+
+    pairs, dropped = valid_pairs({1: _pair(5.0, 22.0)}, {1: "PRUNED"}, 1)
+    assert pairs == []
+    for r in (overhead_result(pairs, "sample", {}, {}, dropped), from_parts_result(pairs, "sample", dropped)):
+        assert math.isnan(r.ratio) and not r.passed and r.repeats == 0
+        assert "no valid pair" in r.note and "PRUNED" in r.note
