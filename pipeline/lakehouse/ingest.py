@@ -10,8 +10,8 @@ import pandas as pd
 from pipeline.config import Config
 from pipeline.lakehouse.delta import ConcurrentWriteError, get_engine
 from pipeline.lakehouse.split import DIGEST, stored_digest_column
-from pipeline.lakehouse.source import (IngestError, SkippedFile, SourceListing, label_rule, list_source, read_udf,
-                                       skipped_counts)
+from pipeline.lakehouse.source import (SKIP_REASONS, IngestError, SkippedFile, SourceListing, label_rule,
+                                       list_source, read_udf, skipped_counts)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -28,6 +28,9 @@ LABELS_CLAIM = "lakehouse.ingest.labels"
 COMMIT_ATTEMPTS = 5
 _LOGGED_SKIPS = 20
 _COMMIT_SKIPS = 10_000  # skipped files listed in the commit (the counts are always complete): the log stays small
+# already_in_table files listed by path (the first, by path; the count is always complete): a daily re-run over a
+# source of millions of files, most of them ingested before, collects and prints this many, not every one
+_LISTED_ALREADY = 10_000
 
 
 @dataclass
@@ -39,16 +42,22 @@ class IngestResult:
     classes: Dict[str, int] = field(default_factory=dict)  # label -> label_index
     files_found: int = 0
     label_rule: str = ""
+    not_listed: Dict[str, int] = field(default_factory=dict)  # reason -> skipped files beyond those in `skipped`
 
     def skipped_counts(self) -> Dict[str, int]:
-        return skipped_counts(self.skipped)
+        listed = skipped_counts(self.skipped)
+        return {r: listed.get(r, 0) + self.not_listed.get(r, 0) for r in SKIP_REASONS
+                if listed.get(r, 0) + self.not_listed.get(r, 0)}
 
     def summary(self) -> dict:
-        return {"delta_table": self.table, "delta_version": self.version, "rows_written": self.rows_written,
-                "files_found": self.files_found, "skipped": len(self.skipped),
-                "skipped_counts": self.skipped_counts(), "skipped_files": [s.path for s in self.skipped],
-                "skipped_detail": [s._asdict() for s in self.skipped], "label_rule": self.label_rule,
-                "classes": self.classes}
+        out = {"delta_table": self.table, "delta_version": self.version, "rows_written": self.rows_written,
+               "files_found": self.files_found, "skipped": len(self.skipped) + sum(self.not_listed.values()),
+               "skipped_counts": self.skipped_counts(), "skipped_files": [s.path for s in self.skipped],
+               "skipped_detail": [s._asdict() for s in self.skipped], "label_rule": self.label_rule,
+               "classes": self.classes}
+        if self.not_listed:
+            out["skipped_not_listed"] = sum(self.not_listed.values())
+        return out
 
 
 def _counts_text(skipped: Sequence[SkippedFile]) -> str:
@@ -255,42 +264,48 @@ def _commit_attempt(spark, engine, table: str, mode: str, good, skipped: List[Sk
     state = _table_state(engine, spark, table, mode)
     skipped = list(skipped)
     new = good
+    not_listed: Dict[str, int] = {}
     if state.known is not None:
-        already = good.join(state.known, "sha256").select("path", "_in_table").collect()
-        skipped += [SkippedFile(r["path"], "already_in_table",
-                                f"same content as {r['_in_table']} in {table} version {state.version}")
-                    for r in already]
-        if already:
-            new = good.join(F.broadcast(spark.createDataFrame([(r["path"],) for r in already], "path string")),
-                            "path", "left_anti")
+        # counted in full, listed up to _LISTED_ALREADY (first by path): nothing per file reaches the driver beyond
+        already = good.join(state.known, "sha256").select("path", "_in_table")
+        count = already.count()
+        if count:
+            skipped += [SkippedFile(r["path"], "already_in_table",
+                                    f"same content as {r['_in_table']} in {table} version {state.version}")
+                        for r in already.orderBy("path").limit(_LISTED_ALREADY).collect()]
+            if count > _LISTED_ALREADY:
+                not_listed["already_in_table"] = count - _LISTED_ALREADY
+            new = good.join(state.known.select("sha256"), "sha256", "left_anti")
         skipped.sort(key=lambda s: s.path)
     classes = dict(state.classes)
     new_labels = sorted(r["label"] for r in new.select("label").distinct().collect())
     for label in new_labels:
         if label not in classes:
             classes[label] = max(classes.values(), default=-1) + 1
-    counts = _counts_text(skipped)
     result = IngestResult(table=table, version=state.version if state.version is not None else -1, rows_written=0,
-                          skipped=skipped, classes=classes, files_found=listing.files_found, label_rule=rule)
+                          skipped=skipped, classes=classes, files_found=listing.files_found, label_rule=rule,
+                          not_listed=not_listed)
+    counts = ", ".join(f"{r}={n}" for r, n in result.skipped_counts().items()) or "none"
+    n_skipped = len(skipped) + sum(not_listed.values())
     if not new_labels:  # every readable file is already in the table: a re-run, or a retry after a commit
         log.info("nothing new to ingest from %s: every readable file is already in %s version %d; nothing "
-                 "committed (skipped %d: %s)", root, table, state.version, len(skipped), counts)
+                 "committed (skipped %d: %s)", root, table, state.version, n_skipped, counts)
         return result
     mapping = spark.createDataFrame(sorted(classes.items()), "label string, label_index int")
     out = new.join(F.broadcast(mapping), on="label", how="left").select(*state.columns)
     rows = out.count()
     report = {"source": root, "files_found": listing.files_found, "rows_written": rows, "label_rule": rule,
-              "read_version": state.version, "skipped_counts": skipped_counts(skipped),
+              "read_version": state.version, "skipped_counts": result.skipped_counts(),
               "skipped": [s._asdict() for s in skipped[:_COMMIT_SKIPS]]}
-    if len(skipped) > _COMMIT_SKIPS:
-        report["skipped_not_listed"] = len(skipped) - _COMMIT_SKIPS
+    if n_skipped > _COMMIT_SKIPS:
+        report["skipped_not_listed"] = n_skipped - min(len(skipped), _COMMIT_SKIPS)
     try:
         version = engine.write(out, table, mode, commit_metadata={"lakehouse.ingest": report},
                                read_version=state.version, claim=LABELS_CLAIM)
     except ConcurrentWriteError as exc:
         return exc
     log.info("ingested %d of %d file(s) from %s into %s version %d; skipped %d: %s", rows, listing.files_found,
-             root, table, version, len(skipped), counts)
+             root, table, version, n_skipped, counts)
     result.version, result.rows_written = version, rows
     return result
 
