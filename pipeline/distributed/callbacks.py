@@ -38,7 +38,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class StopSignals(pl.Callback):
     """Every `check_every` steps, at each epoch's last step and at each epoch's end, the ranks agree (one small
     all-reduce) whether to stop: a non-finite loss on any rank in those steps, or SIGTERM received by any rank.
-    On SIGTERM rank 0 writes a last checkpoint first.
+    On SIGTERM before the epoch's last step a last checkpoint of that step is written first. At the epoch's last step
+    none is: written there, before the epoch's validation, a resume would take the epoch as finished (Lightning counts
+    a checkpoint of an epoch's last step so) and it would never be validated, recorded, considered for best.ckpt or
+    seen by early stopping; the epoch's validation and its end-of-epoch checkpoints run instead, and that last.ckpt is
+    the stop's. (A resume cannot be made to validate such a checkpoint's epoch again: the epoch's training sums and
+    row counts live in memory only.)
 
     Between decisions a step only keeps its (detached) loss tensor: no device op, no host-device sync and no
     collective per step; the window's losses are checked together when it is decided. The stop names the first step
@@ -127,8 +132,12 @@ class StopSignals(pl.Callback):
             trainer.should_stop = True
         elif flags[-1] > 0:
             self.reason = f"SIGTERM at step {trainer.global_step} (epoch {trainer.current_epoch})"
-            log.warning("stopping: %s; writing a last checkpoint", self.reason)
-            if self.last_ckpt_path:
+            if epoch_done:  # validated, then checkpointed at the epoch's end (see the class's docstring)
+                log.warning("stopping: %s, the epoch's last step; its validation and end-of-epoch checkpoint follow",
+                            self.reason)
+            else:
+                log.warning("stopping: %s; writing a last checkpoint", self.reason)
+            if self.last_ckpt_path and not epoch_done:
                 trainer.save_checkpoint(self.last_ckpt_path)
             trainer.should_stop = True
             if not epoch_done:
@@ -172,6 +181,53 @@ class EpochCheckpoint(ModelCheckpoint):
             super().on_train_end(trainer, pl_module)
 
 
+def last_batch_of_epoch(trainer, batch_idx: int) -> bool:
+    """Whether batch `batch_idx` is its epoch's last: the same answer on every rank (equal steps per epoch)."""
+    batches = trainer.num_training_batches
+    if isinstance(batches, int):
+        return batch_idx + 1 >= batches
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)  # a loader without a length
+    return bool(getattr(getattr(loop, "batch_progress", None), "is_last_batch", False))
+
+
+class LastCheckpoint(EpochCheckpoint):
+    """`last.ckpt` alone, what a restart resumes from: after every epoch or, with `every_n_train_steps`, every N steps.
+    No top-k copy beside it (save_top_k=0): Lightning's save_last goes with a top-k checkpoint, which wrote a full
+    `latest.ckpt` / `step.ckpt` that nothing reads; so the epoch's last.ckpt is written here directly.
+
+    A step checkpoint is not written at an epoch's last step: it would come before the epoch's validation, and a
+    resume from it starts the next epoch (Lightning counts the epoch finished), so that epoch would never be
+    validated, recorded, considered for best.ckpt or seen by early stopping. The epoch-end one follows the
+    validation."""
+
+    def __init__(self, dirpath: str, every_n_train_steps: Optional[int] = None) -> None:
+        super().__init__(dirpath=dirpath, monitor=None, save_top_k=0, save_last=True,
+                         every_n_train_steps=every_n_train_steps or None, enable_version_counter=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not last_batch_of_epoch(trainer, batch_idx):  # the epoch-end checkpoint follows its validation
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _save_at_epoch_end(self, trainer) -> None:
+        if (stopped_mid_epoch(trainer) or self._every_n_epochs < 1
+                or (trainer.current_epoch + 1) % self._every_n_epochs != 0
+                or self._should_skip_saving_checkpoint(trainer)):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_at_epoch_end(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_at_epoch_end(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._every_n_epochs >= 1:  # a per-step one: the epoch-end one wrote the last.ckpt training ends with
+            super().on_train_end(trainer, pl_module)
+
+
 def _nothing() -> None:
     pass
 
@@ -188,6 +244,9 @@ class EpochAccounting(pl.Callback):
     metrics logged are always those of the epoch whose checkpoint the run continues from. An epoch stopped mid-way
     by SIGTERM (`stopped_mid_epoch`) is neither recorded nor reported: a resume from its mid-epoch checkpoint
     finishes it.
+
+    Each epoch's confusion matrix (the model's `last_confusion` after the epoch's validation; rows = true class) is
+    kept beside its record, in `confusion` by epoch: the registered epoch's is the one logged, not the last one's.
     """
 
     def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None,
@@ -195,18 +254,33 @@ class EpochAccounting(pl.Callback):
         self.report = report
         self.extra = extra
         self.history: List[Dict[str, float]] = []
+        self.confusion: Dict[int, List[List[int]]] = {}  # epoch -> its validation's confusion matrix
         self._unreported: List[Dict[str, float]] = []  # recorded epochs whose checkpoints are not written yet
+        self._seen_confusion: Any = None  # the model's matrix last recorded (an epoch without validation keeps it)
         self._t0 = 0.0
 
     def state_dict(self) -> Dict[str, Any]:
         """Saved in every checkpoint: a run resumed from epoch k (a restart, an OOM back-off, train.ckpt_restore)
-        keeps epochs 0..k-1 in its history, so its plots cover every epoch and the epoch a registered checkpoint
-        records has its metrics here (loop.weights_to_register: the reported metrics are that epoch's, never the
-        history's best chosen again) (plain ints, floats and strings: loadable with weights_only)."""
-        return {"history": [dict(h) for h in self.history]}
+        keeps epochs 0..k-1 in its history, so its plots cover every epoch; and the checkpoint's own epoch is in it,
+        recorded by the attempt that trained its weights (loop.weights_to_register reports that record, with its
+        confusion matrix, never the history's best chosen again) (plain ints, floats and strings: loadable with
+        weights_only)."""
+        return {"history": [dict(h) for h in self.history],
+                "confusion": {int(e): [list(row) for row in cm] for e, cm in self.confusion.items()}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.history = [dict(h) for h in state_dict.get("history", [])]
+        self.confusion = {int(e): [list(row) for row in cm] for e, cm in (state_dict.get("confusion") or {}).items()}
+
+    @classmethod
+    def recorded(cls, checkpoint: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """What a checkpoint (its dict, or an FSDP folder's meta.pt) records of this callback: {"history",
+        "confusion"} as `state_dict` saved them; None when it records nothing of it."""
+        state = (checkpoint.get("callbacks") or {}).get(cls.__qualname__)
+        if not isinstance(state, dict):
+            return None
+        return {"history": [dict(h) for h in state.get("history", [])],
+                "confusion": {int(e): cm for e, cm in (state.get("confusion") or {}).items()}}
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._report_written()  # the previous epoch's checkpoints were written after its end
@@ -260,6 +334,10 @@ class EpochAccounting(pl.Callback):
         if self.extra is not None:
             epoch.update(self.extra(trainer))
         self.history.append(epoch)
+        cm = getattr(pl_module, "last_confusion", None)
+        if isinstance(cm, torch.Tensor) and cm is not self._seen_confusion:  # this epoch's validation made it
+            self._seen_confusion = cm
+            self.confusion[int(trainer.current_epoch)] = [[int(v) for v in row] for row in cm.cpu().tolist()]
         if trainer.is_global_zero:
             log.info("epoch %d: train_loss %.4f val_loss %.4f val_acc %.4f, %.0f samples/s, rows per rank %s",
                      epoch["epoch"], epoch["train_loss"], epoch["val_loss"], epoch["val_acc"],
@@ -440,7 +518,8 @@ def skip_idle_step_hooks(callbacks: List[pl.Callback]) -> List[str]:
         for name in STEP_HOOKS:
             idle = getattr(type(callback), name, None) is getattr(pl.Callback, name)
             if (not idle and name == "on_train_batch_end" and isinstance(callback, ModelCheckpoint)
-                    and type(callback).on_train_batch_end is ModelCheckpoint.on_train_batch_end):
+                    and type(callback).on_train_batch_end in (ModelCheckpoint.on_train_batch_end,
+                                                              LastCheckpoint.on_train_batch_end)):
                 idle = not callback._every_n_train_steps and callback._train_time_interval is None
             if idle:
                 setattr(callback, name, None)

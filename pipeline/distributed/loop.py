@@ -87,13 +87,15 @@ class RankResult:
     lr: float = 0.0
     final_weights_digest: Optional[str] = None
     batch_size: int = 0  # per rank, as trained (data.batch_size, or what an OOM back-off left)
+    # rank 0: the confusion matrix (rows = true class) of the epoch whose weights and metrics are registered
+    confusion: Optional[List[List[int]]] = None
 
 
 # What every rank's train() imports (its own imports, the model's and the data module's): a rank started early imports
 # them while the driver prepares its job (pipeline/distributed/early_start.py)
-RANK_IMPORTS = ("torch", "pytorch_lightning", "pipeline.distributed.callbacks", "pipeline.distributed.checkpoints.record",
-                "pipeline.distributed.devices", "pipeline.distributed.telemetry", "pipeline.data.datamodule",
-                "pipeline.model.module")
+RANK_IMPORTS = ("torch", "pytorch_lightning", "pipeline.distributed.callbacks",
+                "pipeline.distributed.checkpoints.record", "pipeline.distributed.devices",
+                "pipeline.distributed.telemetry", "pipeline.data.datamodule", "pipeline.model.module")
 
 
 def _digest(module) -> str:
@@ -132,12 +134,13 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     from pytorch_lightning.callbacks import EarlyStopping
 
     from pipeline.distributed.callbacks import (AtomicCheckpointIO, DriverVerdict, EpochAccounting, EpochCheckpoint,
-                                                MinEpochsEarlyStopping, ResumedOptimizer, StopSignals, host_and_pid,
-                                                min_epochs_of, progress_bar, quiet_profiler, skip_idle_step_hooks)
-    from pipeline.distributed.checkpoints.layout import (BEST_STEM, LATEST_STEM, STEP_STEM, last_checkpoint,
-                                                         resolve_restore_point)
+                                                LastCheckpoint, MinEpochsEarlyStopping, ResumedOptimizer, StopSignals,
+                                                host_and_pid, min_epochs_of, progress_bar, quiet_profiler,
+                                                skip_idle_step_hooks)
+    from pipeline.distributed.checkpoints.io import CheckpointError
+    from pipeline.distributed.checkpoints.layout import BEST_STEM, last_checkpoint, resolve_restore_point
     from pipeline.distributed.checkpoints.record import (CheckpointRecord, RngCheckpoint, check_checkpoint_lineage,
-                                                         plain_classifier)
+                                                         config_split, plain_classifier)
     from pipeline.distributed.devices import (cuda_capability, rank_device_index, resolve_precision, threads_for_rank,
                                               trainer_strategy)
     from pipeline.distributed.faults import InjectedFaults, wanted
@@ -190,22 +193,20 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
     # the best checkpoint when the monitored metric improves; the last one after EVERY epoch (a monitored
     # ModelCheckpoint writes its last only in epochs that improved, so a resume would go back to the last improving
-    # epoch) and, with train.checkpoint_every_n_steps, every N steps too (resume then continues inside the epoch);
-    # none at the end of an epoch SIGTERM stopped mid-way (EpochCheckpoint: StopSignals' mid-epoch last.ckpt stays)
+    # epoch) and, with train.checkpoint_every_n_steps, every N steps too but never at an epoch's last step, before
+    # its validation (resume then continues inside the epoch; LastCheckpoint); none at the end of an epoch SIGTERM
+    # stopped mid-way (EpochCheckpoint: StopSignals' mid-epoch last.ckpt stays)
     checkpoint = EpochCheckpoint(dirpath=ckpt_dir, filename=BEST_STEM, monitor=es.monitor, mode=es.mode,
                                  save_top_k=1, save_last=False, enable_version_counter=False)
-    latest = EpochCheckpoint(dirpath=ckpt_dir, filename=LATEST_STEM, monitor=None, save_top_k=1, save_last=True,
-                             enable_version_counter=False)
+    latest = LastCheckpoint(ckpt_dir)
     record = CheckpointRecord(job.lineage, batch_size=batch, world_size=world_size,
-                              steps_per_epoch=plan.train.steps_per_epoch, lr=lr)
+                              steps_per_epoch=plan.train.steps_per_epoch, lr=lr, split=config_split(cfg.data))
     # a resume whose checkpoint's optimizer settings differ from the config's: a warning and the run's tag
     optimizer = ResumedOptimizer(on_mismatch=(lambda text: tracker.record_tag("optimizer_from_checkpoint", text))
                                  if tracker is not None else None)
     callbacks = [stop, resources, accounting, checkpoint, latest, record, RngCheckpoint(), optimizer]
     if cfg.train.checkpoint_every_n_steps:
-        callbacks.append(EpochCheckpoint(dirpath=ckpt_dir, filename=STEP_STEM, monitor=None, save_top_k=1,
-                                         save_last=True, every_n_train_steps=cfg.train.checkpoint_every_n_steps,
-                                         enable_version_counter=False))
+        callbacks.append(LastCheckpoint(ckpt_dir, every_n_train_steps=cfg.train.checkpoint_every_n_steps))
     if wanted(cfg.debug):  # fault injection for tests: a callback, never the model's (injected on the first attempt)
         callbacks.append(InjectedFaults(cfg.debug, first_attempt=run.attempt == 0))
     if job.heartbeat_s:  # the driver's stall watchdog reads it (pipeline/distributed/progress.py)
@@ -236,7 +237,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     try:  # (a refused checkpoint, too, stops the telemetry and restores the threads below)
         if ckpt_path:
             check_checkpoint_model(ckpt_path, dict(model.hparams))  # before Lightning loads its weights: names keys
-            trained = check_checkpoint_lineage(ckpt_path, job.lineage, cfg.train.ckpt_allow_other_data)
+            trained = check_checkpoint_lineage(ckpt_path, {**job.lineage, **config_split(cfg.data)},
+                                               cfg.train.ckpt_allow_other_data)
             dm.train_loader.resume_at(trained)  # a mid-epoch checkpoint continues its epoch's stream where it stopped
             if is_zero:
                 log.info("resuming from %s", ckpt_path)
@@ -272,15 +274,27 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
 
     sharded = bool(getattr(strategy, "shards_the_model", False))  # the strategy says (fsdp.LakehouseFSDPStrategy)
     # FSDP has no whole model in memory: its last checkpoint; not the mid-epoch one of a SIGTERM stop, whose epoch
-    # the history does not hold (nothing is registered then: the run stopped)
+    # the history does not hold (nothing is registered then: the run stopped). A run that wrote none trained no epoch
+    # (train.ckpt_restore of a run that had reached train.max_epochs): its final weights are those it resumed
     if sharded and not (best and os.path.exists(best)) and not stop.mid_epoch:
         best = last_checkpoint(ckpt_dir)
+        if not os.path.exists(best) and ckpt_path:
+            best = ckpt_path
     state = None
-    if is_zero and accounting.history:  # rank 0 reports and registers: the same epoch's weights and metrics
-        state, result.metrics = weights_to_register(accounting.history, best, ckpt_dir)
+    if is_zero:  # rank 0 reports and registers: the same epoch's weights, metrics and confusion matrix
+        # (the resumed checkpoint may be another run's: it is read where it is, as Lightning did)
+        state, result.metrics, result.confusion = weights_to_register(
+            accounting.history, best, None if best == ckpt_path else ckpt_dir, accounting.confusion)
     if tracker is not None:
         tracker.close()  # metrics buffered while the server was away: sent now, or kept in the job folder
     if is_zero and tracker is not None and stop.reason is None and (gate is None or gate.reason is None):
+        if state is None and (sharded or (not ckpt_path and trainer.global_step == 0)):
+            # never a freshly initialised network: FSDP has no whole model in memory, and one that neither trained
+            # nor resumed has only its initial weights
+            why = (f"the sharded (FSDP) model is not whole in memory and neither this run's folder {ckpt_dir} nor "
+                   f"a resumed checkpoint holds a checkpoint of it" if sharded else
+                   "the network trained no step and resumed no checkpoint: its weights are the initial ones")
+            raise CheckpointError(f"rank 0 has no trained weights to register: {why}; nothing is registered")
         if sharded:  # FSDP left the module wrapped and sharded: rank 0 rebuilds it whole from the checkpoint
             model = plain_classifier(cfg.model, job.data.channels, len(job.data.class_names), lr, state)
         elif state is not None:
@@ -302,28 +316,70 @@ def own_checkpoint(path: Optional[str], folder: str) -> Optional[str]:
     return path
 
 
-def weights_to_register(history: List[Dict[str, Any]], best: Optional[str], folder: Optional[str] = None
-                        ) -> Tuple[Optional[Dict[str, Any]], Dict[str, float]]:
-    """The weights rank 0 registers and the metrics reported with them (run, version tag, summary, tune value),
-    always one epoch's: checkpoint `best`'s state dict with the metrics of the epoch it records; where no checkpoint
-    was written, None (the final weights in memory) with the last epoch's metrics. `folder` (the run's checkpoint
-    folder): a `best` outside it is not this run's and counts as none (`own_checkpoint`).
+def weights_to_register(history: List[Dict[str, Any]], best: Optional[str], folder: Optional[str] = None,
+                        confusion: Optional[Dict[int, List[List[int]]]] = None
+                        ) -> Tuple[Optional[Dict[str, Any]], Dict[str, float], Optional[List[List[int]]]]:
+    """The weights rank 0 registers, the metrics reported with them (run, version tag, summary, tune value) and the
+    confusion matrix logged with them, always one epoch's of one attempt: checkpoint `best`'s state dict with the
+    record of its epoch that the checkpoint itself holds (EpochAccounting's state, saved in the same write as the
+    weights); where no checkpoint was written, None (the final weights in memory) with the last epoch of `history`
+    and its matrix in `confusion` (this run's, by epoch). `folder` (the run's checkpoint folder): a `best` outside it
+    is not this run's and counts as none (`own_checkpoint`); None: `best` is taken wherever it is (the checkpoint a
+    run that trained no epoch resumed).
 
-    The epoch is read from the checkpoint, not chosen again from the history: a run resumed from another run's
+    The record is read from the checkpoint, not chosen again from `history`: a run resumed from another run's
     checkpoint carries that run's epochs in its history, whose best score Lightning does not carry into the new
-    folder, so the best of the history can be an epoch whose weights are not in `best`."""
-    from pipeline.distributed.checkpoints.io import weights_and_epoch
+    folder; and a rank killed between an epoch's best.ckpt and its last.ckpt leaves a best.ckpt of an epoch the
+    restart trains again, which `history` then records with the retrained epoch's metrics. A checkpoint that records
+    no history (written by another tool) is matched with `history` by its epoch."""
+    from pipeline.distributed.callbacks import EpochAccounting
+    from pipeline.distributed.checkpoints.io import (CheckpointError, checkpoint_meta, consolidated_state,
+                                                     read_checkpoint)
+    from pipeline.distributed.checkpoints.layout import is_sharded_checkpoint
 
     if folder is not None:
         best = own_checkpoint(best, folder)
-    state, epoch = None, history[-1].get("epoch")
-    if best and os.path.exists(best):
-        state, epoch = weights_and_epoch(best)
-    entry = next((h for h in history if h.get("epoch") == epoch), None)
+    confusion = confusion or {}
+    if not (best and os.path.exists(best)):
+        if not history:
+            return None, {}, None
+        return None, _floats(history[-1]), confusion.get(history[-1].get("epoch"))
+    if is_sharded_checkpoint(best):
+        state, whole = consolidated_state(best), checkpoint_meta(best)
+    else:
+        whole = read_checkpoint(best)  # one read of the file: its weights and its record are one write's
+        state = whole.get("state_dict")
+    epoch = whole.get("epoch")
+    for key, ok in (("state_dict", isinstance(state, dict)),
+                    ("epoch", isinstance(epoch, int) and not isinstance(epoch, bool))):
+        if not ok:
+            raise CheckpointError(f"checkpoint {best} records no '{key}' (a trained model's checkpoint has one); "
+                                  f"it cannot be registered")
+    recorded = EpochAccounting.recorded(whole)
+    if recorded is not None:
+        entries, matrices = recorded["history"], recorded["confusion"]
+    else:
+        entries, matrices = history, confusion
+    entry = next((h for h in entries if h.get("epoch") == epoch), None)
     if entry is None:
-        raise RuntimeError(f"checkpoint {best} holds the weights of epoch {epoch}, which this run's epoch history "
-                           f"(epochs {[h.get('epoch') for h in history]}) does not have: its metrics are unknown")
-    return state, {k: v for k, v in entry.items() if isinstance(v, float)}
+        whose = "its own" if recorded is not None else "this run's"
+        raise RuntimeError(f"checkpoint {best} holds the weights of epoch {epoch}, which {whose} epoch history "
+                           f"(epochs {[h.get('epoch') for h in entries]}) does not have: its metrics are unknown")
+    ours = next((h for h in history if h.get("epoch") == epoch), None)
+    if recorded is not None and ours is not None and not _same_record(ours, entry):
+        log.warning("checkpoint %s holds epoch %d as an earlier attempt trained it (val_loss %s), not as this run's "
+                    "history has it (val_loss %s, the epoch trained again after a restart): its weights are registered "
+                    "with its own record", best, epoch, entry.get("val_loss"), ours.get("val_loss"))
+    return state, _floats(entry), matrices.get(epoch)
+
+
+def _floats(entry: Dict[str, Any]) -> Dict[str, float]:
+    return {k: v for k, v in entry.items() if isinstance(v, float)}
+
+
+def _same_record(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Two records of an epoch are the same one (a NaN equal to a NaN)."""
+    return a.keys() == b.keys() and all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)
 
 
 # the hyperparameters that decide a network's shapes (ImageClassifier's hparams; "model.x": its model config's key x)

@@ -1,16 +1,18 @@
 """The restart policy: when a launch fails, whether and how every rank is relaunched (a restart from the last
 checkpoint, an OOM back-off with half the per-rank batch, an elastic relaunch on the task slots left), and the
-checkpoint each relaunch resumes from, restated for its batch and world size."""
+checkpoint each relaunch resumes from, restated for its batch and world size. A restore point in another run's folder
+is taken once, whole, into this job's own folder before anything reads it, and checked there before the first
+launch."""
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any, Callable, List, Optional
 
 from pipeline.data.plan import RunPlan, halved
 from pipeline.data.source import data_for_launch
-from pipeline.distributed.checkpoints.layout import last_checkpoint, resolve_restore_point, settle
+from pipeline.distributed.checkpoints.layout import (discard_snapshot, identity, last_checkpoint, resolve_restore_point,
+                                                     settle, snapshot)
 from pipeline.distributed.early_start import EarlyRanks
 from pipeline.distributed.executors import cluster_slots
 from pipeline.distributed.launcher import launch
@@ -75,6 +77,34 @@ def _restated(job: TrainJob, path: str, plan: RunPlan, first: tuple) -> str:
                     folder=job.ckpt_dir)
 
 
+def _first_restore_point(job: TrainJob, path: str) -> str:
+    """The given restore point `path`, as every launch of the job resumes it: another run's checkpoint (which that run
+    may be saving right now) taken once, whole, into this job's own folder (`layout.snapshot`: hard links where the
+    file system allows, else a copy), so the driver's checks, every rank's and Lightning's load read the same step;
+    then checked (`record.check_resume`: the train/validation split, the optimizer and its parameter groups) before
+    any rank starts.
+
+    Raises:
+        CheckpointError: it cannot be taken, or this job's config cannot resume it; naming the file (not restartable).
+    """
+    from pipeline.distributed.checkpoints.io import CheckpointError
+    from pipeline.distributed.checkpoints.record import check_resume
+
+    try:
+        taken = snapshot(path, job.ckpt_dir)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be taken into this job's folder {job.ckpt_dir}: "
+                              f"{exc}") from exc
+    try:
+        check_resume(taken, job.cfg, job.plan.lr)
+    except CheckpointError as exc:
+        if taken == path:
+            raise
+        discard_snapshot(taken, job.ckpt_dir)
+        raise type(exc)(f"{exc} (the snapshot of train.ckpt_restore's {path} this job took as it started)") from exc
+    return taken
+
+
 def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str], None]] = None,
                          on_batch: Optional[Callable[[int, Any, str], None]] = None,
                          on_world: Optional[Callable[[int, str], None]] = None,
@@ -92,7 +122,11 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
       steps), the checkpoint restated for the smaller global batch (steps, schedule, rates).
 
     Every launch, the first included, resumes its checkpoint (the given one, or the job's own last one) restated
-    when it records another per-rank batch or world size than that launch's (`restate.restated`).
+    when it records another per-rank batch, world size or number of steps per epoch than that launch's
+    (`restate.restated`). A given one in another run's folder is taken into this job's folder once, before the first
+    launch, and every launch resumes that snapshot (`_first_restore_point`). "The job's own last one" is a last.ckpt
+    written since the job started: one that is not the file (or folder) that name held then (`layout.identity`: a
+    save renames a new one in), whatever the file server's clock says against this machine's.
     `on_restart(n, cause)` is told of each restart, `on_batch(n, plan, cause)` of each back-off, with the new
     shard plan, and `on_world(ranks, cause)` of each elastic change (the driver records them in MLflow). `early`: the
     first launch's ranks, started before the job was made (pipeline/distributed/early_start.py); a relaunch starts its
@@ -106,14 +140,15 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
 
     limit = max(0, job.cfg.train.max_restarts)
     last = last_checkpoint(job.ckpt_dir)
-    started = time.time()
     restarts = backoffs = 0
     first = (job.plan.batch_size, job.plan.world_size)  # taken for a given checkpoint that records neither
     # the checkpoint the first launch resumes from, as a path and settled; one that does not exist is left to the
     # ranks, which refuse it naming the key
     restore_first = resolve_restore_point(job.plan.restore_from, job.ckpt_dir, job.cfg.train.checkpoint_dir,
                                           required=False)
-    if restore_first and os.path.exists(restore_first):  # restated when it records another batch or world size
+    before = identity(last)  # what last.ckpt was as the job started: another job's, or none
+    if restore_first and os.path.exists(restore_first):  # taken and checked; restated when it records another plan
+        restore_first = _first_restore_point(job, restore_first)
         job = dataclasses.replace(job, plan=dataclasses.replace(
             job.plan, restore_from=_restated(job, restore_first, job.plan, first)))
     while True:
@@ -123,8 +158,10 @@ def launch_with_restarts(job: TrainJob, on_restart: Optional[Callable[[int, str]
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             settle(last)  # a swap of FSDP's last checkpoint a killed rank interrupted is finished first
-            # only a checkpoint this job wrote; an older last one in the folder belongs to another job
-            fresh = os.path.exists(last) and os.path.getmtime(last) >= started
+            # only a checkpoint this job wrote (another file than the name held as it started, by what the file
+            # system says of it: no clock of this machine compared with the file server's)
+            now = identity(last)
+            fresh = now is not None and now != before
             oom = is_restartable(exc) and is_out_of_memory(exc) and job.plan.backs_off
             if oom:
                 halved(job.plan.batch_size, cause)  # ConfigError at 1 per rank, before the restart limit is looked at

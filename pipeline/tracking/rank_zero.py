@@ -235,20 +235,27 @@ class RankZeroTracker:
                     " mlflow.tracking_uri=<the URI with its credentials>" if redacted else "",
                     " (the folder keeps the URI with its credentials redacted)" if redacted else "")
 
-    def _plots(self, model, job, history, target) -> None:
+    def _plots(self, job, history, result, target) -> None:
+        """The learning curves, and the confusion matrix of the epoch whose weights are logged (`result.confusion`,
+        kept with that epoch's record: not the model's last validation's, which is another epoch's when the best
+        one is registered); none where that epoch's matrix is not known (a checkpoint that did not record it)."""
+        import numpy as np
+
         from pipeline.tracking.plots import confusion_matrix_png, learning_curves_png  # local: numpy, rank 0 alone
 
         with tempfile.TemporaryDirectory() as tmp:
             if history:
                 learning_curves_png(history, os.path.join(tmp, "learning_curves.png"))
                 target.log_artifact(self.run_id, os.path.join(tmp, "learning_curves.png"), "plots")
-            cm = getattr(model, "last_confusion", None)
+            cm = getattr(result, "confusion", None)
             if cm is not None:
-                confusion_matrix_png(cm.cpu().numpy(), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
+                confusion_matrix_png(np.asarray(cm), job.data.class_names, os.path.join(tmp, "confusion_matrix.png"))
                 target.log_artifact(self.run_id, os.path.join(tmp, "confusion_matrix.png"), "plots")
+            else:
+                log.info("no confusion matrix logged: the registered epoch's is not recorded")
 
     def _finish_offline(self, model, job, history, result) -> Optional[str]:
-        self._plots(model, job, history, self.offline)
+        self._plots(job, history, result, self.offline)
         meta = _network_meta(job)
         model.eval()
         self.offline.save_model(model.network.cpu(), meta, result.epochs)
@@ -258,7 +265,7 @@ class RankZeroTracker:
     def _finish_online(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
         from pipeline.tracking.pyfunc import log_model  # local: mlflow, in rank 0 alone
 
-        self._plots(model, job, history, self.client)
+        self._plots(job, history, result, self.client)
         meta = _network_meta(job)
         model.eval()
         uri = log_model(model.network.cpu(), meta, "model", run_id=self.run_id, step=result.epochs)

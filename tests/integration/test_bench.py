@@ -21,7 +21,8 @@ RATIOS = ["loader_efficiency", "loader_efficiency_uncached", "input_bound_fracti
           "checkpoint_overhead", "tracking_overhead", "tune_overhead", "restart_cost", "predict_throughput",
           "job_fixed_cost", "horovod_epoch_over_ddp", "direct_wall", "direct_before_first_step",
           "direct_reader_over_pyarrow", "direct_rank_memory", "early_start_before_first_step",
-          "cpu_decode_large_photo_speedup", "cpu_photos_decode_per_core", "cpu_photos_decode_over_pillow_every_core"]
+          "cpu_decode_large_photo_speedup", "cpu_photos_decode_per_core", "cpu_photos_decode_over_pillow_every_core",
+          "split_plan_digest_speedup"]
 GPU_RATIOS = ["gpu_lightning_over_plain", "gpu_input_bound_fraction"]  # only where torch sees CUDA
 STEP_OVERHEAD = {"cpu": "step_overhead_ms", "cuda": "gpu_step_overhead_ms"}  # named by the device it ran on
 STEP_OVERHEAD_VARIANTS = {"horovod/np1", "horovod/np2", "ddp/np1", "ddp/np2"}

@@ -72,7 +72,8 @@ def test_a_kill_after_an_oom_backoff_resumes_at_the_batch_the_checkpoint_was_tra
     steps = ckpt["trained_with"]["steps_per_epoch"]
     lr = scaled_lr(cfg.model.lr, 2, cfg.train.lr_scaling) * lr_batch_factor(16, 32, cfg.train.lr_scaling)
     assert ckpt["trained_with"] == {"batch_size": 16, "world_size": 2, "steps_per_epoch": steps,
-                                    "global_step": 3 * steps, "lr": pytest.approx(lr)}
+                                    "global_step": 3 * steps, "lr": pytest.approx(lr), "optimizer": cfg.model.optimizer,
+                                    "param_groups": ["all"]}
     assert ckpt["global_step"] == 3 * steps  # every step of the three epochs at 16, none skipped or counted twice
     # the optimizer's rate is the one for 16 per rank; restated twice (as if trained at 32) it would be half of it
     assert ckpt["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(lr)

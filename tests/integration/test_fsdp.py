@@ -94,7 +94,7 @@ def test_a_rank_killed_while_writing_last_ckpt_resumes_from_the_previous_complet
     assert "rank 1" in cause and "ended without reporting an error" in cause, cause
 
     folder = run_checkpoint_dir(cfg, cut["run_id"])
-    assert sorted(os.listdir(folder)) == ["best.ckpt", "last.ckpt", "latest.ckpt"]  # no staged or set-aside folder
+    assert sorted(os.listdir(folder)) == ["best.ckpt", "last.ckpt"]  # no staged or set-aside folder, no copy
     mine = consolidated_state(os.path.join(folder, "last.ckpt"))
     theirs = consolidated_state(os.path.join(run_checkpoint_dir(whole_cfg, whole["run_id"]), "last.ckpt"))
     assert mine.keys() == theirs.keys()

@@ -41,7 +41,8 @@ def test_promote_from_another_directory_scores_the_table_the_model_was_trained_o
     assert mv.tags["delta_table"] == table
     ckpt = torch.load(os.path.join(cfg.train.checkpoint_dir, summary["run_id"], "last.ckpt"), map_location="cpu",
                       weights_only=False)
-    assert ckpt["lakehouse"] == {"delta_table": table, "delta_version": 0}
+    assert ckpt["lakehouse"] == {"delta_table": table, "delta_version": 0, "val_fraction": cfg.data.val_fraction,
+                                 "split_key": cfg.data.split_key}
 
     monkeypatch.chdir(elsewhere)  # `lakehouse promote` run from another project's folder
     decision = workflow.promote_version(cfg)

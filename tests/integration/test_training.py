@@ -101,7 +101,8 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     # the checkpoint records what it was trained on
     ckpt = torch.load(os.path.join(cfg.train.checkpoint_dir, summary["run_id"], "last.ckpt"), map_location="cpu",
                       weights_only=False)
-    assert ckpt["lakehouse"] == {"delta_table": str(digits_table), "delta_version": 0}
+    assert ckpt["lakehouse"] == {"delta_table": str(digits_table), "delta_version": 0,  # and the split (resume checks)
+                                 "val_fraction": cfg.data.val_fraction, "split_key": cfg.data.split_key}
 
     # the registered model predicts label names for rows read back from the Delta table
     mlflow.set_tracking_uri(summary["tracking_uri"])

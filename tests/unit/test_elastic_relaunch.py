@@ -27,7 +27,7 @@ def _checkpoint(path, batch, world, steps, total, current, lr):
                                                                            "world_size": world}]},
                                        "epoch_loop.state_dict": {"_batches_that_stepped": total},
                                        "epoch_loop.batch_progress": progress}},
-                "optimizer_states": [{"param_groups": [{"lr": lr, "initial_lr": lr}]}],
+                "optimizer_states": [{"param_groups": [{"lr": lr, "initial_lr": lr, "momentum": 0.9}]}],
                 "lr_schedulers": [{"base_lrs": [lr], "_last_lr": [lr], "last_epoch": total,
                                    "_step_count": total + 1}]}, path)
 

@@ -70,6 +70,11 @@ def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
     return whole
 
 
+class _NotAnIndexRecord(pickle.UnpicklingError):
+    """A `.metadata` pickle names a class or function that is not one of the format's records (a refusal, not a
+    read error)."""
+
+
 class _DcpMetadataUnpickler(pickle.Unpickler):
     """Admits what torch.distributed.checkpoint writes into `.metadata` (its dataclasses and enums, dtypes, sizes,
     layouts, paths) and nothing else: no function or class that could act when the pickle is read."""
@@ -87,23 +92,27 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
             found = super().find_class(module, name)
             if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
                 return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
+        raise _NotAnIndexRecord(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
 
 
 def read_index(folder: str) -> Any:
     """A sharded folder's `.metadata` (torch.distributed.checkpoint's `Metadata`), read with `_DcpMetadataUnpickler`.
 
     Raises:
-        CheckpointError: it holds anything but the format's own records, or cannot be read; naming it.
+        CheckpointError: it holds anything but the format's own records (refused before anything in it is built), or
+            cannot be read (missing, truncated, garbled: what the unpickler raised on its bytes); naming it.
     """
     index = os.path.join(folder, DCP_METADATA)
     try:
         with open(index, "rb") as fh:
             metadata = _DcpMetadataUnpickler(fh).load()
-    except pickle.UnpicklingError as exc:
+    except _NotAnIndexRecord as exc:
         raise _refused(index, "a sharded checkpoint's index", exc) from None
-    except (OSError, EOFError) as exc:
+    except OSError as exc:
         raise CheckpointError(f"checkpoint {folder} is incomplete: {index} cannot be read ({exc})") from exc
+    except Exception as exc:  # cut short or garbled: EOFError, UnpicklingError (truncated, bad opcode), ValueError..
+        raise CheckpointError(f"checkpoint {folder} is incomplete or damaged: its index {index} cannot be read "
+                              f"(truncated or garbled): {_first_line(exc)}") from None
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or not isinstance(
             getattr(metadata, "storage_data", None), dict):
         raise CheckpointError(f"checkpoint {index} is not a torch.distributed.checkpoint index")
@@ -130,29 +139,58 @@ def _plain_item(shard: str, fqn: str, value: io.BytesIO) -> Any:
         raise CheckpointError(f"checkpoint {shard} cannot be read (item '{fqn}'): {type(exc).__name__}: {exc}") from exc
 
 
+def _extent(shard: str, fqn: Any, info: Any) -> Tuple[int, int]:
+    """(offset, length) of one item in its shard file, as the index places it."""
+    try:
+        offset, length = int(info.offset), int(info.length)
+    except (AttributeError, TypeError, ValueError):
+        raise CheckpointError(f"checkpoint {shard}: the index places item '{fqn}' at no readable offset and length "
+                              f"({getattr(info, 'offset', None)!r}, {getattr(info, 'length', None)!r})") from None
+    if offset < 0 or length < 0:
+        raise CheckpointError(f"checkpoint {shard}: the index places item '{fqn}' at offset {offset}, length {length}")
+    return offset, length
+
+
 def check_sharded(folder: str) -> None:
-    """Refuse sharded folder `folder` unless its index is plain (`read_index`) and every non-tensor item of its shards
-    is tensors and plain values (each read here with `weights_only=True`; torch's reader would unpickle it whole).
+    """Refuse sharded folder `folder` unless its index is plain (`read_index`), every shard file it names is there
+    with every item's bytes (at least offset + length of each), and every non-tensor item of its shards is tensors and
+    plain values (each read here with `weights_only=True`; torch's reader would unpickle it whole).
 
     Raises:
-        CheckpointError: naming the index, or the shard file and the item.
+        CheckpointError: naming the index, or the shard file and the item (missing, truncated, or more than plain).
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = read_index(folder)
     plain = {fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+    ends: Dict[str, Tuple[int, Any]] = {}  # shard file -> (the end of its last item, that item)
+    items = []
     for storage_index, info in metadata.storage_data.items():
         fqn = getattr(storage_index, "fqn", None)
         shard = _shard_file(folder, metadata, storage_index)  # every item's file inside the folder
+        offset, length = _extent(shard, fqn, info)
+        if offset + length >= ends.get(shard, (-1, None))[0]:
+            ends[shard] = (offset + length, fqn)
+        items.append((fqn, shard, info, offset, length))
+    for shard, (end, fqn) in sorted(ends.items()):
+        try:
+            size = os.path.getsize(shard)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {folder} is incomplete: shard {shard}, which its index names (item "
+                                  f"'{fqn}'), cannot be read ({exc})") from None
+        if size < end:
+            raise CheckpointError(f"checkpoint {folder} is incomplete: shard {shard} is truncated ({size} bytes; its "
+                                  f"index places item '{fqn}' up to byte {end})")
+    for fqn, shard, info, offset, length in items:
         if fqn not in plain:
             continue  # a tensor's bytes: torch reads those with weights_only=True itself
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"checkpoint {shard}: item '{fqn}' is stored transformed "
-                                  f"({', '.join(info.transform_descriptors)}), which is not read here")
+                                  f"({', '.join(map(str, info.transform_descriptors))}), which is not read here")
         try:
             with open(shard, "rb") as fh:
-                fh.seek(int(info.offset))
-                data = fh.read(int(info.length))
+                fh.seek(offset)
+                data = fh.read(length)
         except OSError as exc:
             raise CheckpointError(f"checkpoint {folder} is incomplete: {shard} cannot be read ({exc})") from exc
         _plain_item(shard, fqn, io.BytesIO(data))
@@ -375,15 +413,41 @@ def consolidated_state(path: str) -> Dict[str, torch.Tensor]:
     `state_dict`, or the full state gathered from a sharded folder's shards (read by `sharded_state`, its weights
     only: the optimizer's state stays on disk)."""
     if not is_sharded_checkpoint(path):
-        return read_checkpoint(path)["state_dict"]
+        return _state_dict(path, read_checkpoint(path))
     checkpoint_meta(path)  # meta.pt, the index and the shards' non-tensor items pass the same checks first
-    return sharded_state(path, keys=["model"])["model"]
+    state = sharded_state(path, keys=["model"]).get("model")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds no model state ('model' in its shards); refused")
+    return state
+
+
+def _state_dict(path: str, whole: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """A checkpoint file's `state_dict`, a dict (CheckpointError naming the file and the key when not)."""
+    state = whole.get("state_dict")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds no model state: 'state_dict' is "
+                              f"{'missing' if state is None else f'a {type(state).__name__}, not a dict'}; refused")
+    return state
+
+
+def _epoch(path: str, meta: Dict[str, Any]) -> int:
+    epoch = meta.get("epoch")
+    if epoch is None:
+        raise CheckpointError(f"checkpoint {path} records no 'epoch' (the epoch its weights were saved in); refused")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise CheckpointError(f"checkpoint {path} records 'epoch' as {epoch!r}, not an epoch number; refused")
+    return epoch
 
 
 def weights_and_epoch(path: str) -> Tuple[Dict[str, torch.Tensor], int]:
     """The LightningModule state dict of a checkpoint (`consolidated_state`) and the epoch it was saved in: the
-    weights a run registers and the epoch whose metrics go with them."""
+    weights a run registers and the epoch whose metrics go with them.
+
+    Raises:
+        CheckpointError: it cannot be read, or records no state dict or epoch; naming the file and the key.
+    """
     if is_sharded_checkpoint(path):
-        return consolidated_state(path), int(checkpoint_meta(path)["epoch"])
+        epoch = _epoch(path, checkpoint_meta(path))
+        return consolidated_state(path), epoch
     whole = read_checkpoint(path)  # one read of the file for both
-    return whole["state_dict"], int(whole["epoch"])
+    return _state_dict(path, whole), _epoch(path, whole)

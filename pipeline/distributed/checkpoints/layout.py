@@ -54,6 +54,9 @@ _TEMPORARY = re.compile(rf"{re.escape(TEMPORARY)}(?:(?P<host>[0-9a-f]{{8}})-(?P<
                         rf"{re.escape(SUFFIX)}")
 # a temporary file untouched this long is a dead writer's, whoever wrote it (a live one writes, then renames it)
 STALE_TEMPORARY_S = 3600.0
+# the folder, inside a job's own checkpoint folder, of its snapshot of the restore point it was given from another
+# run's folder (`snapshot`): what every rank of every launch of the job resumes from, whatever that run writes since
+RESTORE_POINT = "restore-point"
 
 
 # ------------------------------------------------------------------------------------------------------- names
@@ -73,12 +76,22 @@ def run_checkpoint_dir(cfg: Config, run_id: str, root: Optional[str] = None) -> 
     return os.path.join(os.path.abspath(root or cfg.train.checkpoint_dir), run_id)
 
 
-def restated_path(path: str, batch_size: int, world_size: int, old_world: int, folder: Optional[str] = None) -> str:
+def restated_path(path: str, batch_size: int, world_size: int, old_world: int, folder: Optional[str] = None,
+                  steps_per_epoch: Optional[int] = None) -> str:
     """Where checkpoint `path` restated for `batch_size` per rank on `world_size` ranks is written: `<stem>-batch<B>`
-    (`-np<N>` when the world size changed) `.ckpt`, in `folder` (default: beside `path`)."""
-    stem = os.path.splitext(os.path.basename(path))[0]
+    (`-np<N>` when the world size changed; `-steps<S>` when only the steps per epoch did, `steps_per_epoch` given)
+    `.ckpt`, in `folder` (default: beside `path`)."""
+    stem = os.path.splitext(os.path.basename(os.fspath(path).rstrip(os.sep)))[0]
     name = f"{stem}-batch{batch_size}" + ("" if old_world == world_size else f"-np{world_size}")
+    if steps_per_epoch is not None:
+        name += f"-steps{int(steps_per_epoch)}"
     return os.path.join(folder or os.path.dirname(path), name + SUFFIX)
+
+
+def snapshot_path(path: str, folder: str) -> str:
+    """Where a job keeps its snapshot of another run's checkpoint `path` (`snapshot`): `<folder>/restore-point/<its
+    name>`, in the job's own checkpoint folder `folder` (beside none of the names Lightning writes there)."""
+    return os.path.join(folder, RESTORE_POINT, os.path.basename(os.path.abspath(os.fspath(path))))
 
 
 def staged_name(path: str, step: int) -> str:
@@ -117,6 +130,12 @@ def restore_path(value: Optional[str], checkpoint_dir: str, root: Optional[str] 
     if root is not None and which in NAMES and owner and "/" not in owner and not exists(value):
         return os.path.join(os.path.abspath(root), owner, NAMES[which])
     return value
+
+
+def is_inside(path: str, folder: str) -> bool:
+    """Whether `path` lies in `folder` or a folder under it (the job's own checkpoint folder, its snapshot included)."""
+    real = os.path.realpath(os.fspath(folder))
+    return os.path.commonpath([os.path.realpath(os.fspath(path)), real]) == real
 
 
 def is_own(path: str, checkpoint_dir: str) -> bool:
@@ -318,3 +337,134 @@ def swap_in(staged: str, path: str) -> None:
     fsync_folder(os.path.dirname(path))
     if aside is not None:
         _remove(aside)
+
+
+# ------------------------------------------------------------------------------------ a snapshot, and what changed
+def identity(path: str) -> Optional[Tuple[int, int, int, int]]:
+    """What tells one write of checkpoint `path` from another, whatever any clock says: (device, inode, mtime in ns,
+    size) of the file or folder under that name, or None when there is none. Every write of a checkpoint renames a new
+    file (or folder) into place, so a write since changes it; the times are the file server's own, compared only with
+    each other (never with this machine's clock)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _link_or_copy(name: str, dst: str, src_dir_fd: Optional[int] = None) -> bool:
+    """`name` (relative to `src_dir_fd`, or a path) as a new file `dst`: a hard link to the very file the name
+    resolves to now, else (another file system, one without hard links, a file of another user) a copy read from one
+    open file. Either way a rename over `name` meanwhile leaves what `dst` holds whole. Returns whether it linked."""
+    try:
+        os.link(name, dst, src_dir_fd=src_dir_fd)
+        return True
+    except FileNotFoundError:
+        raise
+    except OSError:
+        pass
+    fd = os.open(name, os.O_RDONLY, dir_fd=src_dir_fd)
+    with os.fdopen(fd, "rb") as src, open(dst, "wb") as out:
+        shutil.copyfileobj(src, out, 16 << 20)
+        out.flush()
+        os.fsync(out.fileno())
+    return False
+
+
+def _snapshot_file(path: str, dst: str) -> bool:
+    tmp = os.path.join(os.path.dirname(dst), f"{temporary_prefix()}{uuid.uuid4().hex[:8]}{SUFFIX}")
+    try:
+        linked = _link_or_copy(path, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return linked
+
+
+def _snapshot_folder(path: str, dst: str, before_swap: Optional[Callable[[str], None]] = None) -> bool:
+    """Every file of the one folder `path` names when it is opened, staged beside `dst` and swapped in
+    (`before_swap(staged)` first, when given). A swap renaming another folder in meanwhile is never mixed in: the files
+    are taken through the opened folder's descriptor, and that folder must still be the one `path` names once they
+    are all taken (a folder set aside never comes back, and the one in place is complete and never written again);
+    else, or when a file is removed under it (the folder set aside is removed), FileNotFoundError."""
+    staged = staged_name(dst, 0)
+    os.makedirs(staged)
+    linked = True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            for name in os.listdir(fd):
+                linked &= _link_or_copy(name, os.path.join(staged, name), src_dir_fd=fd)
+            opened, now = os.fstat(fd), os.stat(path)
+        finally:
+            os.close(fd)
+        if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino) or not is_complete(staged):
+            raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} was swapped for a newer save (or removed) while "
+                                                  f"its files were read", path)
+        if before_swap is not None:
+            before_swap(staged)
+        fsync_folder(staged)
+        swap_in(staged, dst)
+    except BaseException:
+        _remove(staged)
+        raise
+    return linked
+
+
+def linked_copy(path: str, dst: str, before_swap: Optional[Callable[[str], None]] = None) -> bool:
+    """`dst`: a copy of checkpoint `path` (a file, or a sharded folder taken through one descriptor), each file
+    hard-linked where the file system allows, else copied; put in place whole (a folder: staged beside `dst`,
+    `before_swap(staged)` called, then swapped in). Returns whether every file was linked.
+
+    Raises:
+        FileNotFoundError: `path`, or a file of it, disappeared while it was taken (a folder: or it lacks meta.pt or
+            its index).
+    """
+    if os.path.lexists(dst) and os.path.isdir(dst) != os.path.isdir(path):
+        _remove(dst)  # a copy of another kind (a file where a folder goes, or the reverse)
+    if os.path.isdir(path):
+        return _snapshot_folder(path, dst, before_swap)
+    return _snapshot_file(path, dst)
+
+
+def snapshot(path: str, folder: str, attempts: int = 5, wait_s: float = 0.2) -> str:
+    """A snapshot of checkpoint `path` (a file, or a sharded folder), which another run may be saving right now, in
+    the job's own checkpoint folder `folder` (`snapshot_path`): one write of it, whole, that every later read (the
+    driver's checks, every rank's, Lightning's load, a relaunch) sees the same whatever that run writes since. Each
+    file is hard-linked where the file system allows (writers rename a new file in, never write one in place, so the
+    link keeps the bytes it was made with), else copied. A checkpoint removed or swapped while it was taken is taken
+    again, up to `attempts` times. `path` itself when it is one of `folder`'s own (named in it, or a snapshot already).
+    Returns the snapshot's path.
+
+    Raises:
+        FileNotFoundError: `path` kept disappearing (or losing files) while it was taken, naming it.
+        OSError: the snapshot cannot be written into `folder`.
+    """
+    if is_own(path, folder) or is_inside(path, os.path.join(folder, RESTORE_POINT)):
+        return path  # (a folder holding runs' folders, a job's without a run: another run's in it is taken too)
+    dst = snapshot_path(path, folder)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    settle(dst)  # what an interrupted snapshot of an earlier job of this run left
+    for attempt in range(1, attempts + 1):
+        try:
+            linked = linked_copy(path, dst)
+        except FileNotFoundError as exc:
+            if attempt == attempts:
+                raise FileNotFoundError(errno.ENOENT, f"checkpoint {path} could not be taken whole into {dst}: it "
+                                        f"disappeared, or a folder of it lacked {META_FILE} or {DCP_METADATA}, "
+                                        f"{attempts} times ({exc})", path) from exc
+            time.sleep(wait_s * attempt)  # that run is swapping a save in: the next look finds it whole
+            continue
+        fsync_folder(os.path.dirname(dst))
+        log.info("checkpoint %s taken as it stands (%s) into this job's folder: %s", path,
+                 "hard-linked" if linked else "copied", dst)
+        return dst
+    raise AssertionError("unreachable")
+
+
+def discard_snapshot(path: str, folder: str) -> None:
+    """Remove `path` when it is a snapshot in `folder`'s restore-point folder (`snapshot`), nothing else: a refused
+    restore point's copy is not kept in the run's folder."""
+    if is_inside(path, os.path.join(folder, RESTORE_POINT)) and os.path.lexists(path):
+        _remove(path)
