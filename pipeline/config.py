@@ -134,7 +134,7 @@ class TrainConfig:
     checkpoint_dir: str = "work/checkpoints"  # each run writes last.ckpt and best.ckpt under <this>/<run_id>/
     # last | best (this run's own <checkpoint_dir>/<run_id>/ folder) | <run_id>/last | <run_id>/best | PATH
     ckpt_restore: Optional[str] = None
-    ckpt_allow_other_data: bool = False  # resume from a checkpoint trained on another Delta table or version
+    ckpt_allow_other_data: bool = False  # resume from a checkpoint of another Delta table, version or split
     checkpoint_every_n_steps: Optional[int] = None  # also checkpoint (last.ckpt) every N steps, mid-epoch
     max_restarts: int = 0  # a rank that dies: relaunch every rank from the last checkpoint, up to N times
     oom_backoff: bool = False  # a fixed data.batch_size: an out-of-memory halves it and relaunches (auto always does)

@@ -20,7 +20,7 @@ from pipeline.data.shards import ConvertedData
 from pipeline.distributed import launcher, rank_failures, restart
 from pipeline.distributed.checkpoints import (CheckpointError, check_checkpoint_lineage, check_sharded,
                                               classifier_from_checkpoint, consolidated_state, read_index,
-                                              weights_and_epoch, write_atomically, write_sharded)
+                                              write_atomically, write_sharded)
 from pipeline.distributed.checkpoints.record import (LINEAGE, TRAINED_WITH, CheckpointLineageError, CheckpointRecord)
 from pipeline.distributed.checkpoints.restate import converted_position, restated
 
@@ -334,7 +334,6 @@ def _file(tmp_path, name, obj):
 
 
 HOSTILE = {  # name: (the checkpoint's dict, the reader, the key its error names)
-    "no_epoch": ({"state_dict": {"w": torch.ones(1)}}, weights_and_epoch, "'epoch'"),
     "no_state_dict": ({"epoch": 0}, consolidated_state, "'state_dict'"),
     "state_not_a_dict": ({"epoch": 0, "state_dict": [1, 2]}, consolidated_state, "'state_dict'"),
     "no_steps": ({"trained_with": {"batch_size": 16, "world_size": 2}}, lambda p: restated(p, 10, 8, 2, "linear"),

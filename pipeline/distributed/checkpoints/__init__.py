@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the lazy names' modules, as the type checker and the import
 _LAZY = {
     **dict.fromkeys(("CheckpointError", "check_sharded", "checkpoint_meta", "consolidated_state",
                      "plain_shard_reader", "read_checkpoint", "read_index", "refusals_unwrapped", "sharded_state",
-                     "weights_and_epoch", "write_atomically", "write_sharded"), "io"),
+                     "write_atomically", "write_sharded"), "io"),
     **dict.fromkeys(("LINEAGE", "SPLIT", "TRAINED_WITH", "CheckpointLineageError", "CheckpointRecord", "RngCheckpoint",
                      "check_checkpoint_lineage", "check_resume", "classifier_from_checkpoint", "config_param_groups",
                      "config_split", "data_split", "optimizer_record", "plain_classifier", "recorded_training",

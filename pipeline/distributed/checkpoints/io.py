@@ -428,26 +428,3 @@ def _state_dict(path: str, whole: Dict[str, Any]) -> Dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint {path} holds no model state: 'state_dict' is "
                               f"{'missing' if state is None else f'a {type(state).__name__}, not a dict'}; refused")
     return state
-
-
-def _epoch(path: str, meta: Dict[str, Any]) -> int:
-    epoch = meta.get("epoch")
-    if epoch is None:
-        raise CheckpointError(f"checkpoint {path} records no 'epoch' (the epoch its weights were saved in); refused")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise CheckpointError(f"checkpoint {path} records 'epoch' as {epoch!r}, not an epoch number; refused")
-    return epoch
-
-
-def weights_and_epoch(path: str) -> Tuple[Dict[str, torch.Tensor], int]:
-    """The LightningModule state dict of a checkpoint (`consolidated_state`) and the epoch it was saved in: the
-    weights a run registers and the epoch whose metrics go with them.
-
-    Raises:
-        CheckpointError: it cannot be read, or records no state dict or epoch; naming the file and the key.
-    """
-    if is_sharded_checkpoint(path):
-        epoch = _epoch(path, checkpoint_meta(path))
-        return consolidated_state(path), epoch
-    whole = read_checkpoint(path)  # one read of the file for both
-    return _state_dict(path, whole), _epoch(path, whole)

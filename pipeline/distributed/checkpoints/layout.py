@@ -33,9 +33,9 @@ from pipeline.log import get_logger
 log = get_logger(__name__)
 
 SUFFIX = ".ckpt"
-# The stems Lightning's ModelCheckpoint is given (`filename=`): best.ckpt, and the two whose `save_last` writes
-# last.ckpt (Lightning names it `last` itself); latest.ckpt and step.ckpt are their top-1 copies.
-BEST_STEM, LATEST_STEM, STEP_STEM, LAST_STEM = "best", "latest", "step", "last"
+# The stems of the two files a run writes: best.ckpt (Lightning's ModelCheckpoint, top 1 by the monitored metric)
+# and last.ckpt (callbacks.LastCheckpoint: each epoch's end, and every train.checkpoint_every_n_steps).
+BEST_STEM, LAST_STEM = "best", "last"
 LAST = LAST_STEM + SUFFIX  # what a restart resumes from
 BEST = BEST_STEM + SUFFIX  # what a run registers
 NAMES: Dict[str, str] = {"last": LAST, "best": BEST}  # train.ckpt_restore's run-scoped names
