@@ -29,6 +29,11 @@ class RankZeroTracker:
     go with the next batch; at the end `close` waits for them at most one MLflow call's bound
     (pipeline.tracking.sending.http_call_bound_s: `mlflow.retries` and MLFLOW_HTTP_REQUEST_TIMEOUT), and `finish`
     leaves what was never taken in the job's offline folder (`lakehouse sync-run` uploads it).
+
+    A relaunch (a failed rank, an OOM back-off) is a new tracker whose run already has an earlier attempt's epochs:
+    those rank 0 held in memory when it died are gone, and the relaunch restores every epoch up to its checkpoint into
+    the history it hands `finish`, which sends the restored values the server does not have, from the run's first
+    epoch on the server on (epochs before it are another run's: a run resumed with train.ckpt_restore=<run>/last).
     """
 
     def __init__(self, tracking_uri: Optional[str], run_id: str, local_dir: Optional[str] = None) -> None:
@@ -52,6 +57,9 @@ class RankZeroTracker:
         self._stamps: Dict[int, int] = {}  # step -> its epoch's timestamp (ms): a value sent twice stays one value
         self._inflight: Optional[Tuple[List, Any]] = None  # (the pending items sent, runs.Sending)
         self._tag_sends: List[Tuple[str, str, Any]] = []  # (key, value, runs.Sending)
+        # values of epochs restored from the checkpoint that an earlier attempt got to the server, (step, {key: value},
+        # the server's timestamp): a run left offline keeps them as taken
+        self._taken_before: List[Tuple[int, Dict[str, float], int]] = []
 
     def record_precision(self, precision: str) -> None:
         """The precision the ranks resolved (`train.precision=auto` is decided in each rank): the run's tag."""
@@ -194,11 +202,21 @@ class RankZeroTracker:
 
         The server unreachable: it is waited for, at most `mlflow.reconnect_wait_s`; if it does not come back, the
         metrics, plots and model go to the job's offline folder (`lakehouse sync-run` uploads it) and None is returned.
+
+        `history` is the run's every epoch (EpochAccounting's, restored from the checkpoint on a relaunch): the epochs
+        in it this attempt did not report are an earlier attempt's (or another run's), and their values the server
+        does not have (held by a rank 0 of this run that died while the server was away) are sent now, each once
+        (`_report_restored`).
         """
         if not is_rank_zero():
             return None
         wait_s, retry_s = job.cfg.mlflow.reconnect_wait_s, job.cfg.mlflow.retry_wait_s
-        if self.pending and server_back(self.client, self.run_id, wait_s, retry_s) and self.flush():
+        back = None  # whether the server answered (None: not asked yet)
+        restored = self._restored(history)
+        if restored:
+            back = self._report_restored(restored, wait_s, retry_s)
+        if self.pending and (server_back(self.client, self.run_id, wait_s, retry_s) if back is None else back) \
+                and self.flush():
             self._drop_local_file()
         if not self.pending:
             for key, value, sending in self._tag_sends:  # a tag that did not arrive (or has no answer yet) again
@@ -216,6 +234,78 @@ class RankZeroTracker:
         self._go_offline(job)
         return self._finish_offline(model, job, history, result)
 
+    def _restored(self, history: Optional[List[Dict[str, Any]]]) -> List[Tuple[int, Dict[str, Any]]]:
+        """The epochs of `history` this attempt did not report through `log_epoch` (an earlier attempt's, restored
+        from the checkpoint), as (step, metrics), oldest first."""
+        restored: Dict[int, Dict[str, Any]] = {}
+        for record in history or []:
+            if "epoch" in record and int(record["epoch"]) not in self._stamps:
+                restored[int(record["epoch"])] = {k: v for k, v in record.items() if k != "epoch"}
+        return sorted(restored.items())
+
+    def _report_restored(self, restored: List[Tuple[int, Dict[str, Any]]], wait_s: float, retry_s: float) -> bool:
+        """Queue the values of the `restored` epochs the server does not have; whether it answered.
+
+        The server is asked, by metric and step: it alone knows what an earlier attempt got there (a batch it took
+        just before rank 0 died included, and a part of one), and a value logged again (the earlier attempt's
+        timestamp is not known) would be a second point of its metric history. A record of the steps taken in the job
+        folder would not do: the folder is emptied before every launch (JobFolder.reset), and it cannot know of a batch
+        in flight. Only epochs from the run's first step on the server on are this run's (before it: the run it was
+        resumed from, whose own run holds them). A server that does not answer within `mlflow.reconnect_wait_s`: none
+        is sent, as neither is known (the offline folder keeps this attempt's epochs).
+        """
+        steps = _steps([(step, None) for step, _ in restored])
+        on_server: Optional[Dict[Tuple[str, int], int]] = None
+        if server_back(self.client, self.run_id, wait_s, retry_s):
+            try:
+                on_server, first = self._on_server(restored)
+                # an epoch before the run's first one on the server is another run's (train.ckpt_restore=<run>/...),
+                # whose own run holds it; none on the server at all: no earlier attempt of this run got any there
+                restored = [(step, metrics) for step, metrics in restored if first is not None and step >= first]
+            except Exception as exc:
+                if server_back(self.client, self.run_id, wait_s, retry_s):
+                    raise  # the server answers: a real failure, not its absence
+                log.warning("MLflow went away while rank 0 asked which epoch(s) %s restored from the checkpoint run %s "
+                            "holds (%s: %s)", steps, self.run_id, type(exc).__name__, redact_url(str(exc)))
+        if on_server is None:  # not known which epochs are this run's, nor which the server took: left as they are
+            log.warning("MLflow could not be asked which of the %d epoch(s) restored from the checkpoint (%s) run %s "
+                        "holds: those an earlier attempt's rank 0 held when it stopped are not sent again",
+                        len(restored), steps, self.run_id)
+            return False
+        now = int(time.time() * 1000)
+        queued: List[Tuple[int, Dict[str, Any]]] = []
+        held = on_server
+        for step, metrics in restored:
+            self._stamps[step] = now  # one timestamp for the values of its epoch: a value sent twice stays one value
+            missing = {k: v for k, v in metrics.items() if (k, step) not in held}
+            self._taken_before += [(step, {k: v}, held[(k, step)]) for k, v in metrics.items() if (k, step) in held]
+            if missing:
+                queued.append((step, missing))
+            else:
+                self.sent.add(step)
+        self.pending = queued + self.pending  # the oldest first
+        self.epochs = [(step, metrics, now) for step, metrics in queued] + self.epochs
+        values = sum(len(metrics) for _, metrics in queued)
+        if values:
+            log.info("of the epoch(s) restored from the checkpoint (%s), run %s lacked %d value(s) of %d epoch(s) (an "
+                     "earlier attempt's rank 0 held them when it stopped): sent now", steps, self.run_id, values,
+                     len(queued))
+        return True
+
+    def _on_server(self, restored: List[Tuple[int, Dict[str, Any]]]) \
+            -> Tuple[Dict[Tuple[str, int], int], Optional[int]]:
+        """((metric key, step) -> its timestamp, of the `restored` epochs' values the run holds on the server; the
+        run's first step on the server of any of their keys, None when it holds none)."""
+        steps = {step for step, _ in restored}
+        found: Dict[Tuple[str, int], int] = {}
+        first: Optional[int] = None
+        for key in sorted({key for _, metrics in restored for key in metrics}):
+            for metric in self.client.get_metric_history(self.run_id, key):
+                first = int(metric.step) if first is None else min(first, int(metric.step))
+                if int(metric.step) in steps:
+                    found.setdefault((key, int(metric.step)), int(metric.timestamp))
+        return found, first
+
     def _drop_local_file(self) -> None:
         path = os.path.join(self.local_dir or "", f"unsent_metrics_{self.run_id}.jsonl")
         if self.local_dir and os.path.exists(path):
@@ -224,7 +314,9 @@ class RankZeroTracker:
 
     def _go_offline(self, job) -> None:
         self.offline = OfflineRun(offline_folder(job.job_dir))
-        self.offline.write_metrics((step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs)
+        epochs = [(step, metrics, ts, step in self.sent) for step, metrics, ts in self.epochs]
+        epochs += [(step, metrics, ts, True) for step, metrics, ts in self._taken_before]
+        self.offline.write_metrics(sorted(epochs, key=lambda epoch: epoch[0]))
         unsent = sum(len(metrics) for _, metrics in self.pending)
         self.offline.update(tags={**self.tags, "lakehouse.metrics_left_offline": str(unsent)})
         redacted = redact_url(job.tracking_uri) != job.tracking_uri  # the folder keeps it so: sync-run needs it given
