@@ -5,11 +5,12 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -34,6 +35,11 @@ ONNX_INLINE_LIMIT = 2 ** 31 - 2 ** 26
 ONNX_OPSET = 17
 PARITY_TOL = 1e-4
 EXPORT_ARTIFACT_DIR = "export"
+# Exports into one --out move their files in one at a time under this lock file in --out (created exclusively, gone
+# once they are moved): two exports at once leave --out holding every file of one of them, never a mix. A move takes
+# milliseconds; an export waits at most LOCK_WAIT_S for another's, then fails naming the lock and its holder.
+LOCK_FILE = ".export.lock"
+LOCK_WAIT_S = 60.0
 
 
 class ExportError(RuntimeError):
@@ -119,17 +125,80 @@ def _who(meta: Dict[str, Any], model_info: Optional[Dict[str, Any]]) -> str:
     return f"network {meta.get('arch')!r}"
 
 
-def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out_dir: Path,
-                   model_info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Write the network (`fmt`) and contract.json to `out_dir`; check it against torch on probe inputs.
-
-    The files are written to a hidden folder inside `out_dir` and moved into place only once checked: a failed
-    export leaves `out_dir` as it was (removed again if this call made it). A successful one replaces the files of an
-    earlier export of this format there. Only `out_dir` itself must be writable (a volume's root, a mount point).
+@contextlib.contextmanager
+def out_lock(dest: Path, who: str, wait_s: Optional[float] = None) -> Iterator[None]:
+    """Hold LOCK_FILE in `dest` for the block: created exclusively (O_EXCL: local disks, NFS, most FUSE mounts),
+    holding this host, pid and time, removed afterwards. Another export's lock is waited for, up to `wait_s`
+    (LOCK_WAIT_S by default). A lock is never taken from its holder: one left by a process that is gone (killed
+    while it moved its files) is named at once when it was of this host, after the wait otherwise.
 
     Raises:
-        ExportError: unknown format, the export failed (naming the model and version), or the exported model's
-        probabilities differ from torch's by more than 1e-4.
+        ExportError: naming the lock file and its holder, and that nothing was moved into `dest`.
+    """
+    lock = dest / LOCK_FILE
+    deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
+    host = socket.gethostname()
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            holder = _holder(lock)
+            gone = _gone_here(holder, host)
+            if gone or time.monotonic() > deadline:
+                why = ("left by a process of this host that is gone: remove it" if gone else
+                       "run one export at a time per --out, or remove it if no export runs")
+                raise ExportError(f"{who}: checked, but {lock} is held ({holder}); nothing moved into {dest}: "
+                                  f"{why}") from None
+            time.sleep(0.05)
+    try:
+        os.write(fd, f"host {host} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode())
+    finally:
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+
+
+def _holder(lock: Path) -> str:
+    try:
+        return lock.read_text().strip() or "by a process that has not written its name yet"
+    except OSError:
+        return "by a process that has just released it"
+
+
+def _gone_here(holder: str, host: str) -> bool:
+    """Whether `holder` (a lock's text: host H pid N since T) names a process of `host` that no longer runs."""
+    parts = holder.split()
+    if len(parts) < 4 or parts[:1] != ["host"] or parts[1] != host or parts[2] != "pid" or not parts[3].isdigit():
+        return False
+    try:
+        os.kill(int(parts[3]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it runs
+        return False
+    return False
+
+
+def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out_dir: Path,
+                   model_info: Optional[Dict[str, Any]] = None,
+                   log_files: Optional[Callable[[Path, List[str]], None]] = None) -> Dict[str, Any]:
+    """Write the network (`fmt`) and contract.json to `out_dir`; check it against torch on probe inputs.
+
+    The files are written to a hidden folder of this call inside `out_dir` and moved into place only once checked: a
+    failed export leaves `out_dir` as it was (removed again if this call made it). A successful one replaces the files
+    of an earlier export of this format there. Only `out_dir` itself must be writable (a volume's root, a mount
+    point). `log_files(folder, names)`, when given, is called with that private folder once the files are checked
+    and before any is moved: what it logs is exactly this export's files, whatever another export does to `out_dir`
+    meanwhile; if it raises, nothing is moved. The moves (one rename per file) hold `out_lock`: exports into one
+    `out_dir` at once leave it holding one export's files, the last to move, never a mix of two.
+
+    Raises:
+        ExportError: unknown format, the export failed (naming the model and version), the exported model's
+        probabilities differ from torch's by more than 1e-4, or another export held `out_dir`'s lock too long.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -162,12 +231,15 @@ def export_network(network: torch.nn.Module, meta: Dict[str, Any], fmt: str, out
                               f"(> {PARITY_TOL}) on probe inputs; nothing written to {out_dir}, not logged")
         files = [name for name in (ONNX_DATA_FILE, FILES[fmt], CONTRACT_FILE) if (staging / name).is_file()]
         size = sum((staging / name).stat().st_size for name in files if name != CONTRACT_FILE)
+        if log_files is not None:
+            log_files(staging, files)
         try:
-            for name in files:  # the weights first: model.onnx never names a data file not there yet
-                os.replace(staging / name, dest / name)
-                moved = True
-            if fmt == "onnx" and ONNX_DATA_FILE not in files and (dest / ONNX_DATA_FILE).is_file():
-                (dest / ONNX_DATA_FILE).unlink()  # an earlier, larger export's weights: not this model's
+            with out_lock(dest, f"{fmt} export of {who}"):
+                for name in files:  # the weights first: model.onnx never names a data file not there yet
+                    os.replace(staging / name, dest / name)
+                    moved = True
+                if fmt == "onnx" and ONNX_DATA_FILE not in files and (dest / ONNX_DATA_FILE).is_file():
+                    (dest / ONNX_DATA_FILE).unlink()  # an earlier, larger export's weights: not this model's
         except OSError as exc:
             raise ExportError(f"{fmt} export of {who}: checked, but moving it into {out_dir} failed: {exc}") from None
     finally:
@@ -193,20 +265,26 @@ def export_model(cfg, model_uri: str, fmt: str, out_dir: Optional[str] = None) -
     network, meta = load_network(pinned)
     info = {"name": pinned.name, "version": pinned.version, "run_id": pinned.run_id, "requested": model_uri}
     started = time.monotonic()
+    artifact_path = f"{EXPORT_ARTIFACT_DIR}/{fmt}"
+
+    def log_files(folder: Path, names: List[str]) -> None:
+        """Log the checked files from the export's own staging folder (before they are moved into `--out`, which
+        another export may be writing at the same time), then tag the version."""
+        try:
+            for name in names:
+                client.log_artifact(pinned.run_id, str(folder / name), artifact_path=artifact_path)
+            client.set_model_version_tag(pinned.name, pinned.version, f"export_{fmt}",
+                                         f"runs:/{pinned.run_id}/{artifact_path}")
+        except MlflowException as exc:
+            raise ExportError(f"model {pinned.name!r} version {pinned.version}: exported and checked, but logging to "
+                              f"run {pinned.run_id} failed: {exc.message}; nothing moved into "
+                              f"{out_dir or 'the output folder'}") from None
+
     with tempfile.TemporaryDirectory(prefix="lakehouse-export-") as tmp:
         target = Path(out_dir) if out_dir else Path(tmp) / fmt
-        result = export_network(network, meta, fmt, target, info)
+        result = export_network(network, meta, fmt, target, info, log_files=log_files if pinned.run_id else None)
         artifact_uri = None
         if pinned.run_id:
-            artifact_path = f"{EXPORT_ARTIFACT_DIR}/{fmt}"
-            try:
-                for name in result["files"]:  # this export's files only, whatever else `--out` holds
-                    client.log_artifact(pinned.run_id, str(target / name), artifact_path=artifact_path)
-                client.set_model_version_tag(pinned.name, pinned.version, f"export_{fmt}",
-                                             f"runs:/{pinned.run_id}/{artifact_path}")
-            except MlflowException as exc:
-                raise ExportError(f"model {pinned.name!r} version {pinned.version}: exported, but logging to run "
-                                  f"{pinned.run_id} failed: {exc.message}") from None
             artifact_uri = f"runs:/{pinned.run_id}/{artifact_path}"
         else:
             log.warning("model %r version %s has no run; the export is not logged", pinned.name, pinned.version)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
@@ -54,7 +54,7 @@ def resolve(client: MlflowClient, uri: str) -> PinnedModel:
         if kind == "alias":
             mv = client.get_model_version_by_alias(name, ref)
         elif kind == "latest":
-            versions = client.search_model_versions(f"name='{name}'")
+            versions = model_versions(client, name)
             if not versions:
                 raise ModelNotFound(f"--model {uri!r}: registered model {name!r} has no versions")
             mv = max(versions, key=lambda v: int(v.version))
@@ -65,13 +65,39 @@ def resolve(client: MlflowClient, uri: str) -> PinnedModel:
     return PinnedModel(name=name, version=str(mv.version), run_id=str(mv.run_id or ""), requested=uri)
 
 
+def name_filter(name: str) -> Optional[str]:
+    """MLflow's search filter `name = <name>` for a registered model's name: its filter syntax has no escape inside a
+    quoted value (`name='bob\\'s'` and `name='bob''s'` match nothing), so a name with a single quote is quoted with
+    double quotes, any other with single quotes. None for a name with both: no filter string can name it."""
+    if "'" not in name:
+        return f"name='{name}'"
+    if '"' not in name:
+        return f'name="{name}"'
+    return None
+
+
+def model_versions(client: MlflowClient, name: str) -> List[Any]:
+    """The versions of registered model `name`, whatever characters its name holds (`name_filter`; a name with both
+    quote characters: every version in the registry, page by page, kept where the name is equal)."""
+    filter_string = name_filter(name)
+    if filter_string is not None:
+        return list(client.search_model_versions(filter_string))
+    found, token = [], None
+    while True:
+        page = client.search_model_versions(page_token=token)
+        found.extend(v for v in page if v.name == name)
+        token = getattr(page, "token", None)
+        if not token:
+            return found
+
+
 def _short(exc: MlflowException) -> str:
     return str(getattr(exc, "message", exc)).splitlines()[0][:300]
 
 
 def _known(client: MlflowClient, name: str) -> str:
     try:
-        versions = client.search_model_versions(f"name='{name}'")
+        versions = model_versions(client, name)
         model = client.get_registered_model(name)
     except MlflowException:
         return f" (no registered model {name!r} in this tracking store)"

@@ -4,10 +4,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional
 from urllib.parse import urlparse
 
+from pipeline import redact
 from pipeline.lakehouse.delta import ConcurrentWriteError, commit_files, get_engine, same_table, table_location
 from pipeline.lakehouse.delta_common import files_digest
 from pipeline.log import get_logger
@@ -110,6 +113,60 @@ def count_commit(table: str, version: int) -> Optional[Dict[str, int]]:
     return {"rows": rows, "errors": errors, "files": len(files)}
 
 
+def commit_rows_in_log(engine, spark, table: str, version: int) -> Optional[int]:
+    """Rows that commit `version` of `table` wrote, as its commit info in the Delta log records them
+    (`operationMetrics.numOutputRows`, which delta-spark writes for every write, from the engine's `history`): a
+    count for a table that is not on this filesystem (an object store's, a catalog's), where its files cannot be read
+    here. None when the commit records none (delta-rs commits of files it did not write, metrics turned off)."""
+    for entry in engine.history(spark, table):
+        if entry.get("version") is not None and int(entry["version"]) == int(version):
+            metrics = entry.get("operationMetrics") or {}
+            try:
+                return int(metrics["numOutputRows"])
+            except (KeyError, TypeError, ValueError):
+                return None
+    return None
+
+
+def check_rows_written(engine, spark, table: str, out: str, pinned_version: int, out_version: int,
+                       rows_in: int) -> Dict[str, Any]:
+    """Compare the rows in the commit `out_version` of `out` with the `rows_in` read: {"errors": error rows or
+    None, "rows_written": rows or None, "rows_check": how they were compared, or why they were not}.
+
+    A local table: its files, read from the Delta log (`count_commit`), rows and error rows counted. Any other
+    (`commit_files` reads local tables only): the rows its commit info records (`commit_rows_in_log`), error rows not
+    counted (`errors` None, `rows_check` says so); a commit that records none is not compared: a WARNING and
+    `rows_check` say why, never a silent skip.
+
+    Raises:
+        PredictError: the commit holds another number of rows than were read.
+    """
+    counts = count_commit(out, out_version)
+    if counts is not None:
+        rows, errors = counts["rows"], counts["errors"]
+        how = f"passed: {rows} rows in the {counts['files']} data file(s) of the commit, as many as read"
+    else:
+        errors = None
+        try:
+            rows = commit_rows_in_log(engine, spark, out, out_version)
+            missing = "its commit records no row count (operationMetrics.numOutputRows)"
+        except Exception as exc:  # noqa: BLE001  # the check is reported as not run, the commit stays
+            rows, missing = None, f"its history could not be read ({type(exc).__name__}: {exc})"
+        if rows is None:
+            how = (f"not run: {out} is not a table on this filesystem (its data files are not read here) and "
+                   f"{missing}; the rows written were not compared with the {rows_in} read, and error rows were "
+                   f"not counted")
+            log.warning("predictions in %s version %s: the check rows written = rows read did %s", out, out_version,
+                        how)
+            return {"errors": None, "rows_written": None, "rows_check": how}
+        how = (f"passed: {rows} rows in the commit's operationMetrics.numOutputRows (Delta log), as many as read; "
+               f"error rows not counted ({out} is not a table on this filesystem)")
+    if rows != rows_in:
+        raise PredictError(f"predictions for Delta table {table} version {pinned_version}: {rows} rows in the commit "
+                           f"of {out} version {out_version}, but the input has {rows_in}")
+    return {"errors": errors, "rows_written": rows, "rows_check": how}
+
+
 def scoring_partitions(current: int, cores: int, local: bool) -> int:
     """How many partitions to score: at least one per core (all cores score, even a table of one file); in local
     mode exactly one per core, since spark_udf loads the model once per task there (no per-process cache as on a
@@ -148,20 +205,62 @@ def batch_model_config(model_uri: str) -> Optional[Dict[str, Any]]:
     return {MAX_PIXELS_CONFIG_KEY: max(int(config[MAX_PIXELS_CONFIG_KEY]), BATCH_MAX_PIXELS_PER_CALL)}
 
 
+@contextlib.contextmanager
+def tracking_uri_withheld() -> Iterator[str]:
+    """MLflow's tracking URI set, for the block, to its redacted form (`pipeline.redact.redact_url`: the password
+    of `http://user:password@host`, a user alone, secret query values replaced); yields that. The URI and the
+    MLFLOW_TRACKING_URI variable (which `mlflow.set_tracking_uri` sets too) are put back as they were afterwards.
+
+    `mlflow.pyfunc.spark_udf` reads `mlflow.get_tracking_uri()` when it builds the UDF and ships it inside the UDF to
+    every executor, which sets it there (for Spark Connect, whose executors download the model). With
+    env_manager="local" and a model given as a local folder, the executors load the copy spark_udf ships (local
+    mode: its folder; a cluster: an archive it broadcasts) and never reach the tracking server: they need no URI, and
+    a password in it must not travel (DESIGN: secrets reach no executor that did not need them). The process's URI
+    is changed for the block: nothing else in it may use MLflow meanwhile (`predict_table` builds the UDF alone)."""
+    import mlflow
+
+    before, env_before = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
+    withheld = redact.redact_url(before)
+    mlflow.set_tracking_uri(withheld)
+    try:
+        yield withheld
+    finally:
+        mlflow.set_tracking_uri(before)
+        if env_before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env_before
+
+
+def model_udf(spark, pinned_model):
+    """The scoring UDF of `pinned_model` (`mlflow.pyfunc.spark_udf`, env_manager=local, params on_error=null, the
+    batch pixel budget), built without the tracking URI's credentials: the version is downloaded first, with them,
+    into a folder of this call, and spark_udf builds from that folder while the URI is withheld
+    (`tracking_uri_withheld`). spark_udf copies the folder (and, on a cluster, broadcasts it) before it returns: the
+    executors load that copy, so the download is removed on return."""
+    import mlflow.artifacts
+    import mlflow.pyfunc
+
+    with tempfile.TemporaryDirectory(prefix="lakehouse-predict-model-") as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=pinned_model.uri, dst_path=tmp)
+        config = batch_model_config(local)
+        with tracking_uri_withheld():
+            # env_manager=local: executors use this Python; on a cluster the model is loaded once per Python worker
+            # process (SparkModelCache, spark.python.worker.reuse), in local mode once per task (see
+            # scoring_partitions); it is fed Arrow batches of rows (spark.sql.execution.arrow.maxRecordsPerBatch).
+            return mlflow.pyfunc.spark_udf(spark, local, result_type=UDF_RESULT, env_manager="local",
+                                           params={"on_error": "null"}, model_config=config)
+
+
 def scored_frame(spark, df, pinned_model, input_table: str, input_version: int):
     """`df` (path, content, ...) -> one output row per input row with the model's answer or the row's error."""
-    import mlflow.pyfunc
     from pyspark.sql import functions as F
 
     missing = [c for c in (KEY_COLUMN, CONTENT_COLUMN) if c not in df.columns]
     if missing:
         raise PredictError(f"Delta table {input_table} version {input_version} has no column(s) "
                            f"{', '.join(repr(c) for c in missing)} to score; it has {df.columns}")
-    # env_manager=local: executors use this Python; on a cluster the model is loaded once per Python worker process
-    # (SparkModelCache, spark.python.worker.reuse), in local mode once per task (see scoring_partitions); it is fed
-    # Arrow batches of rows (spark.sql.execution.arrow.maxRecordsPerBatch).
-    udf = mlflow.pyfunc.spark_udf(spark, pinned_model.uri, result_type=UDF_RESULT, env_manager="local",
-                                  params={"on_error": "null"}, model_config=batch_model_config(pinned_model.uri))
+    udf = model_udf(spark, pinned_model)
     df = partitions_for_scoring(spark, df)
     scored = df.select(F.col(KEY_COLUMN), udf(F.struct(F.col(CONTENT_COLUMN))).alias("_p"))
     # spark_udf casts a string field with str() in a batch where it is not all None: a batch mixing good and
@@ -202,7 +301,9 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     recorded in each row. Returns what the CLI prints as its JSON line.
 
     The version and the row counts reported are those of this job's own commit (its files, read from the Delta
-    log), whatever other writers commit to `out` meanwhile. The commit claims the job's identity (`job_identity`:
+    log), whatever other writers commit to `out` meanwhile; `rows_check` says how rows written were compared with
+    rows read (`check_rows_written`: a table not on this filesystem by its commit's recorded row count, its error
+    rows not counted), or why they could not be. The commit claims the job's identity (`job_identity`:
     model version, input table, version and data files, mode, `run_key`): an append whose identity is already
     committed to `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing
     and reports that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same
@@ -261,17 +362,15 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
             out_version = exc.winners[0]
             log.warning("%s; its predictions of the same job are reported", exc)
             already = [out_version]
-    counts = count_commit(out, out_version)
-    if counts is not None and counts["rows"] != rows_in:
-        raise PredictError(f"predictions for Delta table {table} version {pinned.version}: {counts['rows']} rows "
-                           f"in the commit of {out} version {out_version}, but the input has {rows_in}")
+    checked = check_rows_written(engine, spark, table, out, pinned.version, out_version, rows_in)
     seconds = time.monotonic() - started
     result.update({
-        "errors": counts["errors"] if counts else None, "out_version": out_version,
+        **checked, "out_version": out_version,
         "already_in_table": bool(already), "seconds": round(seconds, 2),
         "rows_per_s": round(rows_in / seconds, 1) if seconds > 0 and not already else None,
     })
     if not already:
-        log.info("wrote %d prediction rows (%s undecodable) to %s version %d in %.1f s", rows_in, result["errors"],
-                 out, out_version, seconds)
+        undecodable = "not counted" if result["errors"] is None else result["errors"]
+        log.info("wrote %d prediction rows (undecodable: %s) to %s version %d in %.1f s", rows_in, undecodable, out,
+                 out_version, seconds)
     return result

@@ -210,7 +210,8 @@ def pixel_budget(model_config: Optional[Dict[str, Any]]) -> Tuple[int, str]:
 def declared_pixels(content: bytes) -> int:
     """The pixels (width x height) an encoded image's header declares, nothing decoded: the JPEG frame header
     (microseconds), else PIL's open (the header only). 0 for a row that will not be decoded: its header unreadable,
-    or declaring more than pipeline.images.MAX_PIXELS (the decoder refuses it unread, naming it)."""
+    declaring more than pipeline.images.MAX_PIXELS, or a JPEG of more than pipeline.images.MAX_JPEG_SCANS scans
+    (jpeg_frame answers None for it and `opened` refuses it: the decoder refuses it unread, naming it)."""
     frame = jpeg_frame(content)
     if frame is not None:
         pixels = frame[0] * frame[1]
@@ -346,7 +347,15 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 def model_signature() -> "mlflow.models.ModelSignature":
     """Input: a binary `content` column (base64 strings in JSON); output: label, label_index, probability,
     probabilities, and `error` (only with params on_error=null); params `on_error` (raise|null) and `max_rows` (none
-    given: the model's limit, row_limit)."""
+    given: the model's limit, row_limit).
+
+    The params keep their types (a string, a whole number): MLflow checks a request's params against these before the
+    model runs, and MLflow 3.17 has no param type that passes any value (`string` refuses a number, `long` a string,
+    `object` anything but a JSON object: mlflow.models.utils._enforce_param_datatype), so a value of another JSON type
+    is MLflow's 400 (naming the param, after the request as MLflow prints it: short in the dataframe forms, whole in
+    `inputs`/`instances`, which docs/registry-and-serving.md says not to send). Declared as strings, every client's
+    `"max_rows": 500` would be refused that way instead. A value of the right type is checked in `predict`, which
+    names the param in the model's own short message."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
     from mlflow.types.schema import Array
@@ -406,7 +415,8 @@ def log_model(network: torch.nn.Module, meta: Dict[str, Any], artifact_path: str
 
     if not _whole(max_rows_per_call) or max_rows_per_call < PREDICT_BATCH_SIZE:
         raise ValueError(f"max_rows_per_call={max_rows_per_call!r}: must be a whole number of at least "
-                         f"{PREDICT_BATCH_SIZE} (the gate and batch scoring send up to {PREDICT_BATCH_SIZE} rows a call)")
+                         f"{PREDICT_BATCH_SIZE} (the gate and batch scoring send up to {PREDICT_BATCH_SIZE} rows a "
+                         f"call)")
     if not _whole(max_pixels_per_call) or max_pixels_per_call < MAX_PIXELS:
         raise ValueError(f"max_pixels_per_call={max_pixels_per_call!r}: must be a whole number of at least "
                          f"{MAX_PIXELS:,} (pipeline.images.MAX_PIXELS: one image of the largest size decoded)")

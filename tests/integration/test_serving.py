@@ -134,6 +134,8 @@ def test_predict_scores_every_row_and_keeps_the_undecodable_one(registered, rows
     result = _run(cli(*args), timeout=240)
     seconds = time.monotonic() - started
     assert result["rows"] == len(rows) + 1 and result["errors"] == 1, result
+    assert result["rows_written"] == len(rows) + 1 and result["rows_check"].startswith(
+        f"passed: {len(rows) + 1} rows in the "), result  # a local --out: counted from its commit's data files
     assert (result["model_version"], result["input_version"], result["out_version"]) == (pinned.version, 1, 0)
 
     dt = DeltaTable(str(out))

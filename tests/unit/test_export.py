@@ -1,6 +1,7 @@
 """`lakehouse export`: ONNX with external data, nothing left in --out by a failed export, failures named."""
 import os
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -159,3 +160,114 @@ def test_the_export_is_staged_inside_out_so_only_out_must_be_writable(monkeypatc
     ex.export_network(_net(width=4), {**META, "width": 4}, "torchscript", out)
     assert made == [out.resolve()]
     assert set(os.listdir(out)) == {"model.pt", CONTRACT_FILE}  # the staging folder gone
+
+
+def _onnx_version(path: Path) -> str:
+    """The model version recorded in an ONNX file's own contract (its metadata `preprocessing_contract`)."""
+    import json
+
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    props = {p.key: p.value for p in model.metadata_props}
+    return json.loads(props["preprocessing_contract"])["model"]["version"]
+
+
+def test_an_export_logs_its_own_files_while_another_export_writes_the_same_out(monkeypatch, tmp_path):
+    """Export A logged its files from the shared --out after moving them there: an export B into the same --out in
+    between made run A log B's model.onnx and contract.json. A logs from its private staging folder now."""
+    import json
+
+    out = tmp_path / "out"
+    client = _Client(tmp_path / "runs")
+    real_log = client.log_artifact
+    other = []
+
+    def log_artifact(run_id, local_path, artifact_path=None):
+        if not other:  # B runs to the end while A logs its first file
+            other.append(ex.export_network(_net(width=8), {**META, "width": 8}, "onnx", out,
+                                           {"name": "clf", "version": "7"}))
+        real_log(run_id, local_path, artifact_path)
+
+    client.log_artifact = log_artifact
+    pinned = SimpleNamespace(name="clf", version="3", run_id="run1")
+    monkeypatch.setattr(ex, "configure", lambda _mlflow: client)
+    monkeypatch.setattr(ex, "resolve", lambda _client, _uri: pinned)
+    monkeypatch.setattr(ex, "load_network", lambda _pinned: (_net(width=4), {**META, "width": 4}))
+    result = ex.export_model(SimpleNamespace(mlflow=None), "models:/clf/3", "onnx", str(out))
+    logged = client.root / "run1" / "export" / "onnx"
+    assert other and result["model_version"] == "3"
+    assert _onnx_version(logged / "model.onnx") == "3", "run A logged export B's model.onnx"
+    assert json.loads((logged / CONTRACT_FILE).read_text())["model"]["version"] == "3"
+    # --out holds one export's files, both of them of the same export
+    assert _onnx_version(out / "model.onnx") == json.loads((out / CONTRACT_FILE).read_text())["model"]["version"]
+    assert set(os.listdir(out)) == {"model.onnx", CONTRACT_FILE}
+
+
+def test_exports_into_one_out_at_once_leave_one_exports_files_never_a_mix(monkeypatch, tmp_path):
+    """Each export moves its files in one rename per file; two at once interleaved their moves (A's model.onnx, then
+    all of B's, then A's contract.json: B's model under A's contract). The moves hold --out's lock now."""
+    import json
+    import threading
+
+    out = tmp_path / "out"
+    real_replace = os.replace
+    state = {"started": False}
+    threads = []
+    b_waits = threading.Event()
+
+    def sleep(seconds):  # the export module's only sleep: B waiting for A's lock
+        if threading.current_thread() is not threading.main_thread():
+            b_waits.set()
+        time.sleep(seconds)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if not state["started"] and threading.current_thread() is threading.main_thread():
+            state["started"] = True  # A has moved its first file: B starts its whole export now
+            t = threading.Thread(target=lambda: state.setdefault("b", ex.export_network(
+                _net(width=8), {**META, "width": 8}, "onnx", out, {"name": "clf", "version": "7"})))
+            t.start()
+            threads.append(t)
+            deadline = time.monotonic() + 120
+            while t.is_alive() and not b_waits.is_set() and time.monotonic() < deadline:
+                t.join(0.05)  # B moved all its files (nothing stopped it), or waits for A's lock
+
+    monkeypatch.setattr(ex, "time", SimpleNamespace(monotonic=time.monotonic, strftime=time.strftime, sleep=sleep))
+    monkeypatch.setattr(ex.os, "replace", replace)
+    ex.export_network(_net(width=4), {**META, "width": 4}, "onnx", out, {"name": "clf", "version": "3"})
+    for t in threads:
+        t.join(timeout=60)
+    assert "b" in state
+    versions = (_onnx_version(out / "model.onnx"), json.loads((out / CONTRACT_FILE).read_text())["model"]["version"])
+    assert versions in (("3", "3"), ("7", "7")), f"--out mixes two exports: model.onnx of {versions[0]}, " \
+                                                 f"contract.json of {versions[1]}"
+    assert set(os.listdir(out)) == {"model.onnx", CONTRACT_FILE}  # no lock file or staging folder left
+
+
+def test_a_lock_held_too_long_or_left_by_a_gone_process_is_named_and_nothing_moves(monkeypatch, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    ex.export_network(_net(width=4), {**META, "width": 4}, "onnx", out)
+    before = _listing(out)
+    lock = out / ex.LOCK_FILE
+    monkeypatch.setattr(ex, "LOCK_WAIT_S", 0.3)
+    lock.write_text("host elsewhere pid 12345 since 2026-01-01T00:00:00\n")  # another host's export, running
+    with pytest.raises(ex.ExportError, match=r"onnx export of model 'clf' version 3: checked, but .*"
+                                             r"\.export\.lock is held \(host elsewhere pid 12345 since .*\); nothing "
+                                             r"moved into .*: run one export at a time per --out"):
+        ex.export_network(_net(width=8), {**META, "width": 8}, "onnx", out, {"name": "clf", "version": "3"})
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(f"host {socket.gethostname()} pid {int(gone.stdout)} since 2026-01-01T00:00:00\n")
+    monkeypatch.setattr(ex, "LOCK_WAIT_S", 30.0)  # not waited for: its holder is gone
+    started = time.monotonic()
+    with pytest.raises(ex.ExportError, match=r"left by a process of this host that is gone: remove it"):
+        ex.export_network(_net(width=8), {**META, "width": 8}, "onnx", out)
+    assert time.monotonic() - started < 10
+    lock.unlink()
+    assert _listing(out) == before  # the earlier export untouched
+    ex.export_network(_net(width=8), {**META, "width": 8}, "onnx", out)
+    assert set(os.listdir(out)) == {"model.onnx", CONTRACT_FILE}
