@@ -247,7 +247,9 @@ def registry_versions(cfg: Config) -> pd.DataFrame:
     """
     client = _client(cfg)
     name = cfg.mlflow.registered_model
-    versions = client.search_model_versions(f"name='{name}'")
+    from pipeline.tracking.registry import model_versions  # local: mlflow, out of the notebook's table views
+
+    versions = model_versions(client, name)
     aliases = _aliases(client, name) if versions else {}
     return versions_frame(versions, aliases, cfg.mlflow.gate_metric)
 

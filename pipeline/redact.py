@@ -14,8 +14,9 @@ The rule, used everywhere:
   `fs.s3a.access.key`, `fs.azure.account.key.<account>.dfs.core.windows.net` and `api_key` are secrets, while
   `data.key_column`, `cache_key`, `monkey` and `keyboard` are not (whole parts only).
 - In any string, the user-info of a URL (`scheme://user:password@host`) loses its password (`user:***`); a user
-  alone (`scheme://token@host`, often a token) is replaced whole (`***`). Query parameters named like secrets
-  (`?password=`, `&token=`, Azure's `sig=`) lose their values. Scheme, host, port and path stay.
+  alone (`scheme://token@host`, often a token) is replaced whole (`***`), except in Azure storage URLs (abfs, abfss,
+  wasb, wasbs), where it is the container (`abfss://container@account.dfs.core.windows.net/path`). Query parameters
+  named like secrets (`?password=`, `&token=`, Azure's `sig=`) lose their values. Scheme, host, port and path stay.
 
 A secret's value becomes REDACTED; None and empty values stay as they are (there is nothing to hide, and "unset"
 remains visible).
@@ -39,15 +40,18 @@ KEY_DESCRIBED_BY = frozenset({"column", "columns", "col", "cols", "field", "fiel
 # split_key (data.split_key: what picks a row's train/val split)
 DATA_KEY_OWNERS = frozenset({"cache", "partition", "sort", "primary", "foreign", "join", "group", "dict", "row",
                              "shuffle", "lookup", "hash", "dedup", "idempotency", "split"})
+# URL schemes whose user-info, when a name alone, is a container (Azure: abfss://<container>@<account>...), not a token
+_CONTAINER_SCHEMES = frozenset({"abfs", "abfss", "wasb", "wasbs"})
 # query parameters that carry a signature (Azure SAS `sig`, S3 presigned `X-Amz-Signature`)
 _SIGNATURE_PARAMS = frozenset({"sig", "signature", "x-amz-signature"})
 
 # MLflow's credentials (basic auth, bearer token; a Databricks workspace's host and token, with which MLflow reaches the
-# workspace's tracking server from a worker): rank 0 alone writes to MLflow, so only it needs them; the launcher
-# forwards them to every rank only because the launch paths give all ranks one environment, and ranks but 0 drop them
+# workspace's tracking server from a worker) and the tracking URI, which may hold them (`http://user:password@host`):
+# rank 0 alone writes to MLflow, so only it needs them; the launcher forwards them to every rank only because the
+# launch paths give all ranks one environment, and ranks but 0 drop them (no other rank uses MLflow)
 WORKSPACE_CREDENTIALS = ("DATABRICKS_HOST", "DATABRICKS_TOKEN")
 TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-                        *WORKSPACE_CREDENTIALS)
+                        "MLFLOW_TRACKING_URI", *WORKSPACE_CREDENTIALS)
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _SEPARATORS = re.compile(r"[._\-]+")
@@ -83,6 +87,8 @@ def _mask_userinfo(match: "re.Match") -> str:
     user, sep, _password = userinfo.partition(":")
     if sep and user:
         return f"{match.group('scheme')}{user}:{URL_MASK}@"
+    if not sep and match.group("scheme")[:-3].lower() in _CONTAINER_SCHEMES:
+        return match.group(0)  # abfss://<container>@<account>...: a container's name, not a secret
     return f"{match.group('scheme')}{URL_MASK}@"  # a user alone is often a token (https://<token>@host)
 
 
@@ -144,5 +150,5 @@ def without(environ: MutableMapping[str, str], names: Iterable[str]) -> list:
     return removed
 
 
-__all__ = ["REDACTED", "TRACKING_CREDENTIALS", "WORKSPACE_CREDENTIALS", "is_secret_key", "redact_url", "redact_value", "redacted", "without",
-           "word_parts"]
+__all__ = ["REDACTED", "TRACKING_CREDENTIALS", "WORKSPACE_CREDENTIALS", "is_secret_key", "redact_url", "redact_value",
+           "redacted", "without", "word_parts"]

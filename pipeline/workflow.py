@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline import preload
 from pipeline.config import Config, world_size_of
@@ -23,7 +25,7 @@ from pipeline.lakehouse.delta import PinnedTable, get_engine, table_location
 from pipeline.lakehouse.spark import SparkOnDemand, session_of
 from pipeline.log import get_logger
 from pipeline.redact import redact_url
-from pipeline.tracking.offline import left_offline, record_job, upload
+from pipeline.tracking.offline import left_offline, record_job, sync_lock, upload
 from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
 from pipeline.tracking.run_record import RunRecord
 
@@ -122,8 +124,9 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     restore_from = resolve_restore_point(cfg.train.ckpt_restore, checkpoint_dir,
                                          checkpoint_root or cfg.train.checkpoint_dir)
     record.start(cfg, pinned, {"train": rows_train, "val": rows_val}, tags, data.plan, checkpoint_dir, restore_from)
-    job = TrainJob(cfg=cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
-                   run_id=run.run_id, tracking_uri=run.tracking_uri, job_dir=job_dir, tracker=RankZeroTracker,
+    ranks_cfg, ranks_uri = for_the_ranks(cfg, run.tracking_uri)  # no tracking credentials in what every rank gets
+    job = TrainJob(cfg=ranks_cfg, data=data, delta_table=pinned.table, delta_version=pinned.version,
+                   run_id=run.run_id, tracking_uri=ranks_uri, job_dir=job_dir, tracker=RankZeroTracker,
                    checkpoint_dir=checkpoint_dir, plan=job_plan(cfg, data, restore_from))
     if epoch_gate is not None:
         job.epoch_gate_dir = epoch_gate.folder
@@ -147,6 +150,28 @@ def train_in_run(run, cfg: Config, data, pinned, tags: Dict[str, Any], epoch_gat
     return r0
 
 
+def for_the_ranks(cfg: Config, tracking_uri: str) -> Tuple[Config, Optional[str]]:
+    """The config and tracking URI a TrainJob hands every rank (pickled to each, written to the job folder for ranks
+    started early): only rank 0 talks to MLflow, so a URI that holds credentials (`user:password@`, `?token=`) is not
+    in them. The config then has `mlflow.tracking_uri` redacted (no rank connects with it), and the job carries no URI:
+    rank 0 (pipeline.tracking.rank_zero.RankZeroTracker, given None) reaches MLflow through MLFLOW_TRACKING_URI, which
+    this process set when it connected (pipeline.tracking.runs.use_tracking_uri) and the ranks inherit (local ranks
+    from this process, ranks on Spark executors through rank_env.executor_env), and which every rank but 0 drops as it
+    starts (pipeline.redact.TRACKING_CREDENTIALS, rank_process.rank_record). A URI without credentials is handed as
+    it is."""
+    secret_uri = redact_url(tracking_uri) != tracking_uri
+    if redact_url(cfg.mlflow.tracking_uri) != cfg.mlflow.tracking_uri:
+        cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow,
+                                                                  tracking_uri=redact_url(cfg.mlflow.tracking_uri)))
+    if not secret_uri:
+        return cfg, tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI") != tracking_uri:  # rank 0 would not find it there: handed as before
+        log.warning("MLFLOW_TRACKING_URI is not the run's tracking URI %s: the ranks are handed the URI itself",
+                    redact_url(tracking_uri))
+        return cfg, tracking_uri
+    return cfg, None
+
+
 def register_and_promote(client, cfg: Config, model_uri: str, run_id: str, pinned, metrics: Dict[str, float],
                          extra_tags: Optional[Dict[str, Any]] = None):
     """Register `model_uri` (logged by run `run_id`) as a version of `mlflow.registered_model`, tagged with its
@@ -166,8 +191,10 @@ def register_version(client, cfg: Config, model_uri: str, run_id: str, pinned, m
     from pipeline.tracking.registry import register_model  # local: mlflow, out of `import pipeline.workflow`
 
     metric = cfg.mlflow.gate_metric  # the table by its location: the gate finds it from any working directory
-    tags = {"run_id": run_id, "delta_table": table_location(pinned.table), "delta_version": str(pinned.version),
-            metric: str(metrics.get(metric)), "world_size": str(world_size_of(cfg)), "backend": name_of(cfg)}
+    # ... and with any credentials in its URL redacted (the gate reads it through the config's `delta.table`)
+    tags = {"run_id": run_id, "delta_table": redact_url(table_location(pinned.table)),
+            "delta_version": str(pinned.version), metric: str(metrics.get(metric)),
+            "world_size": str(world_size_of(cfg)), "backend": name_of(cfg)}
     tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
     return register_model(client, model_uri, cfg.mlflow.registered_model, run_id, tags=tags, metrics=metrics)
 
@@ -193,12 +220,13 @@ def gate_version(client, cfg: Config, version: str):
 def gate(client, cfg: Config, version: str):
     """The promotion gate on `version` with the config's metric, mode, margin and margin over chance
     (pipeline.tracking.gate.promote): the challenger and the champion scored on the rows both held out, of the
-    challenger's pinned Delta version."""
+    challenger's pinned Delta version (read through the config's `delta.table` where the version records that table
+    with its credentials redacted)."""
     from pipeline.tracking.gate import promote  # local: mlflow, out of `import pipeline.workflow`
 
     return promote(client, cfg.mlflow.registered_model, str(version), cfg.mlflow.gate_metric, cfg.mlflow.gate_mode,
                    margin=cfg.mlflow.gate_margin, val_fraction=cfg.data.val_fraction,
-                   min_lift=cfg.mlflow.gate_min_lift)
+                   min_lift=cfg.mlflow.gate_min_lift, tables=(cfg.delta.table,))
 
 
 def train(spark, cfg: Config, run_name: Optional[str] = None) -> Dict[str, Any]:
@@ -262,7 +290,7 @@ def run_summary(run, cfg: Config, pinned, rows: Any, r0: Any, marks: Dict[str, f
         "run_id": run.run_id,
         "model_name": cfg.mlflow.registered_model,
         "model_version": model_version,
-        "delta_table": pinned.table,
+        "delta_table": redact_url(pinned.table),
         "delta_version": pinned.version,
         "rows_train": rows_train,
         "rows_val": rows_val,
@@ -295,13 +323,16 @@ def phases(marks: Dict[str, float]) -> Dict[str, Any]:
 
 
 def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
-    """Gate a registered version (latest when None) against the current champion, on the same held-out rows."""
+    """Gate a registered version (latest when None) against the current champion, on the same held-out rows. MLflow's
+    HTTP retries are bounded by `mlflow.retries` (pipeline.tracking.runs.http_bounds) as in `train`: a gate makes
+    dozens of registry calls, each of which MLflow's defaults would retry for minutes."""
     from pipeline.tracking.registry import latest_version  # local: mlflow, out of `import pipeline.workflow`
-    from pipeline.tracking.runs import configure  # local: mlflow, out of `import pipeline.workflow`
+    from pipeline.tracking.runs import configure, http_bounds, temporary_env  # local: mlflow, as above
 
-    client = configure(cfg.mlflow)
-    version = version or latest_version(client, cfg.mlflow.registered_model)
-    return dict(gate(client, cfg, str(version)).__dict__)
+    with temporary_env(http_bounds(cfg.mlflow)):
+        client = configure(cfg.mlflow)
+        version = version or latest_version(client, cfg.mlflow.registered_model)
+        return dict(gate(client, cfg, str(version)).__dict__)
 
 
 def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -311,13 +342,25 @@ def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, An
 
     Idempotent: each step is recorded in the folder as it completes (`Upload.record`), so a sync-run that failed
     part way is resumed by the next: the same run, no metric value twice, and never a second version for the run
-    (the registry is asked for one too). The summary's `resumed` says which steps an earlier sync-run had done.
+    (the registry is asked for one too). The summary's `resumed` says which steps an earlier sync-run had done. One
+    sync-run of a folder at a time: it holds the folder's lock (`sync_lock`) from start to end, and a second one
+    started meanwhile fails at once. MLflow's HTTP retries are bounded by `mlflow.retries` throughout, as in `train`.
 
     Raises:
-        SyncError: the folder is not a run left offline, or was uploaded already; the run an earlier sync-run of
-            the folder created is no longer on the server.
+        SyncError: the folder is not a run left offline, or was uploaded already; another sync-run of it is under
+            way (the message names its pid); the run an earlier sync-run of the folder created is no longer on the
+            server.
     """
-    up = upload(folder, overrides)
+    from pipeline.tracking.runs import http_bounds, temporary_env  # local: mlflow, out of `import pipeline.workflow`
+
+    with sync_lock(folder):
+        up = upload(folder, overrides)
+        with temporary_env(http_bounds(up.cfg.mlflow)):
+            return _register_synced(up)
+
+
+def _register_synced(up) -> Dict[str, Any]:
+    """`sync_run`'s part after the upload: register and gate the model if the job would have, end the run."""
     if up.info.get("register") and up.summary["status"] == "FINISHED":  # nothing registered from a failed run
         name = up.cfg.mlflow.registered_model
         version = up.registered_version(name)

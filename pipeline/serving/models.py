@@ -9,6 +9,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from pipeline.tracking.pyfunc import load_pyfunc
+from pipeline.tracking.registry import model_versions
 
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[^/@]+))$")
 
@@ -63,32 +64,6 @@ def resolve(client: MlflowClient, uri: str) -> PinnedModel:
     except MlflowException as exc:
         raise ModelNotFound(f"--model {uri!r}: {_short(exc)}{_known(client, name)}") from None
     return PinnedModel(name=name, version=str(mv.version), run_id=str(mv.run_id or ""), requested=uri)
-
-
-def name_filter(name: str) -> Optional[str]:
-    """MLflow's search filter `name = <name>` for a registered model's name: its filter syntax has no escape inside a
-    quoted value (`name='bob\\'s'` and `name='bob''s'` match nothing), so a name with a single quote is quoted with
-    double quotes, any other with single quotes. None for a name with both: no filter string can name it."""
-    if "'" not in name:
-        return f"name='{name}'"
-    if '"' not in name:
-        return f'name="{name}"'
-    return None
-
-
-def model_versions(client: MlflowClient, name: str) -> List[Any]:
-    """The versions of registered model `name`, whatever characters its name holds (`name_filter`; a name with both
-    quote characters: every version in the registry, page by page, kept where the name is equal)."""
-    filter_string = name_filter(name)
-    if filter_string is not None:
-        return list(client.search_model_versions(filter_string))
-    found, token = [], None
-    while True:
-        page = client.search_model_versions(page_token=token)
-        found.extend(v for v in page if v.name == name)
-        token = getattr(page, "token", None)
-        if not token:
-            return found
 
 
 def _short(exc: MlflowException) -> str:

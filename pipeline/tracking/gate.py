@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -31,7 +31,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import MlflowConfig
 from pipeline.lakehouse.split import held_out_by_all
 from pipeline.log import get_logger
-from pipeline.redact import error_line, redact_url
+from pipeline.redact import URL_MASK, error_line, redact_url
 from pipeline.tracking.heldout import (HeldOutRows, Scorer, chance_level, chance_what, comparable, held_out_rows,
                                        holdout_of, pinned_data, score_on_rows, split_of)
 from pipeline.tracking.lease import Lease, LeaseHeld, LeaseLost, LeaseOverrun, LeaseTimes
@@ -41,8 +41,10 @@ from pipeline.tracking.runs import temporary_env
 log = get_logger(__name__)
 
 GATE_MODES = ("max", "min")
-# The tag on a model version that records what the gate decided about it.
+# The tag on a model version that records what the gate decided about it; every tag the gate writes on a version
+# starts with GATE_PREFIX, and each gate's record replaces the earlier one's whole (`_record`).
 GATE_TAG = "gate_decision"
+GATE_PREFIX = "gate_"
 # The registered-model tag holding the gate's lease on an alias (its key: LEASE_TAG + "." + alias).
 LEASE_TAG = "gate_lease"
 # How many times one gate re-scores a champion that moved while it scored before it gives up.
@@ -196,11 +198,45 @@ def _set_alias_within(client: MlflowClient, name: str, alias: str, version: str,
 
 
 def _record(client: MlflowClient, name: str, version: str, tags: Dict[str, str]) -> None:
+    """The gate's record on the version: `tags` (its gate_* tags) written, then every other gate_* tag the version
+    has removed: an earlier gate's figures (gate_champion_<metric>, gate_chance_<metric>, ...) would contradict this
+    one's decision. A tag that cannot be written or removed is logged; the decision stands. Where no tag could be
+    written (the registry is down), nothing is removed: no more calls are spent on it."""
+    written = 0
     for key, val in tags.items():
         try:
             client.set_model_version_tag(name, version, key, redact_url(str(val))[:5000])
+            written += 1
         except MlflowException as exc:  # the decision stands even if an audit tag cannot be written
             log.warning("could not tag model %r version %s with %s: %s", name, version, key, exc)
+    if not written:
+        return
+    try:
+        stale = sorted(k for k in (client.get_model_version(name, version).tags or {})
+                       if k.startswith(GATE_PREFIX) and k not in tags)
+    except MlflowException as exc:
+        log.warning("could not read the tags of model %r version %s to remove an earlier gate's: %s", name, version,
+                    exc)
+        return
+    for key in stale:
+        try:
+            client.delete_model_version_tag(name, version, key)
+        except MlflowException as exc:
+            log.warning("could not remove the earlier gate's tag %s of model %r version %s: %s", key, name, version,
+                        exc)
+
+
+def _with_credentials(recorded: str, tables: Sequence[str]) -> str:
+    """The table a version records (its location, any credentials in the URL redacted: pipeline.redact), read through
+    the one of `tables` (the config's `delta.table`, credentials and all) that it records; else as recorded."""
+    if URL_MASK not in recorded:
+        return recorded
+    from pipeline.lakehouse.delta import table_location
+
+    for table in tables:
+        if table and redact_url(table_location(str(table))) == recorded:
+            return table_location(str(table))
+    return recorded
 
 
 def _check_keys(mode: str, margin: float, min_lift: Optional[float]) -> None:
@@ -216,7 +252,7 @@ class _Scoring:
     """The rows and scores one gate has: rows per rule (read once), the challenger's score on each, each holder's."""
 
     def __init__(self, client: MlflowClient, name: str, mv: ModelVersion, metric: str, val_fraction: float,
-                 held_out: Optional[HeldOutRows], scorer: Scorer):
+                 held_out: Optional[HeldOutRows], scorer: Scorer, tables: Sequence[str] = ()):
         self.client, self.name, self.mv, self.metric, self.scorer = client, name, mv, metric, scorer
         self.version, self.val_fraction, self.given = str(mv.version), val_fraction, held_out
         self.rows: Dict[Tuple, HeldOutRows] = {}
@@ -225,7 +261,8 @@ class _Scoring:
         self.scores: Dict[str, float] = {}
         self.errors: Dict[str, str] = {}
         if held_out is None:
-            self.table, self.data_version = pinned_data(name, mv)
+            recorded, self.data_version = pinned_data(name, mv)
+            self.table = _with_credentials(recorded, tables)
             self.own = holdout_of(client, mv, val_fraction)
         self.own_key = self.rows_for(None)
 
@@ -284,7 +321,7 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
             alias: str = "champion", margin: float = 0.0, val_fraction: float = 0.2,
             held_out: Optional[HeldOutRows] = None, scorer: Scorer = score_on_rows,
             lease: LeaseTimes = LeaseTimes(),
-            min_lift: Optional[float] = MlflowConfig.gate_min_lift) -> PromotionDecision:
+            min_lift: Optional[float] = MlflowConfig.gate_min_lift, tables: Sequence[str] = ()) -> PromotionDecision:
     """Score the challenger `version` and the `alias` holder on the rows both held out; move `alias` only if the
     challenger beats the chance level of those rows by more than `min_lift` (`mlflow.gate_min_lift`; None: no such
     floor) and the holder by more than `margin` (see `decide`), with the compare-and-set of the module docstring:
@@ -299,18 +336,37 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
     gate_champion_version, gate_rows, gate_margin, gate_chance_<metric> and gate_min_lift when the floor applies,
     gate_decision, and gate_champion_moved_from when the holder moved while it scored). A champion that cannot be
     loaded or scored leaves the alias where it is; the decision's `error` and reason name its version, and it is
-    logged as an error.
+    logged as an error. `tables`: the config's `delta.table`, through which a version that records it with the
+    credentials in its URL redacted is read.
 
     Raises:
         RegistryError: the challenger has no pinned data, or it cannot be loaded or scored; the alias's lease was
             held by another gate for longer than `lease.wait_s` (the message names it); the alias moved more than
-            MAX_GATE_ROUNDS times while this gate scored.
+            MAX_GATE_ROUNDS times while this gate scored; a registry call of the gate failed (MlflowException: a 503,
+            a timeout; the message names the version and the alias, which this gate has not moved).
         ValueError: `mode` is not max/min, `margin` < 0, or `min_lift` < 0.
     """
     _check_keys(mode, margin, min_lift)
     version = str(version)
+    try:
+        return _promote(client, name, version, metric, mode, alias, margin, val_fraction, held_out, scorer, lease,
+                        min_lift, tables)
+    except MlflowException as exc:
+        # every registry read and write of the gate but the alias's move (which says whether it may have landed) and
+        # the records made after it (which log their failures): the alias was not moved by this gate
+        why = (f"promotion gate for model {name!r} version {version}: a registry call failed ({_one_line(exc)}); "
+               f"alias {alias!r} not moved by this gate: run the gate again (`lakehouse promote`)")
+        if "RESOURCE_DOES_NOT_EXIST" not in _error_code(exc):  # a blip (a 503, a timeout): said on the version too
+            _record(client, name, version, {GATE_TAG: f"not promoted: {why}"})
+        raise RegistryError(why) from exc
+
+
+def _promote(client: MlflowClient, name: str, version: str, metric: str, mode: str, alias: str, margin: float,
+             val_fraction: float, held_out: Optional[HeldOutRows], scorer: Scorer, lease: LeaseTimes,
+             min_lift: Optional[float], tables: Sequence[str]) -> PromotionDecision:
+    """`promote`'s work; a registry call's MlflowException goes up to it."""
     mv = client.get_model_version(name, version)
-    s = _Scoring(client, name, mv, metric, val_fraction, held_out, scorer)
+    s = _Scoring(client, name, mv, metric, val_fraction, held_out, scorer, tables)
     own_value = s.challenger(s.own_key)
     own_chance = chance_level(metric, mode, s.rows[s.own_key].labels)
 
@@ -373,11 +429,11 @@ def promote(client: MlflowClient, name: str, version: str, metric: str = "val_ac
                f"run the gate again (`lakehouse promote`)")
         _record(client, name, version, {f"gate_{metric}": f"{own_value:.6g}", GATE_TAG: f"not promoted: {why}"})
         raise RegistryError(why)
-    _record_decision(client, name, mv, decision, s, seen, alias, margin, min_lift, mode)
+    _record_decision(client, name, decision, s, seen, alias, margin, min_lift, mode)
     return decision
 
 
-def _record_decision(client: MlflowClient, name: str, mv: ModelVersion, decision: PromotionDecision, s: _Scoring,
+def _record_decision(client: MlflowClient, name: str, decision: PromotionDecision, s: _Scoring,
                      seen: List[Optional[str]], alias: str, margin: float, min_lift: Optional[float],
                      mode: str) -> None:
     """Tag the challenger with the decision and its numbers, and log it (loudly when it lost or is under chance)."""
@@ -402,13 +458,7 @@ def _record_decision(client: MlflowClient, name: str, mv: ModelVersion, decision
             tags[f"gate_champion_{metric}"] = "error" if champion_error else f"{decision.champion_value:.6g}"
     if moved:
         tags["gate_champion_moved_from"] = ",".join(moved)
-    elif "gate_champion_moved_from" in (mv.tags or {}):  # from an earlier gate of this version: not this decision's
-        try:
-            client.delete_model_version_tag(name, version, "gate_champion_moved_from")
-        except MlflowException as exc:
-            log.warning("could not remove the stale tag gate_champion_moved_from of model %r version %s: %s", name,
-                        version, exc)
-    _record(client, name, version, tags)
+    _record(client, name, version, tags)  # an earlier gate's other gate_* tags removed: not this decision's
     if champion_error:
         log.error("promotion gate for model %r version %s: %s", name, version, decision.reason)
     elif (moved and not decision.promoted) or not clears_chance(value, chance, min_lift, mode):

@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.config import Config
 from pipeline.lakehouse.delta_common import table_location
 from pipeline.log import get_logger
-from pipeline.redact import redacted
+from pipeline.redact import redact_url, redacted
 
 # MLflow servers before 1.x/2.x accepted 500 characters per param value; newer ones more. The whole
 # config is also logged as config.yaml, so truncating long values loses nothing.
@@ -85,10 +85,11 @@ class PinnedDeltaSource(DeltaDatasetSource):
 
 
 def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlflow.data.meta_dataset.MetaDataset":
-    """The Delta table at `version` as an MLflow dataset (no Spark needed), by its location."""
+    """The Delta table at `version` as an MLflow dataset (no Spark needed), by its location, any credentials in its
+    URL redacted (pipeline.redact: the source, name and digest never hold them)."""
     from mlflow.data.meta_dataset import MetaDataset
 
-    table = table_location(str(table))
+    table = redact_url(table_location(str(table)))
     digest = hashlib.sha256(f"{table}@{version}".encode()).hexdigest()[:16]
     ds_name = name or f"{Path(str(table).rstrip('/')).name or table}@v{version}"
     return MetaDataset(source=PinnedDeltaSource(path=str(table), delta_table_version=int(version)),
@@ -97,17 +98,18 @@ def delta_dataset(table: str, version: int, name: Optional[str] = None) -> "mlfl
 
 def log_lineage(client: MlflowClient, run_id: str, table: str, version: int, rows: Dict[str, int],
                 extra_tags: Optional[Dict[str, Any]] = None) -> None:
-    """Tag the run with the Delta table (its location), version and row counts, and log the table as the run's input.
+    """Tag the run with the Delta table (its location), version and row counts, and log the table as the run's input;
+    any credentials in the table's URL (or a tag's) are redacted (pipeline.redact), as in the params.
 
     `rows` maps split name to row count ({'train': 800, 'val': 200} -> tags rows_train, rows_val).
     `extra_tags` (world_size, backend, ...) are added; `git_commit` too when the code is a git checkout.
     """
     if version is None or int(version) < 0:
         raise ValueError(f"log_lineage: delta version must be a pinned version >= 0, got {version!r}")
-    tags: Dict[str, str] = {"delta_table": table_location(str(table)), "delta_version": str(int(version))}
+    tags: Dict[str, str] = {"delta_table": redact_url(table_location(str(table))), "delta_version": str(int(version))}
     for split, count in rows.items():
         tags[f"rows_{split}"] = str(int(count))
-    tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
+    tags.update({str(k): redact_url(str(v)) for k, v in (extra_tags or {}).items()})
     commit = git_commit()
     if commit and "git_commit" not in tags:
         tags["git_commit"] = commit

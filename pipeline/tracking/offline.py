@@ -6,14 +6,17 @@ the pinned Delta version, the true end status and whether the job would have reg
 (plots, ranks.json, ...) and `model/` (the network's weights and what rebuilds it). Rank 0 writes the metrics, plots
 and model; the driver the rest, through the same calls it makes on an MLflow client (`set_tag`, `log_dict`, ...).
 `lakehouse sync-run` records its own progress in run.json (`sync`: see `Upload`), so a sync that failed part way is
-resumed by the next one: one run, each metric value once, one registered version.
+resumed by the next one: one run, each metric value once, one registered version; and it holds `sync.lock` while it
+runs (`sync_lock`), so two at once cannot both register.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -178,6 +181,44 @@ def _run_exists(client, run_id: str, experiment_id: str) -> bool:
 SYNC_KEY = "sync"
 # the name the model is logged under in the uploaded run (pipeline.tracking.pyfunc.log_model)
 MODEL_NAME = "model"
+# the file in the folder a `lakehouse sync-run` holds locked (fcntl.flock) while it syncs; it names the holder
+SYNC_LOCK = "sync.lock"
+
+
+@contextlib.contextmanager
+def sync_lock(folder: str) -> Iterator[None]:
+    """Hold the folder's sync lock (an exclusive `fcntl.flock` on `<folder>/sync.lock`) for the block: one
+    `lakehouse sync-run` of a folder at a time, or two that both find no registered version both register one (two
+    versions from one run, both gated). The lock is the open file's: the operating system releases it when the
+    holder ends, however it ends, so a crashed sync never blocks the next. The file records the holder's pid and
+    host. A path that is not a folder is not locked (`upload` refuses it).
+
+    Raises:
+        SyncError: another process holds the lock; the message names the folder, the lock file and the holder.
+    """
+    import fcntl
+
+    folder = os.path.abspath(folder)
+    if not os.path.isdir(folder):
+        yield
+        return
+    path = os.path.join(folder, SYNC_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            raise SyncError(f"{folder}: another `lakehouse sync-run` of this folder holds its lock {path} "
+                            f"({holder or 'holder not recorded yet'}); wait for it to end (a sync that failed part "
+                            "way is resumed by the next one)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @dataclass
@@ -213,9 +254,10 @@ class Upload:
         if self.state.get("model_version") is not None:
             self.resumed("model_version", str(self.state["model_version"]))
             return str(self.state["model_version"])
+        from pipeline.tracking.registry import model_versions  # local: mlflow (a sync-run's alone)
+
         run_id = self.summary["run_id"]
-        found = [mv for mv in self.client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
-                 if str(mv.status) != "FAILED_REGISTRATION"]
+        found = [mv for mv in model_versions(self.client, name, run_id) if str(mv.status) != "FAILED_REGISTRATION"]
         if not found:
             return None
         version = str(min(int(mv.version) for mv in found))
@@ -226,9 +268,11 @@ class Upload:
         return version
 
     def end(self) -> Dict[str, Any]:
-        """The run's true end status, and the folder marked uploaded (a second sync-run refuses it)."""
+        """The run's true end status, and the folder marked uploaded (a second sync-run refuses it). The tracking URI
+        is kept and printed with its credentials redacted (pipeline.redact), as everywhere in the folder."""
         s = self.summary
         self.client.set_terminated(s["run_id"], status=s["status"], end_time=self.info.get("end_time"))
+        s["tracking_uri"] = redact_url(s["tracking_uri"])
         self.off.update(synced={"run_id": s["run_id"], "tracking_uri": s["tracking_uri"],
                                 "model_version": s["model_version"], "at": int(time.time() * 1000)})
         log.info("uploaded %s to MLflow run %s (%s, %d metric values)%s%s", self.off.folder, s["run_id"],
@@ -282,15 +326,15 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
     as online). The run is left running: the caller registers the model if the job would have, then `Upload.end`.
     A sync-run that failed part way is resumed (see `Upload`): the same run, no metric value logged twice.
 
+    MLflow's HTTP retries are bounded by `mlflow.retries` throughout (pipeline.tracking.runs.http_bounds, as in a
+    training run), so a slow or dead server costs seconds per call, not MLflow's default minutes.
+
     Raises:
         SyncError: the folder is not a run left offline, or was uploaded already; its tracking URI was kept with
             the credentials redacted and no `mlflow.tracking_uri=` is in `overrides`; the run an earlier sync-run of
             the folder created or continued is no longer on the server (deleted).
     """
-    from mlflow.entities import Metric, RunTag
-
-    from pipeline.tracking.lineage import log_config, log_lineage  # local: mlflow (a sync-run's alone)
-    from pipeline.tracking.runs import _connect  # local: mlflow (a sync-run's alone)
+    from pipeline.tracking.runs import http_bounds, temporary_env  # local: mlflow (a sync-run's alone)
 
     off = OfflineRun(folder)
     info = off.read()
@@ -310,12 +354,23 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
                         "credentials redacted (no secret is written to the folder); give the URI with them under "
                         f"config key 'mlflow.tracking_uri': `lakehouse sync-run {off.folder} "
                         "mlflow.tracking_uri=<the URI with its credentials>`")
+    with temporary_env(http_bounds(cfg.mlflow)):
+        return _upload(off, info, cfg)
+
+
+def _upload(off: OfflineRun, info: Dict[str, Any], cfg: Any) -> Upload:
+    """`upload`'s work once the folder and its config are read."""
+    from mlflow.entities import Metric, RunTag
+
+    from pipeline.tracking.lineage import log_config, log_lineage  # local: mlflow (a sync-run's alone)
+    from pipeline.tracking.runs import _connect  # local: mlflow (a sync-run's alone)
+
     client, experiment_id = _connect(cfg.mlflow)
     offline_run_id = str(info["run_id"])
     up = Upload(off=off, info=info, cfg=cfg, client=client, state=dict(info.get(SYNC_KEY) or {}),
                 summary={"folder": off.folder, "offline_run_id": offline_run_id, "model_version": None,
                          "champion": False, "status": info.get("status", "FINISHED"),
-                         "tracking_uri": cfg.mlflow.tracking_uri, "resumed": {}})
+                         "tracking_uri": redact_url(cfg.mlflow.tracking_uri), "resumed": {}})
 
     # the run: the one an earlier sync-run recorded, else the job's own run where the server has it, else a new one
     lineage = info.get("lineage") or {}
@@ -417,6 +472,6 @@ def record_job(off: OfflineRun, run, cfg, pinned, rows: Dict[str, int], tags: Di
                       experiment_id=run.experiment_id, tracking_uri=redact_url(run.tracking_uri), status="FINISHED",
                       end_time=int(time.time() * 1000), register=bool(register),
                       gate_metrics={k: v for k, v in (r0.metrics or {}).items()},
-                      lineage={"table": pinned.table, "version": int(pinned.version), "rows": dict(rows)},
+                      lineage={"table": redact_url(pinned.table), "version": int(pinned.version), "rows": dict(rows)},
                       tags={str(k): str(v) for k, v in (tags or {}).items()},
                       epochs=r0.epochs, stopped_early=r0.stopped_early)

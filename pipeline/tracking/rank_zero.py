@@ -9,7 +9,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.log import get_logger, is_rank_zero
-from pipeline.redact import redact_url
+from pipeline.redact import URL_MASK, redact_url
 from pipeline.tracking.offline import OfflineRun, offline_folder, server_back
 from pipeline.tracking.telemetry import SystemTelemetry
 
@@ -319,10 +319,12 @@ class RankZeroTracker:
         self.offline.write_metrics(sorted(epochs, key=lambda epoch: epoch[0]))
         unsent = sum(len(metrics) for _, metrics in self.pending)
         self.offline.update(tags={**self.tags, "lakehouse.metrics_left_offline": str(unsent)})
-        redacted = redact_url(job.tracking_uri) != job.tracking_uri  # the folder keeps it so: sync-run needs it given
+        # the ranks' job holds no URI with credentials (workflow.for_the_ranks): its config's redacted one then
+        uri = job.tracking_uri or job.cfg.mlflow.tracking_uri or ""
+        redacted = redact_url(uri) != uri or URL_MASK in uri  # the folder keeps it so: sync-run needs it given
         log.warning("MLflow at %s did not come back within %.0f s (config key 'mlflow.reconnect_wait_s'): run %s's "
                     "metrics (%d value(s) the server never took), plots and model are kept in %s; upload them with "
-                    "`lakehouse sync-run %s%s`%s", redact_url(job.tracking_uri), job.cfg.mlflow.reconnect_wait_s,
+                    "`lakehouse sync-run %s%s`%s", redact_url(uri), job.cfg.mlflow.reconnect_wait_s,
                     self.run_id, unsent, self.offline.folder, self.offline.folder,
                     " mlflow.tracking_uri=<the URI with its credentials>" if redacted else "",
                     " (the folder keeps the URI with its credentials redacted)" if redacted else "")

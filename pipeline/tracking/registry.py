@@ -3,7 +3,7 @@ champion alias is pipeline.tracking.gate, the rows it scores on pipeline.trackin
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus
@@ -12,6 +12,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config import ConfigError
 from pipeline.log import get_logger
+from pipeline.redact import redact_url
 
 log = get_logger(__name__)
 
@@ -104,7 +105,8 @@ def register_model(client: MlflowClient, model_uri: str, name: str, run_id: str,
     except MlflowException as exc:
         if "ALREADY_EXISTS" not in _error_code(exc):
             raise RegistryError(f"cannot create registered model {name!r}: {exc.message}") from exc
-    all_tags = {"run_id": run_id, **{str(k): str(v) for k, v in (tags or {}).items()}}
+    # a table or URL with its credentials (s3a://KEY:SECRET@bucket/...) is recorded with them redacted (pipeline.redact)
+    all_tags = {"run_id": run_id, **{str(k): redact_url(str(v)) for k, v in (tags or {}).items()}}
     mv = client.create_model_version(name=name, source=source, run_id=run_id, tags=all_tags,
                                      await_creation_for=0, model_id=model_id)
     mv = _wait_ready(client, name, mv, wait_s)
@@ -124,8 +126,9 @@ def version_description(name: str, version: str, tags: Dict[str, str], metrics: 
     meta = model_meta or {}
     lines = [f"Image classifier `{uri}`."]
     if tags.get("delta_table"):
-        lines += ["", f"**Data**: Delta table `{tags['delta_table']}` pinned at version {tags.get('delta_version', '?')}"
-                      f" (validation rows: the run's data.val_fraction and data.split_key, pipeline.lakehouse.split)."]
+        lines += ["", f"**Data**: Delta table `{redact_url(tags['delta_table'])}` pinned at version "
+                      f"{tags.get('delta_version', '?')} (validation rows: the run's data.val_fraction and "
+                      f"data.split_key, pipeline.lakehouse.split)."]
     shown = {k: metrics[k] for k in DESCRIBED_METRICS if k in metrics}
     if shown:
         lines += ["", "**Metrics** (its training run): " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items())
@@ -200,9 +203,42 @@ def _wait_ready(client: MlflowClient, name: str, mv: ModelVersion, wait_s: float
         mv = client.get_model_version(name, mv.version)
 
 
+def name_filter(name: str) -> Optional[str]:
+    """MLflow's search filter `name = <name>` for registered model `name`, whatever quote it holds: MLflow's filter
+    syntax has no escape inside a quoted value (`name='bob\\'s'` and `name='bob''s'` match nothing, `name='bob's'` is
+    refused), so a name with a single quote is quoted with double quotes, any other with single quotes. None for a
+    name with both quote characters: no filter string can name it (`model_versions` then filters by other means)."""
+    if "'" not in name:
+        return f"name='{name}'"
+    if '"' not in name:
+        return f'name="{name}"'
+    return None
+
+
+def model_versions(client: MlflowClient, name: str, run_id: Optional[str] = None) -> List[ModelVersion]:
+    """The versions of registered model `name` (those registered from run `run_id` when given), whatever characters
+    its name holds (`name_filter`). A name with both quote characters, which no filter can name: the run's versions
+    (with `run_id`), else every version in the registry page by page, kept where the name is equal."""
+    by_name = name_filter(name)
+    by_run = f"run_id='{run_id}'" if run_id is not None else None
+    if by_name is not None:
+        return list(client.search_model_versions(by_name if by_run is None else f"{by_name} and {by_run}"))
+    if by_run is not None:
+        return [mv for mv in client.search_model_versions(by_run) if mv.name == name]
+    found: List[ModelVersion] = []
+    token = None
+    while True:
+        page = client.search_model_versions(page_token=token)
+        found.extend(mv for mv in page if mv.name == name)
+        token = getattr(page, "token", None)
+        if not token:
+            return found
+
+
 def latest_version(client: MlflowClient, name: str) -> str:
-    """The highest version number of registered model `name`; a ConfigError names the key when it has none."""
-    versions = client.search_model_versions(f"name='{name}'")
+    """The highest version number of registered model `name`; a ConfigError names the key when it has none (or a
+    name no search can name, see `model_versions`)."""
+    versions = model_versions(client, name)
     if not versions:
         raise ConfigError(f"config key 'mlflow.registered_model': no versions of model {name!r}")
     return str(max(int(v.version) for v in versions))

@@ -203,7 +203,9 @@ def _one_version(client, name: str, run_id: str, mine: Dict[str, str], registere
     """The version of model `name` registered from `run_id` for this study's trial (`mine`: its tags), the lowest where
     two sweeps registered it at once: the other one (`registered`, this sweep's own) is deleted before any gate judged
     it, so both sweeps go on with the same version. None where there is none yet."""
-    found = sorted((int(v.version) for v in client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    from pipeline.tracking.registry import model_versions  # local: mlflow, preloaded on a thread
+
+    found = sorted((int(v.version) for v in model_versions(client, name, run_id)
                     if all(v.tags.get(k) == val for k, val in mine.items())))
     if registered is not None and int(registered) not in found:
         found = sorted([*found, int(registered)])  # not listed yet by a store that lags its writes

@@ -39,7 +39,7 @@ def test_a_missing_version_of_a_quoted_name_lists_its_versions(client, name):
 
 
 def test_names_filters_match_only_their_own_name():
-    from pipeline.serving.models import name_filter
+    from pipeline.tracking.registry import name_filter
 
     assert name_filter("plain") == "name='plain'"
     assert name_filter("bob's") == 'name="bob\'s"'

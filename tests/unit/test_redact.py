@@ -174,7 +174,8 @@ def test_ranks_but_zero_drop_the_tracking_credentials(tmp_path, monkeypatch, ran
     job = TrainJob(cfg=None, data=None, delta_table="t", delta_version=0, job_dir=str(tmp_path))
     with rank_record(job, rank):
         assert all((name in os.environ) == kept for name in TRACKING_CREDENTIALS)
-        assert os.environ["MLFLOW_TRACKING_URI"] == "http://h:5000"  # not a secret: every rank keeps it
+        # it may hold the credentials (http://user:password@host), and only rank 0 uses MLflow: rank 0 alone keeps it
+        assert (os.environ.get("MLFLOW_TRACKING_URI") == "http://h:5000") is kept
     assert (tmp_path / f"rank{rank}.done").exists()
 
 
