@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import pytorch_lightning as pl
 import torch
@@ -250,10 +250,12 @@ class EpochAccounting(pl.Callback):
     """
 
     def __init__(self, report: Optional[Callable[[Dict[str, float], int], None]] = None,
-                 extra: Optional[Callable[[Any], Dict[str, float]]] = None) -> None:
+                 extra: Optional[Callable[[Any], Dict[str, float]]] = None, run_id: Optional[str] = None) -> None:
         self.report = report
         self.extra = extra
+        self.run_id = run_id  # the MLflow run this job trains in: each epoch recorded says so (`runs`)
         self.history: List[Dict[str, float]] = []
+        self.runs: Dict[int, str] = {}  # epoch -> the run that trained it (a resumed run's history holds another's)
         self.confusion: Dict[int, List[List[int]]] = {}  # epoch -> its validation's confusion matrix
         self._unreported: List[Dict[str, float]] = []  # recorded epochs whose checkpoints are not written yet
         self._seen_confusion: Any = None  # the model's matrix last recorded (an epoch without validation keeps it)
@@ -266,11 +268,18 @@ class EpochAccounting(pl.Callback):
         confusion matrix, never the history's best chosen again) (plain ints, floats and strings: loadable with
         weights_only)."""
         return {"history": [dict(h) for h in self.history],
-                "confusion": {int(e): [list(row) for row in cm] for e, cm in self.confusion.items()}}
+                "confusion": {int(e): [list(row) for row in cm] for e, cm in self.confusion.items()},
+                "runs": {int(e): str(r) for e, r in self.runs.items()}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.history = [dict(h) for h in state_dict.get("history", [])]
         self.confusion = {int(e): [list(row) for row in cm] for e, cm in (state_dict.get("confusion") or {}).items()}
+        runs = state_dict.get("runs")  # a checkpoint of before the record: whose its epochs were is not known
+        self.runs = {int(e): str(r) for e, r in runs.items()} if isinstance(runs, dict) else {}
+
+    def own_epochs(self) -> Set[int]:
+        """The epochs of the history this job's run trained (an earlier attempt of it included), as recorded."""
+        return {e for e, r in self.runs.items() if self.run_id is not None and r == self.run_id}
 
     @classmethod
     def recorded(cls, checkpoint: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -334,6 +343,8 @@ class EpochAccounting(pl.Callback):
         if self.extra is not None:
             epoch.update(self.extra(trainer))
         self.history.append(epoch)
+        if self.run_id is not None:
+            self.runs[int(trainer.current_epoch)] = self.run_id
         cm = getattr(pl_module, "last_confusion", None)
         if isinstance(cm, torch.Tensor) and cm is not self._seen_confusion:  # this epoch's validation made it
             self._seen_confusion = cm

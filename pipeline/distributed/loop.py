@@ -190,7 +190,8 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
     es = cfg.train.early_stopping
     stop = StopSignals(last_checkpoint(ckpt_dir))
     resources = RankResources()  # every rank's host CPU and memory, peak RSS and peak GPU memory, per epoch
-    accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics)
+    accounting = EpochAccounting(report=tracker.log_epoch if tracker else None, extra=resources.epoch_metrics,
+                                 run_id=job.run_id)
     # the best checkpoint when the monitored metric improves; the last one after EVERY epoch (a monitored
     # ModelCheckpoint writes its last only in epochs that improved, so a resume would go back to the last improving
     # epoch) and, with train.checkpoint_every_n_steps, every N steps too but never at an epoch's last step, before
@@ -299,7 +300,7 @@ def train(job: TrainJob, rank: int = 0, world_size: int = 1, strategy: Any = Non
             model = plain_classifier(cfg.model, job.data.channels, len(job.data.class_names), lr, state)
         elif state is not None:
             model.load_state_dict(state)
-        result.model_uri = tracker.finish(model, job, accounting.history, result)
+        result.model_uri = tracker.finish(model, job, accounting.history, result, own=accounting.own_epochs())
     return result
 
 

@@ -97,6 +97,7 @@ class _TableState:
 
 
 def _table_state(engine, spark, table: str, mode: str) -> _TableState:
+    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     if not engine.exists(spark, table):
@@ -121,15 +122,19 @@ def _table_state(engine, spark, table: str, mode: str) -> _TableState:
     known = None
     if DIGEST in df.columns:  # the digests stored; only rows without one (another writer's) have their bytes hashed
         stored = df.filter(stored_digest_column().isNotNull()).select(F.col(DIGEST).alias("sha256"), "path")
-        hashed = df.filter(F.col(DIGEST).isNull()).select(F.sha2(F.col("content"), 256).alias("sha256"), "path")
+        # a null digest is a filter Parquet's statistics skip whole files and row groups by (their bytes unread); a
+        # malformed one (another writer's, counted from the digest column alone) needs every row looked at
+        malformed = df.filter(F.col(DIGEST).isNotNull() & stored_digest_column().isNull()).limit(1).count()
+        lacking = stored_digest_column().isNull() if malformed else F.col(DIGEST).isNull()
+        hashed = df.filter(lacking).select(F.sha2(F.col("content"), 256).alias("sha256"), "path")
         known = stored.unionByName(hashed)
     elif "content" in df.columns:
         log.warning("Delta table %s has no %s column (written before ingest stored one): this append hashes every "
                     "row's bytes to find those it already holds, and a plan of the content split reads them all; "
                     "an ingest with --mode overwrite writes the table with it", table, DIGEST)
         known = df.select(F.sha2(F.col("content"), 256).alias("sha256"), "path")
-    if known is not None:
-        known = known.groupBy("sha256").agg(F.min("path").alias("_in_table"))
+    if known is not None:  # kept for the attempt: counted, listed, anti-joined and written against, read once
+        known = known.groupBy("sha256").agg(F.min("path").alias("_in_table")).persist(StorageLevel.MEMORY_AND_DISK)
     columns = [c for c in TABLE_COLUMNS if c != DIGEST or DIGEST in df.columns]  # an append keeps the table's own
     return _TableState(pinned.version, classes, known, columns)
 
@@ -259,9 +264,19 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
 def _commit_attempt(spark, engine, table: str, mode: str, good, skipped: List[SkippedFile], listing: SourceListing,
                     root: str, rule: str):
     """One read-assign-commit of the validated rows `good`: an IngestResult, or the ConcurrentWriteError lost."""
+    state = _table_state(engine, spark, table, mode)
+    try:
+        return _commit_against(state, spark, engine, table, mode, good, skipped, listing, root, rule)
+    finally:
+        if state.known is not None:
+            state.known.unpersist()
+
+
+def _commit_against(state: _TableState, spark, engine, table: str, mode: str, good, skipped: List[SkippedFile],
+                    listing: SourceListing, root: str, rule: str):
+    """`_commit_attempt` against the table as `state` read it."""
     from pyspark.sql import functions as F
 
-    state = _table_state(engine, spark, table, mode)
     skipped = list(skipped)
     new = good
     not_listed: Dict[str, int] = {}

@@ -125,7 +125,8 @@ def stored_digest_column():
     """The Spark column of a row's stored DIGEST where it has the form of one (`stored_digest`), else null."""
     from pyspark.sql import functions as F
 
-    return F.when(F.col(DIGEST).rlike(f"^{_DIGEST_FORM.pattern}$"), F.col(DIGEST))
+    # Java's `$` also matches before a final line break, where Python's fullmatch does not: `\z` is the very end
+    return F.when(F.col(DIGEST).rlike(f"^{_DIGEST_FORM.pattern}\\z"), F.col(DIGEST))
 
 
 def bucket_column(split_key: str, with_digest: bool = False):

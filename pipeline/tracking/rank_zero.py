@@ -6,7 +6,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from pipeline.log import get_logger, is_rank_zero
 from pipeline.redact import URL_MASK, redact_url
@@ -32,8 +32,8 @@ class RankZeroTracker:
 
     A relaunch (a failed rank, an OOM back-off) is a new tracker whose run already has an earlier attempt's epochs:
     those rank 0 held in memory when it died are gone, and the relaunch restores every epoch up to its checkpoint into
-    the history it hands `finish`, which sends the restored values the server does not have, from the run's first
-    epoch on the server on (epochs before it are another run's: a run resumed with train.ckpt_restore=<run>/last).
+    the history it hands `finish`, which sends the restored values of this run's own epochs (not those of a run it
+    was resumed from with train.ckpt_restore) that the server does not have.
     """
 
     def __init__(self, tracking_uri: Optional[str], run_id: str, local_dir: Optional[str] = None) -> None:
@@ -197,22 +197,24 @@ class RankZeroTracker:
         if self.pending and not self.flush():
             self._keep_locally(self.pending)
 
-    def finish(self, model, job, history: List[Dict[str, float]], result) -> Optional[str]:
+    def finish(self, model, job, history: List[Dict[str, float]], result,
+               own: Optional[Set[int]] = None) -> Optional[str]:
         """Plots, the per-rank host/pid, the confusion matrix and the servable model; returns the model URI.
 
         The server unreachable: it is waited for, at most `mlflow.reconnect_wait_s`; if it does not come back, the
         metrics, plots and model go to the job's offline folder (`lakehouse sync-run` uploads it) and None is returned.
 
-        `history` is the run's every epoch (EpochAccounting's, restored from the checkpoint on a relaunch): the epochs
-        in it this attempt did not report are an earlier attempt's (or another run's), and their values the server
-        does not have (held by a rank 0 of this run that died while the server was away) are sent now, each once
+        `history` is the run's every epoch (EpochAccounting's, restored from the checkpoint on a relaunch); `own` the
+        epochs of it this run trained (EpochAccounting.own_epochs; the rest are the run's it was resumed from, or of
+        a checkpoint that does not say). Those this attempt did not report are an earlier attempt's, and their values
+        the server does not have (held by a rank 0 that died while the server was away) are sent now, each once
         (`_report_restored`).
         """
         if not is_rank_zero():
             return None
         wait_s, retry_s = job.cfg.mlflow.reconnect_wait_s, job.cfg.mlflow.retry_wait_s
         back = None  # whether the server answered (None: not asked yet)
-        restored = self._restored(history)
+        restored = [(step, metrics) for step, metrics in self._restored(history) if step in (own or ())]
         if restored:
             back = self._report_restored(restored, wait_s, retry_s)
         if self.pending and (server_back(self.client, self.run_id, wait_s, retry_s) if back is None else back) \
@@ -250,18 +252,14 @@ class RankZeroTracker:
         just before rank 0 died included, and a part of one), and a value logged again (the earlier attempt's
         timestamp is not known) would be a second point of its metric history. A record of the steps taken in the job
         folder would not do: the folder is emptied before every launch (JobFolder.reset), and it cannot know of a batch
-        in flight. Only epochs from the run's first step on the server on are this run's (before it: the run it was
-        resumed from, whose own run holds them). A server that does not answer within `mlflow.reconnect_wait_s`: none
-        is sent, as neither is known (the offline folder keeps this attempt's epochs).
+        in flight. A server that does not answer within `mlflow.reconnect_wait_s`: none is sent, as which it took is
+        not known (the offline folder keeps this attempt's epochs; sync-run would send an earlier attempt's twice).
         """
         steps = _steps([(step, None) for step, _ in restored])
         on_server: Optional[Dict[Tuple[str, int], int]] = None
         if server_back(self.client, self.run_id, wait_s, retry_s):
             try:
-                on_server, first = self._on_server(restored)
-                # an epoch before the run's first one on the server is another run's (train.ckpt_restore=<run>/...),
-                # whose own run holds it; none on the server at all: no earlier attempt of this run got any there
-                restored = [(step, metrics) for step, metrics in restored if first is not None and step >= first]
+                on_server = self._on_server(restored)
             except Exception as exc:
                 if server_back(self.client, self.run_id, wait_s, retry_s):
                     raise  # the server answers: a real failure, not its absence
@@ -292,19 +290,15 @@ class RankZeroTracker:
                      len(queued))
         return True
 
-    def _on_server(self, restored: List[Tuple[int, Dict[str, Any]]]) \
-            -> Tuple[Dict[Tuple[str, int], int], Optional[int]]:
-        """((metric key, step) -> its timestamp, of the `restored` epochs' values the run holds on the server; the
-        run's first step on the server of any of their keys, None when it holds none)."""
+    def _on_server(self, restored: List[Tuple[int, Dict[str, Any]]]) -> Dict[Tuple[str, int], int]:
+        """(metric key, step) -> its timestamp, of the `restored` epochs' values the run holds on the server."""
         steps = {step for step, _ in restored}
         found: Dict[Tuple[str, int], int] = {}
-        first: Optional[int] = None
         for key in sorted({key for _, metrics in restored for key in metrics}):
             for metric in self.client.get_metric_history(self.run_id, key):
-                first = int(metric.step) if first is None else min(first, int(metric.step))
                 if int(metric.step) in steps:
                     found.setdefault((key, int(metric.step)), int(metric.timestamp))
-        return found, first
+        return found
 
     def _drop_local_file(self) -> None:
         path = os.path.join(self.local_dir or "", f"unsent_metrics_{self.run_id}.jsonl")

@@ -328,6 +328,8 @@ def test_stored_digests_give_the_split_on_every_path_and_the_bytes_where_a_row_h
             r["sha256"] = None
         elif i % 30 == 10:
             r["sha256"] = real.upper()  # not the form of a digest: the bytes decide
+        elif i % 30 == 25:
+            r["sha256"] = real + "\n"  # a line break after the digits: not one either (Java's `$` would take it)
         elif i % 30 == 20:
             k = 0
             while is_validation(hashlib.sha256(b"forged %d %d" % (i, k)).hexdigest(), 0.2) == is_validation(real, 0.2):

@@ -74,8 +74,10 @@ def test_an_append_to_a_table_without_digests_keeps_its_columns_and_finds_its_by
     writes the table's own columns (no schema change, no refusal), and says how to gain the column; an overwrite
     writes it."""
     from deltalake import DeltaTable
+    from pyspark.sql import functions as F
 
     from pipeline.lakehouse.delta import get_engine
+    from pipeline.lakehouse.ingest import TABLE_COLUMNS
 
     cfg = make_config(tmp_path)
     first = _subset(digits_dir, tmp_path / "a", 2, classes={"one", "two"})
@@ -91,6 +93,12 @@ def test_an_append_to_a_table_without_digests_keeps_its_columns_and_finds_its_by
     assert "has no sha256 column" in caplog.text and "--mode overwrite" in caplog.text
     after, _ = _read(spark, cfg)
     assert "sha256" not in after.columns and after.count() == 7
+    # another writer's row whose digest is not of a digest's form: its bytes are hashed, so a copy is still found
+    bad = after.withColumn("sha256", F.when(F.col("label") == "three", F.lit("NOT A DIGEST")))
+    bad = spark.createDataFrame(bad.collect(), bad.schema)  # held, not read lazily from the table it overwrites
+    get_engine("delta-rs").write(bad.select(*[c for c in TABLE_COLUMNS]), cfg.delta.table, "overwrite")
+    again_more = _ingest(spark, cfg, more)
+    assert (again_more.rows_written, again_more.skipped_counts()) == (0, {"already_in_table": 4})
     over = _ingest(spark, cfg, more, mode="overwrite")
     again, _ = _read(spark, cfg, over.version)
     assert again.count() == 4

@@ -124,7 +124,7 @@ class Tracker(RankZeroTracker):
     def close(self):
         pass
 
-    def finish(self, model, job, history, result):
+    def finish(self, model, job, history, result, own=None):
         Registered.result = result
         return self._finish_online(model, job, history, result)
 

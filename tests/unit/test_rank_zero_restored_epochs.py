@@ -83,7 +83,7 @@ def test_a_relaunch_sends_the_restored_epochs_the_server_never_took_once(store, 
     for step in (4, 5):  # the relaunch's own epochs
         second.log_epoch(_metrics(step), step)
     history = [_epoch(step) for step in range(6)]  # restored 0-3, then 4-5
-    assert second.finish(None, store.job, history, SimpleNamespace(epochs=6)) == "models:/m-1"
+    assert second.finish(None, store.job, history, SimpleNamespace(epochs=6), own=set(range(6))) == "models:/m-1"
     for key in KEYS:  # every epoch once: no gap (3 of val_acc), no point twice (0-2, 3 of val_loss)
         assert _steps(store, key) == [0, 1, 2, 3, 4, 5], key
     values = {m.step: m.value for m in store.client.get_metric_history(store.run_id, "val_acc")}
@@ -98,7 +98,8 @@ def test_a_relaunch_that_restored_nothing_asks_the_server_nothing_more(store, mo
                         lambda *a, **k: pytest.fail("a first attempt reported every epoch itself"))
     for step in range(3):
         tracker.log_epoch(_metrics(step), step)
-    assert tracker.finish(None, store.job, [_epoch(s) for s in range(3)], SimpleNamespace(epochs=3)) == "models:/m-1"
+    assert tracker.finish(None, store.job, [_epoch(s) for s in range(3)], SimpleNamespace(epochs=3),
+                          own={0, 1, 2}) == "models:/m-1"
     assert _steps(store, "val_loss") == [0, 1, 2]
 
 
@@ -109,7 +110,8 @@ def test_a_run_resumed_from_another_runs_checkpoint_sends_none_of_that_runs_epoc
     monkeypatch.setattr(tracker, "_finish_online", lambda *a: "models:/m-1")
     for step in (2, 3):
         tracker.log_epoch(_metrics(step), step)
-    assert tracker.finish(None, store.job, [_epoch(s) for s in range(4)], SimpleNamespace(epochs=4)) == "models:/m-1"
+    assert tracker.finish(None, store.job, [_epoch(s) for s in range(4)], SimpleNamespace(epochs=4),
+                          own={2, 3}) == "models:/m-1"
     for key in KEYS:
         assert _steps(store, key) == [2, 3], key
 
@@ -128,7 +130,42 @@ def test_a_relaunch_left_offline_sends_no_restored_epoch(store, monkeypatch):
         second.log_epoch(_metrics(step), step)
     assert second.flush(timeout_s=30) and second.sent == {4, 5}
     _away(second, monkeypatch, get_run=True)  # and it stays away to the end
-    assert second.finish(None, store.job, [_epoch(step) for step in range(6)], SimpleNamespace(epochs=6)) is None
+    assert second.finish(None, store.job, [_epoch(step) for step in range(6)], SimpleNamespace(epochs=6),
+                         own=set(range(6))) is None
     kept = OfflineRun(offline_folder(store.job.job_dir)).metrics()
     for key in KEYS:
         assert sorted((m["step"], m["sent"]) for m in kept if m["key"] == key) == [(4, True), (5, True)], key
+
+
+def test_a_relaunch_sends_its_runs_epochs_that_never_reached_the_server(store, monkeypatch):
+    """The server away for the whole first attempt (epochs 0-1 died in rank 0's memory): the relaunch sends them,
+    as its run's own (EpochAccounting records which run trained each epoch), whatever the server holds."""
+    first = RankZeroTracker(store.uri, store.run_id, local_dir=store.job.job_dir)
+    _away(first, monkeypatch)
+    for step in (0, 1):
+        first.log_epoch(_metrics(step), step)
+    second = RankZeroTracker(store.uri, store.run_id, local_dir=store.job.job_dir)
+    monkeypatch.setattr(second, "_finish_online", lambda *a: "models:/m-1")
+    for step in (2, 3):
+        second.log_epoch(_metrics(step), step)
+    assert second.finish(None, store.job, [_epoch(s) for s in range(4)], SimpleNamespace(epochs=4),
+                         own={0, 1, 2, 3}) == "models:/m-1"
+    for key in KEYS:
+        assert _steps(store, key) == [0, 1, 2, 3], key
+
+
+def test_the_epoch_accounting_records_which_run_trained_each_epoch_across_a_checkpoint():
+    from pipeline.distributed.callbacks import EpochAccounting
+
+    before = EpochAccounting(run_id="other")
+    before.history, before.runs = [_epoch(0), _epoch(1)], {0: "other", 1: "other"}
+    after = EpochAccounting(run_id="mine")
+    after.load_state_dict(before.state_dict())
+    assert after.own_epochs() == set() and after.runs == {0: "other", 1: "other"}
+    after.runs[2] = "mine"
+    again = EpochAccounting(run_id="mine")
+    again.load_state_dict(after.state_dict())
+    assert again.own_epochs() == {2}
+    old = EpochAccounting(run_id="mine")
+    old.load_state_dict({"history": [_epoch(0)]})  # a checkpoint of before the record: none known as its own
+    assert old.own_epochs() == set()
