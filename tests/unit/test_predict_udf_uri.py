@@ -35,7 +35,13 @@ def registered(tmp_path):
     from pipeline.tracking.pyfunc import log_model
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    before = (mlflow.get_tracking_uri(), mlflow.get_registry_uri(), os.environ.get("MLFLOW_TRACKING_URI"))
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    # the process's own settings as they were (None where nothing was set: a registry URI read back and set again
+    # would pin every later test's registry to this store's predecessor)
+    before = (tracking_utils._tracking_uri, registry_utils._registry_uri, os.environ.get("MLFLOW_TRACKING_URI"),
+              os.environ.get("MLFLOW_REGISTRY_URI"))  # set_registry_uri sets the variable too
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
@@ -49,12 +55,12 @@ def registered(tmp_path):
         client.create_model_version("udf_clf", model_uri, run_id=run_id, model_id=model_uri.split("/")[-1])
         yield uri, resolve(client, "models:/udf_clf/1")
     finally:
-        mlflow.set_tracking_uri(before[0])
-        mlflow.set_registry_uri(before[1])
-        if before[2] is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = before[2]
+        tracking_utils._tracking_uri, registry_utils._registry_uri = before[0], before[1]
+        for name, value in (("MLFLOW_TRACKING_URI", before[2]), ("MLFLOW_REGISTRY_URI", before[3])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def test_the_scoring_udf_is_built_and_scores_without_the_tracking_uri(spark, registered, monkeypatch):
@@ -89,7 +95,9 @@ def test_the_withheld_uri_is_the_redacted_one_and_is_put_back(monkeypatch):
     from pipeline.serving.predict import tracking_uri_withheld
 
     secret_uri = "http://tester:SUPERSECRET321@127.0.0.1:5000"
-    before = mlflow.get_tracking_uri()
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)  # put back as it was
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     try:
         mlflow.set_tracking_uri(secret_uri)
@@ -98,4 +106,4 @@ def test_the_withheld_uri_is_the_redacted_one_and_is_put_back(monkeypatch):
             assert withheld == mlflow.get_tracking_uri() == "http://tester:***@127.0.0.1:5000"
         assert mlflow.get_tracking_uri() == secret_uri and "MLFLOW_TRACKING_URI" not in os.environ
     finally:
-        mlflow.set_tracking_uri(before)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)

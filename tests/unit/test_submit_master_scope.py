@@ -26,5 +26,10 @@ def test_a_gateway_port_without_a_jvm_is_not_a_crash(monkeypatch, caplog):
     monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")
     monkeypatch.delenv("PYSPARK_GATEWAY_SECRET", raising=False)
     monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    from pyspark import SparkContext
+
+    # a gateway an earlier test of this process opened (a local session) would answer instead of the port's
+    monkeypatch.setattr(SparkContext, "_gateway", None)
+    monkeypatch.setattr(SparkContext, "_jvm", None)
     assert spark_mod.submitted_master() is None
     assert "no spark-submit JVM answers there" in caplog.text
