@@ -114,8 +114,9 @@ def test_a_resume_refuses_another_model_shape_and_names_optimizer_settings_it_do
     from pipeline import workflow
 
     first = workflow.train(spark, _cfg(tmp_path, digits_table, "train.max_epochs=1"))
-    last = tmp_path / "checkpoints" / first["run_id"] / "last.ckpt"
-    with pytest.raises(Exception, match=rf"checkpoint {re.escape(str(last))} holds a model of other shapes.*"
+    # another run's checkpoint is resumed from this run's snapshot of it (checkpoints.layout.snapshot)
+    snapshot = re.escape(str(tmp_path / "checkpoints")) + r"/[0-9a-f]+/restore-point/last\.ckpt"
+    with pytest.raises(Exception, match=rf"checkpoint {snapshot} holds a model of other shapes.*"
                                         r"model.width 32 \(this job: 16\)") as err:
         workflow.train(spark, _cfg(tmp_path, digits_table, "train.max_epochs=2", "model.width=16",
                                    "train.max_restarts=1", f"train.ckpt_restore={first['run_id']}/last"))
