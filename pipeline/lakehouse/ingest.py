@@ -60,8 +60,9 @@ class IngestResult:
         return out
 
 
-def _counts_text(skipped: Sequence[SkippedFile]) -> str:
-    return ", ".join(f"{r}={n}" for r, n in skipped_counts(skipped).items()) or "none"
+def _counts_text(counts: Dict[str, int]) -> str:
+    """{reason: files} as the log lines give it: `already_in_table=6, duplicate=1`, or `none`."""
+    return ", ".join(f"{r}={n}" for r, n in counts.items()) or "none"
 
 
 def _validate_udf():
@@ -230,7 +231,7 @@ def ingest_folder(spark, cfg: Config, source: str, mode: str = "append") -> Inge
                                  "left_anti")
             labels = sorted(r["label"] for r in good.select("label").distinct().collect())
         skipped.sort(key=lambda s: s.path)
-        counts = _counts_text(skipped)
+        counts = _counts_text(skipped_counts(skipped))
         _log_skipped(skipped)
         if skipped and strict:
             first = "; ".join(f"{s.path} ({s.reason}: {s.detail})" for s in skipped[:5])
@@ -300,7 +301,7 @@ def _commit_against(state: _TableState, spark, engine, table: str, mode: str, go
     result = IngestResult(table=table, version=state.version if state.version is not None else -1, rows_written=0,
                           skipped=skipped, classes=classes, files_found=listing.files_found, label_rule=rule,
                           not_listed=not_listed)
-    counts = ", ".join(f"{r}={n}" for r, n in result.skipped_counts().items()) or "none"
+    counts = _counts_text(result.skipped_counts())
     n_skipped = len(skipped) + sum(not_listed.values())
     if not new_labels:  # every readable file is already in the table: a re-run, or a retry after a commit
         log.info("nothing new to ingest from %s: every readable file is already in %s version %d; nothing "
