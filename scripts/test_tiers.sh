@@ -73,7 +73,7 @@ fi
 rm -rf "$TIER_STATE"
 mkdir -p "$TIER_STATE"
 on_exit() {  # the soak cgroup (once its tiers ended) and this run's tier state
-  [ -z "$soak" ] || rmdir "$soak" 2>/dev/null
+  [ -z "$soak" ] || rmdir "$soak" "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$" 2>/dev/null
   rm -rf "$TIER_STATE"
 }
 trap on_exit EXIT
@@ -299,9 +299,29 @@ soak_cgroup() {  # prints the path of a new cpu cgroup of weight SOAK_SHARES, or
   mkdir "$dir" 2>/dev/null || return 0
   if echo "$SOAK_SHARES" > "$dir/cpu.shares" 2>/dev/null; then
     echo "$dir"
+    # where cpuacct is its own v1 controller, a group of the same name counts the CPU the background tiers used
+    # (said when the lanes end and when they end: what the soak took from the lanes, what it left to the quiet phase)
+    [ -f "$dir/cpuacct.usage" ] || [ ! -w /sys/fs/cgroup/cpuacct ] ||
+      mkdir "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$" 2>/dev/null
   else
     rmdir "$dir" 2>/dev/null
   fi
+}
+soak_cpu() {  # the CPU the background tiers used so far ("N CPU-s"), where a cpuacct group counts it
+  local f
+  for f in "$soak/cpuacct.usage" "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$/cpuacct.usage" ""; do
+    [ -z "$f" ] || [ ! -r "$f" ] || break
+  done
+  if [ -n "$f" ]; then echo "$(( $(cat "$f") / 1000000000 )) CPU-s"; else echo "CPU not counted"; fi
+}
+busy_since() {  # $1 "user+nice+system total" of /proc/stat's cpu line at a start: the cores' busy % since then
+  local now
+  now=$(cpu_ticks)
+  [ -n "$1" ] && [ -n "$now" ] && [ "${now#* }" -gt "${1#* }" ] &&
+    echo "cores $(( 100 * (${now%% *} - ${1%% *}) / (${now#* } - ${1#* }) )) % busy"
+}
+cpu_ticks() {  # "busy total" jiffies of all cores (/proc/stat): busy = user + nice + system + irq + softirq
+  [ -r /proc/stat ] && awk '/^cpu /{b=$2+$3+$4+$7+$8; t=b+$5+$6+$9; print b, t; exit}' /proc/stat
 }
 
 if [ -n "$bg" ]; then
@@ -331,6 +351,7 @@ if [ -n "$bg" ]; then
   echo "== set-ups: classic $((t1 - t0)) s, all $(( $(date +%s) - t0 )) s; lane B starts"
   lane b "${LANE_B_TESTS[@]}" &
   lane_b=$!
+  ticks_lanes=$(cpu_ticks)
   soak=$(soak_cgroup)  # on_exit removes it
   soak_pid=""
   if [ -n "$soak" ]; then
@@ -338,6 +359,8 @@ if [ -n "$bg" ]; then
       "phase, at a low CPU weight (cpu.shares $SOAK_SHARES in $soak; output: $LOGS/datapath.log)"
     (
       echo "$BASHPID" > "$soak/cgroup.procs" || echo "== could not join $soak: the data-path tiers run at full weight"
+      [ ! -d "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$" ] ||
+        echo "$BASHPID" > "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$/cgroup.procs" 2>/dev/null
       datapath_tiers
     ) > "$LOGS/datapath.log" 2>&1 &
     soak_pid=$!
@@ -355,7 +378,9 @@ if [ -n "$bg" ]; then
   rc_b=$?
   [ $rc_lane -ne 0 ] || rc_lane=$rc_b
   echo "== classic: the lanes ended ($(( $(date +%s) - t0 )) s in, $(wc -l < "$LANE_RECORD" 2>/dev/null || echo 0)" \
-    "tests run); their output:"
+    "tests run; since the set-ups ended: $(busy_since "$ticks_lanes")${soak:+, the data-path tiers $(soak_cpu)});" \
+    "their output:"
+  ticks_quiet=$(cpu_ticks)
   cat "$LOGS/lane-a.log" "$LOGS/lane-b.log"
   echo "== classic: integration and multi-host tests (those the lanes did not run)"
   bounded "classic quiet phase" "$TIER_TIMEOUT_S" env LAKEHOUSE_LANE_DONE="$LANE_RECORD" .venv/bin/python -m pytest \
@@ -364,9 +389,10 @@ if [ -n "$bg" ]; then
   [ $rc -ne 0 ] || rc=$rc_unit
   [ $rc -ne 0 ] || rc=$rc_lane
   if [ -n "$soak_pid" ]; then
-    echo "== the quiet phase ended ($(( $(date +%s) - t0 )) s in); waiting for the data-path tiers"
+    echo "== the quiet phase ended ($(( $(date +%s) - t0 )) s in; $(busy_since "$ticks_quiet")); waiting for the" \
+      "data-path tiers"
     wait "$soak_pid"
-    echo "== the data-path tiers ended ($(( $(date +%s) - t0 )) s in); their output:"
+    echo "== the data-path tiers ended ($(( $(date +%s) - t0 )) s in; in all $(soak_cpu)); their output:"
     cat "$LOGS/datapath.log"  # on_exit removes the cgroup
   fi
 else

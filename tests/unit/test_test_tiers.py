@@ -65,6 +65,12 @@ def test_a_failing_data_path_tier_fails_the_run_and_is_named_wherever_it_ran(tmp
         assert all("/lakehouse-soak-" in line for line in data_path), out.stdout
         assert "at a low CPU weight (cpu.shares 64" in out.stdout
         assert not _soak_dir(out).exists(), "the soak cgroup was left behind"
+        # what the phases used of the cores, and what the background tiers took (where a cpuacct group counts it)
+        assert re.search(r"the lanes ended .*since the set-ups ended: cores \d+ % busy, the data-path tiers "
+                         r"(\d+ CPU-s|CPU not counted)\);", out.stdout), out.stdout
+        assert re.search(r"the quiet phase ended \(\d+ s in; cores \d+ % busy\)", out.stdout), out.stdout
+        assert re.search(r"the data-path tiers ended \(\d+ s in; in all (\d+ CPU-s|CPU not counted)\)", out.stdout)
+        assert not Path(str(_soak_dir(out)).replace("/cpu/", "/cpuacct/")).exists(), "the cpuacct group was left"
     else:
         assert all("/lakehouse-soak-" not in line for line in data_path), out.stdout
     assert all("/lakehouse-soak-" not in line for line in out.stdout.splitlines() if line.startswith("[.venv-vision]"))
