@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -179,7 +180,11 @@ class MlflowConfig:
     # the majority class's share; val_loss: the entropy of the labels; no floor for other metrics); null: no floor
     gate_min_lift: Optional[float] = 0.05
     retries: int = 3  # each MLflow call is retried this many times ...
-    retry_wait_s: float = 2.0  # ... this many seconds apart (doubling)
+    # ... the connection attempts at a command's start this many seconds apart, the same wait each time (no
+    # doubling); also how often rank 0 probes a server that went away (`reconnect_wait_s`). An open run's HTTP
+    # calls use MLflow's own retries instead: exponential backoff (MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1), at most
+    # `retries` of them
+    retry_wait_s: float = 2.0
     # the server unreachable when training ends: rank 0 waits this long for it, then leaves the run (metrics, plots,
     # model) in <job dir>/offline_run for `lakehouse sync-run`
     reconnect_wait_s: float = 120.0
@@ -300,14 +305,36 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         if base.resolve() != p.resolve() and base.exists():
             merged = read_yaml(base)
             merged.pop("extends", None)
+            check_keys(merged, base)
         profile = read_yaml(p)
         profile.pop("extends", None)
+        check_keys(profile, p)
         merged = merge(merged, profile)
     for text in overrides or []:
         merged = merge(merged, parse_override(text))
     cfg = build(Config, merged, "")
     validate(cfg)
     return cfg
+
+
+def check_keys(data: Dict[str, Any], path: Path, cls: type = Config, prefix: str = "") -> None:
+    """Refuse a key of the YAML file `path` (read as `data`) that no config section has, naming the file and the
+    dotted key: `build` checks the merged config, which no longer knows the file a key came from.
+
+    Raises:
+        ConfigError: `config file <path>: unknown config key '<section.key>'; valid keys of ...`."""
+    if not isinstance(data, dict):
+        return  # a section that is no mapping: `build` says so, naming the section
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            where = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"config file {path}: unknown config key '{dotted}'; valid keys of {where}: "
+                              f"{', '.join(names)}")
+        if dataclasses.is_dataclass(hints[key]):
+            check_keys(value, path, hints[key], dotted)
 
 
 def validate(cfg: Config) -> None:

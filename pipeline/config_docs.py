@@ -102,7 +102,21 @@ def configuration_md() -> str:
            "GENERATED from `pipeline/config.py` by `python -m pipeline.config_docs` (a test fails when it drifts): "
            "every key, its default and its meaning. Profiles in `conf/` override some keys; any key can be set on the "
            "command line as `key=value` (`lakehouse train --conf conf/local.yaml train.np=-2 model.lr=0.05`). "
-           "`spark.conf` takes Spark's own keys: `spark.conf.spark.sql.shuffle.partitions=8`.\n"]
+           "`spark.conf` takes Spark's own keys: `spark.conf.spark.sql.shuffle.partitions=8`.\n",
+           "\n## Profiles\n\n"
+           "A command reads the profile its `--conf` names; without `--conf`, the one the `LAKEHOUSE_CONF` environment "
+           "variable names, else `conf/local.yaml`. That default and the default paths (`work/...` and "
+           "`sqlite:///work/mlflow.db`: the table, the cache, the checkpoints, the MLflow store) are relative to the "
+           "working directory, not to the project: run the commands from the project root, or give absolute paths "
+           "(started elsewhere, a command fails with `config file conf/local.yaml does not exist`, or, given an "
+           "absolute `--conf`, reads and writes a `work/` of its own there).\n\n"
+           "The profile is merged over `base.yaml` in the profile's own folder, where there is one. A profile with "
+           "`extends: FILE` is merged over FILE instead, a path relative to the profile's folder (or absolute), and a "
+           "FILE that does not exist is an error, since the keys it holds would silently keep their defaults. It is "
+           "one level: FILE's own `extends:` is not followed, and the `base.yaml` beside the profile is not read "
+           "(`conf/databricks/*.yaml` say `extends: ../base.yaml`, their folder having none). A key in neither file "
+           "keeps the code's default (the one `conf/base.yaml` lists), and `key=value` overrides on the command line "
+           "come last. A key no section has is refused, naming the key and, in a profile, its file.\n"]
     for key, owner, section, default in _keys():
         name = key.rsplit(".", 1)[-1]
         if section:
