@@ -1,15 +1,16 @@
 """What the ranks' processes get of the driver's environment: their own settings (threads, Horovod's stall and Gloo
-timeouts), MLflow's bounded HTTP retries, a Databricks workspace's credentials for the rank that logs, and, on Spark
-executors, only the prefixes ranks need, never a variable named like a secret."""
+timeouts), MLflow's bounded HTTP retries, a Databricks workspace's credentials for the rank that logs, on Spark
+executors only the prefixes ranks need, never a variable named like a secret, and on a launcher's command line no
+secret at all."""
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.log import get_logger
-from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key
+from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key, redact_url
 
 log = get_logger(__name__)
 
@@ -127,3 +128,20 @@ def executor_env(environ: dict, tracking_uri: Optional[str] = None) -> dict:
     if tracks_to_databricks(tracking_uri):  # rank 0 reaches the workspace's tracking server with these
         out.update({k: environ[k] for k in WORKSPACE_CREDENTIALS if environ.get(k)})
     return out
+
+
+def command_line_env(environ: Mapping[str, str], inherited: Mapping[str, str]) -> Tuple[Dict[str, str], List[str]]:
+    """What a launcher that writes the ranks' environment `environ` onto their command line (Horovod's Gloo launcher on
+    this machine: backends.horovod.secrets_off_the_command_line), where every user of the machine reads it (`ps`,
+    /proc/<pid>/cmdline), may write there: only the variables the ranks do not inherit as they are (`inherited`: the
+    environment of the process that starts them; for Horovod its own settings), never a secret. The rest reach the
+    ranks through that inherited environment, which only this user reads. Returns those variables, and the names
+    (sorted) of the secrets of `environ` kept off the command line: every variable named like one
+    (pipeline.redact.is_secret_key: AWS_SECRET_ACCESS_KEY, DATABRICKS_TOKEN, ...), MLflow's credentials and tracking
+    URI (pipeline.redact.TRACKING_CREDENTIALS: the URI may hold `user:password@`), and any other whose value holds a
+    URL's credentials or a secret query parameter (pipeline.redact.redact_url changes it: a proxy's
+    `http://user:password@host`). Leaving out what is inherited also keeps off a secret inside another variable's
+    value, which no rule on names or URLs finds (`PYSPARK_SUBMIT_ARGS=--conf ...secret.key=...`)."""
+    withheld = sorted(k for k, v in environ.items()
+                      if is_secret_key(k) or k in TRACKING_CREDENTIALS or redact_url(v) != v)
+    return {k: v for k, v in environ.items() if inherited.get(k) != v and k not in withheld}, withheld

@@ -1,13 +1,18 @@
 """No secret leaves where it was: a real `lakehouse train` (2 Horovod ranks, Spark, Delta, Petastorm/Arrow, an MLflow
-SQLite store) with a secret in `spark.conf`, a password in the `tune.storage` URL and MLflow credentials in the
-environment; none of them is found in any param, tag, artifact or file the job wrote, nor in its output, while the
-other keys are still logged."""
+SQLite store) with a secret in `spark.conf`, a password in the `tune.storage` URL, and MLflow credentials, a
+secret-named variable and a URL with a password in the environment; none of them is found in any param, tag, artifact
+or file the job wrote, nor in its output, while the other keys are still logged; none of the environment's is on any
+process's command line while the ranks run (Horovod's launcher put the whole environment there, which every user of
+the machine reads), while the ranks still have them. The job runs once, for the module's tests."""
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -18,9 +23,16 @@ from conftest import ROOT, cli
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SPARK_SECRET = "SUPERSECRET123"
-ENV_SECRET = "SUPERSECRET456"
 URL_SECRET = "SUPERSECRET789"
-SECRETS = (SPARK_SECRET, ENV_SECRET, URL_SECRET)
+# the environment's, unique to this session: another session's job (on old code) must not be what a scan finds
+ENV_SECRET = f"SUPERSECRET456-{secrets.token_hex(6)}"
+TOKEN_SECRET = f"s3cr3t-{secrets.token_hex(6)}"
+DB_SECRET = f"SUPERSECRET012-{secrets.token_hex(6)}"
+JOB_ENV = {"MLFLOW_TRACKING_USERNAME": "tester", "MLFLOW_TRACKING_PASSWORD": ENV_SECRET,
+           "LAKEHOUSE_TEST_SECRET_TOKEN": TOKEN_SECRET,  # named like a secret: a cloud key every rank may need
+           "LAKEHOUSE_TEST_DATABASE_URL": f"postgresql://tester:{DB_SECRET}@db.example.com/x"}  # a URL's password
+ENV_SECRETS = (ENV_SECRET, TOKEN_SECRET, DB_SECRET)
+SECRETS = (SPARK_SECRET, URL_SECRET, *ENV_SECRETS)
 REDACTED = "***redacted***"
 
 
@@ -38,8 +50,38 @@ def _files_with_secrets(root: Path) -> list:
     return found
 
 
-def test_train_logs_no_secret_and_still_logs_the_rest(digits_table, tmp_path):
-    work = tmp_path / "job"
+def _watch_processes(stop: threading.Event, seen: SimpleNamespace) -> None:
+    """Until `stop`: every process's command line on this machine, every 20 ms (`seen.on_command_line`: pid and
+    program of each that holds one of ENV_SECRETS), and the environment each Horovod rank process (`python -m
+    horovod.runner.run_task`, once it has its HOROVOD_RANK) started with (`seen.ranks`: rank -> the names of JOB_ENV it
+    had with their values), which /proc shows only to its own user."""
+    while not stop.is_set():
+        for pid in (name for name in os.listdir("/proc") if name.isdigit()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(s.encode() in arg for arg in argv for s in ENV_SECRETS):
+                seen.on_command_line.add((pid, argv[0].decode(errors="replace")))
+            if b"horovod.runner.run_task" not in argv or pid in seen.rank_pids:
+                continue
+            try:
+                environ = dict(item.decode(errors="replace").partition("=")[::2]
+                               for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+            except OSError:
+                continue
+            if "HOROVOD_RANK" in environ:  # the rank itself, not `env` before it ran python
+                seen.rank_pids.add(pid)
+                seen.ranks.setdefault(int(environ["HOROVOD_RANK"]), set()).update(
+                    name for name, value in JOB_ENV.items() if environ.get(name) == value)
+        stop.wait(0.02)
+
+
+@pytest.fixture(scope="module")
+def secret_job(digits_table, tmp_path_factory) -> SimpleNamespace:
+    """The job (`work`: its folder, `out`: its exit code and output, `summary`), every process watched while it ran
+    (`_watch_processes`: `on_command_line`, `ranks`)."""
+    work = tmp_path_factory.mktemp("secrets") / "job"
     work.mkdir()
     args = [f"delta.table={digits_table}", f"data.cache_dir={work}/cache", f"train.checkpoint_dir={work}/ckpt",
             f"mlflow.tracking_uri=sqlite:///{work}/mlflow.db", f"mlflow.artifact_location={work}/artifacts",
@@ -47,12 +89,35 @@ def test_train_logs_no_secret_and_still_logs_the_rest(digits_table, tmp_path):
             "train.max_epochs=1", "train.np=-2", "train.backend=horovod",
             f"spark.conf.spark.hadoop.fs.s3a.secret.key={SPARK_SECRET}",
             f"tune.storage=postgresql://optuna:{URL_SECRET}@db.example.com:5432/optuna"]
-    env = {**os.environ, "MLFLOW_TRACKING_USERNAME": "tester", "MLFLOW_TRACKING_PASSWORD": ENV_SECRET,
-           "LAKEHOUSE_LOG_LEVEL": "DEBUG"}
-    out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *args), capture_output=True,
-                         text=True, timeout=800, cwd=work, env=env)
+    env = {**os.environ, **JOB_ENV, "LAKEHOUSE_LOG_LEVEL": "DEBUG"}
+    seen = SimpleNamespace(on_command_line=set(), ranks={}, rank_pids=set())
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_processes, args=(stop, seen), daemon=True)
+    watcher.start()
+    try:
+        out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *args), capture_output=True,
+                             text=True, timeout=800, cwd=work, env=env)
+    finally:
+        stop.set()
+        watcher.join()
     assert out.returncode == 0, out.stderr[-4000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return SimpleNamespace(work=work, out=out, summary=json.loads(out.stdout.strip().splitlines()[-1]),
+                           on_command_line=seen.on_command_line, ranks=seen.ranks)
+
+
+def test_no_command_line_holds_a_secret_of_the_environment_and_the_ranks_still_have_them(secret_job):
+    """Horovod's Gloo launcher wrote every variable of the driver onto the command line of each rank's shell
+    (`env K=V ... python -m horovod.runner.run_task`), for as long as the rank ran; the ranks still inherit them
+    (rank 0 needs MLflow's credentials, every rank the cloud keys), and the job trained and registered."""
+    assert secret_job.on_command_line == set(), f"secrets on the command line of {sorted(secret_job.on_command_line)}"
+    assert set(secret_job.ranks) == {0, 1}, f"the ranks' processes were not all seen: {secret_job.ranks}"
+    assert secret_job.ranks[0] == set(JOB_ENV)  # what rank 0 started with: every one of them
+    assert "LAKEHOUSE_TEST_SECRET_TOKEN" in secret_job.ranks[1]
+    assert secret_job.summary["model_version"] is not None and "offline_run" not in secret_job.summary
+
+
+def test_train_logs_no_secret_and_still_logs_the_rest(secret_job, digits_table, tmp_path):
+    work, out, summary = secret_job.work, secret_job.out, secret_job.summary
     for secret in SECRETS:
         assert secret not in out.stdout and secret not in out.stderr, secret
 

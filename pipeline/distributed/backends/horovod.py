@@ -16,7 +16,7 @@ from pipeline.distributed.backends.spark_tasks import bounded
 from pipeline.distributed.early_start import importer, job_of
 from pipeline.distributed.executors import driver_nics
 from pipeline.distributed.loop import RankResult, TrainJob, train
-from pipeline.distributed.rank_env import executor_env
+from pipeline.distributed.rank_env import command_line_env, executor_env
 from pipeline.distributed.rank_process import exit_fast_after_delivery, exit_now, rank_record, repair_horovod_env
 from pipeline.log import current_rank, get_logger, setup_logging
 
@@ -91,6 +91,36 @@ def gloo_checked_by_the_ranks() -> Iterator[None]:
         yield
     finally:
         horovod_launch.gloo_built = original
+
+
+@contextmanager
+def secrets_off_the_command_line() -> Iterator[None]:
+    """Horovod 0.28.1's Gloo launcher starts each rank on this machine as `env K1=V1 K2=V2 ... python -m
+    horovod.runner.run_task ...` through a shell, from the driver's whole environment (horovod.run takes no `env`;
+    horovod.runner.gloo_run._slot_info_to_command_fn): every variable, MLflow's password and cloud keys included,
+    stood on the command line of a shell that lives as long as its rank, where every user of the machine reads it
+    (`ps`, /proc/<pid>/cmdline). Inside this block the launch (horovod.runner.launch's `gloo_run`, looked up as the
+    launch starts) writes there only what `rank_env.command_line_env` allows: Horovod's own settings, never a secret.
+    The ranks lose nothing: the rest of that command line only repeated the environment they inherit anyway, since
+    Horovod's middlemen start the shells with the driver's environment (safe_shell_exec passes no `env` of its own),
+    which only this user reads; ranks but 0 drop MLflow's credentials as they start, as before
+    (`rank_process.rank_record`). Withheld names are logged, never values. Every launch on this machine, the ranks
+    started early's and each relaunch's, goes through `start_local` and so through this block."""
+    import horovod.runner.launch as horovod_launch
+
+    original = horovod_launch.gloo_run
+
+    def public_env_only(settings, nics, env, server_ip, command):
+        public, withheld = command_line_env(env, os.environ)
+        if withheld:
+            log.debug("kept off the ranks' command line (they inherit them): %s", ", ".join(withheld))
+        return original(settings, nics, public, server_ip, command)
+
+    horovod_launch.gloo_run = public_env_only
+    try:
+        yield
+    finally:
+        horovod_launch.gloo_run = original
 
 
 def horovod_with_gloo(python: str = sys.executable):
@@ -188,7 +218,7 @@ class Horovod(Backend):
 
         log.info("launching %d Horovod processes on this machine (gloo)", -cfg.train.np)
         # off the main thread when the ranks start early (pipeline/distributed/early_start.py)
-        with _signals_left_to_the_driver(), gloo_checked_by_the_ranks():
+        with _signals_left_to_the_driver(), gloo_checked_by_the_ranks(), secrets_off_the_command_line():
             return list(horovod.run(horovod_rank_process, args=(arg,), num_proc=-cfg.train.np, use_gloo=True,
                                     start_timeout=cfg.train.start_timeout_s, hosts=f"localhost:{-cfg.train.np}",
                                     verbose=0))
