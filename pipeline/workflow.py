@@ -24,6 +24,7 @@ from pipeline.lakehouse.cluster import require_reachable
 from pipeline.lakehouse.delta import PinnedTable, get_engine, table_location
 from pipeline.lakehouse.spark import SparkOnDemand, session_of
 from pipeline.log import get_logger
+from pipeline.model.arch_packages import require_arch_packages
 from pipeline.redact import redact_url
 from pipeline.tracking.offline import left_offline, record_job, sync_lock, upload
 from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
@@ -91,6 +92,17 @@ def prepare_data(spark, cfg: Config, leases: Any = None, version: Optional[int] 
     if launch_needs_spark(cfg):
         session_of(spark)  # the launch finds it active
     return data, pinned
+
+
+def require_model_arch(cfg: Config) -> None:
+    """Fail, naming `model.arch` (ConfigError), when the network it names needs a package this install lacks (timm
+    and torchvision for timm/<name>), wherever this process would build it: in the ranks on this machine (one process,
+    horovod.run, torchrun), or in the promotion gate (`mlflow.promote`), which scores the model here. Ranks that run
+    as Spark tasks with no gate after them build it on the executors alone, whose install may differ: not refused.
+    The packages are looked up, not imported (the driver keeps torch out until the gate)."""
+    if launch_needs_spark(cfg) and not cfg.mlflow.promote:
+        return
+    require_arch_packages(cfg.model.arch)
 
 
 def job_dir_of(cfg: Config, run_id: str, root: Optional[str] = None) -> str:
@@ -243,6 +255,7 @@ def _train(spark, cfg: Config, run_name: Optional[str], leases: Any) -> Dict[str
     from pipeline.tracking.runs import configure  # local: mlflow, out of `import pipeline.workflow`
 
     marks = {"train_called": time.time()}  # the job's timeline (wall clock), summed up in the summary's `phases`
+    require_model_arch(cfg)  # before the run opens and any rank starts: the ranks could not build the network
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
     # the local ranks start now and import while the data is prepared and the run opened (train.early_start)
     backend = backend_of(cfg)

@@ -230,11 +230,14 @@ class ShardLoader:
     def resume_at(self, batches: int) -> None:
         """Continue the train stream after `batches` batches were trained (a checkpoint's global step): with the
         arrow reader the stream is a pure function of the seed, so the resumed run reads exactly the rows the
-        interrupted one had not read yet, in the same order. The petastorm reader's order is its own: it starts over.
+        interrupted one had not read yet, in the same order. The petastorm reader's order is its own: it starts over,
+        which is worth a warning only for a checkpoint taken mid-epoch. One taken at an epoch's end resumes at the
+        next epoch's start: no epoch was part-read, so no row of it can be read twice or missed, and a petastorm
+        epoch's order is its own in an uninterrupted run too.
         """
         if not self.endless or batches <= 0:
             return
-        if self.reader != "arrow":
+        if self.reader != "arrow" and batches % self.plan.steps_per_epoch:
             log.warning("rank %d: data.reader=petastorm cannot replay its row order; the epoch resumed at step %d "
                         "reads a new shuffle of the shard (data.reader=arrow resumes exactly)", self.rank, batches)
         self.close()

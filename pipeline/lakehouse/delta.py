@@ -6,16 +6,17 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from pipeline.lakehouse.delta_common import (COMMIT_KEY, COMMIT_RETRIES, SAFE_READER_FEATURES, ConcurrentWriteError,
-                                             DeltaEngine, DeltaError, PinnedTable, SchemaMismatchError, catalog_name,
-                                             claims_after, describe_schema_diff, local_path, own_commit,
-                                             refuse_catalog_name, same_table, table_location, table_uri)
+                                             DeltaEngine, DeltaError, NoSuchTableError, PinnedTable,
+                                             SchemaMismatchError, catalog_name, claims_after, describe_schema_diff,
+                                             local_path, own_commit, refuse_catalog_name, same_table, table_location,
+                                             table_uri)
 from pipeline.lakehouse.delta_rs import DeltaRsEngine
 from pipeline.lakehouse.delta_spark import SparkDeltaEngine
 
 __all__ = ["COMMIT_KEY", "COMMIT_RETRIES", "SAFE_READER_FEATURES", "ConcurrentWriteError", "DeltaEngine", "DeltaError",
-           "PinnedTable", "SchemaMismatchError", "catalog_name", "claims_after", "describe_schema_diff", "local_path",
-           "own_commit", "refuse_catalog_name", "same_table", "table_location", "table_uri", "DeltaRsEngine",
-           "SparkDeltaEngine", "ENGINES", "commit_files", "get_engine", "usable_engines"]
+           "NoSuchTableError", "PinnedTable", "SchemaMismatchError", "catalog_name", "claims_after",
+           "describe_schema_diff", "local_path", "own_commit", "refuse_catalog_name", "same_table", "table_location",
+           "table_uri", "DeltaRsEngine", "SparkDeltaEngine", "ENGINES", "commit_files", "get_engine", "usable_engines"]
 
 
 ENGINES = {"delta-rs": DeltaRsEngine, "spark": SparkDeltaEngine}

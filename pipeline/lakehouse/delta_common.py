@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
+from pipeline.config_parse import ConfigError
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -20,6 +21,39 @@ SAFE_READER_FEATURES = {"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck", "
 
 class DeltaError(RuntimeError):
     """A Delta table cannot be read or written as asked; the message names the table and the reason."""
+
+
+class NoSuchTableError(DeltaError, ConfigError):
+    """The table, or the version of it, that the job was given is not there. A configuration error, so the CLI exits
+    2 as for any other wrong setting (nothing was read or run), and a DeltaError still, so callers that catch one go
+    on doing so.
+
+    `table` and `version` are what was asked for, `latest` the table's latest version (None: the table itself is
+    missing), `names` what gave the table and the version: the config keys by default. A caller that took them from
+    elsewhere (`lakehouse predict`'s --table and --version) re-raises the error with `named_by`, so the message
+    points at what the user typed."""
+
+    CONFIG_KEYS = ("config key 'delta.table'", "config key 'delta.version'")
+
+    def __init__(self, table: str, version: Optional[int] = None, latest: Optional[int] = None,
+                 names: Tuple[str, str] = CONFIG_KEYS):
+        self.table, self.version, self.latest, self.names = table, version, latest, tuple(names)
+        if latest is None:
+            message = f"Delta table {table} does not exist ({self.names[0]})"
+        else:
+            message = (f"Delta table {table} has no version {version} ({self.names[1]}); versions run from 0 to "
+                       f"{latest}")
+        super().__init__(message)
+
+    def __reduce__(self):
+        # the arguments, not the message: an exception is pickled as its class and args, and these are not the message
+        return type(self), (self.table, self.version, self.latest, self.names)
+
+    def named_by(self, table_name: str, version_name: str, table: Optional[str] = None) -> "NoSuchTableError":
+        """The same error naming `table_name` / `version_name` (e.g. '--table', '--version') as what gave the
+        values, and the table as `table` where given (as the user typed it, not the location the engine read)."""
+        return NoSuchTableError(self.table if table is None else table, self.version, self.latest,
+                                (table_name, version_name))
 
 
 class SchemaMismatchError(DeltaError):

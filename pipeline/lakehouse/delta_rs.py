@@ -9,9 +9,9 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pipeline.lakehouse.delta_common import (COMMIT_RETRIES, SAFE_READER_FEATURES, DeltaEngine, DeltaError, PinnedTable,
-                                             _lost_race, _user_metadata, claims_after, files_digest, local_path,
-                                             own_commit, refuse_catalog_name, table_uri)
+from pipeline.lakehouse.delta_common import (COMMIT_RETRIES, SAFE_READER_FEATURES, DeltaEngine, DeltaError,
+                                             NoSuchTableError, PinnedTable, _lost_race, _user_metadata, claims_after,
+                                             files_digest, local_path, own_commit, refuse_catalog_name, table_uri)
 from pipeline.lakehouse.delta_files import log_file_uri
 from pipeline.log import get_logger
 
@@ -94,7 +94,7 @@ class DeltaRsEngine(DeltaEngine):
         try:
             return DeltaTable(table_uri(table), version=version) if version is not None else DeltaTable(table_uri(table))
         except TableNotFoundError:
-            raise DeltaError(f"Delta table {table} does not exist (config key 'delta.table')") from None
+            raise NoSuchTableError(table) from None
         except Exception as exc:
             if version is not None:
                 try:
@@ -102,8 +102,7 @@ class DeltaRsEngine(DeltaEngine):
                 except Exception:
                     latest = None
                 if latest is not None and (version > latest or version < 0):
-                    raise DeltaError(f"Delta table {table} has no version {version} (config key 'delta.version'); "
-                                     f"versions run from 0 to {latest}") from None
+                    raise NoSuchTableError(table, version, latest) from None
                 if latest is not None:
                     raise DeltaError(f"Delta table {table}: version {version} cannot be loaded "
                                      f"(its log may have been cleaned up): {exc}") from None

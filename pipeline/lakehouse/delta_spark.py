@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
-from pipeline.lakehouse.delta_common import (DeltaEngine, DeltaError, PinnedTable, _lost_race, _user_metadata,
-                                             catalog_name, claims_after, own_commit)
+from pipeline.lakehouse.delta_common import (DeltaEngine, DeltaError, NoSuchTableError, PinnedTable, _lost_race,
+                                             _user_metadata, catalog_name, claims_after, own_commit)
 from pipeline.log import get_logger
 
 log = get_logger(__name__)
@@ -33,7 +33,7 @@ class SparkDeltaEngine(DeltaEngine):
 
     def latest_version(self, spark, table: str) -> int:
         if not self.exists(spark, table):
-            raise DeltaError(f"Delta table {table} does not exist (config key 'delta.table')")
+            raise NoSuchTableError(table)
         return int(self._table(spark, table).history(1).collect()[0]["version"])
 
     def history(self, spark, table: str) -> List[dict]:
@@ -42,8 +42,7 @@ class SparkDeltaEngine(DeltaEngine):
     def read(self, spark, table: str, version: Optional[int] = None):
         latest = self.latest_version(spark, table)
         if version is not None and not 0 <= version <= latest:
-            raise DeltaError(f"Delta table {table} has no version {version} (config key 'delta.version'); "
-                             f"versions run from 0 to {latest}")
+            raise NoSuchTableError(table, version, latest)
         pinned = latest if version is None else version
         reader = spark.read.format("delta").option("versionAsOf", pinned)
         df = reader.table(table) if catalog_name(table) else reader.load(table)

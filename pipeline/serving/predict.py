@@ -11,7 +11,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from urllib.parse import urlparse
 
 from pipeline import redact
-from pipeline.lakehouse.delta import ConcurrentWriteError, commit_files, get_engine, same_table, table_location
+from pipeline.lakehouse.delta import (ConcurrentWriteError, NoSuchTableError, commit_files, get_engine, same_table,
+                                      table_location)
 from pipeline.lakehouse.delta_common import files_digest
 from pipeline.log import get_logger
 
@@ -308,6 +309,9 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     committed to `out` (a scheduler's retry after the commit, or the same job running twice at once) writes nothing
     and reports that commit with `already_in_table` true. An overwrite always writes (repeating it gives the same
     table).
+
+    `table` and `version` are `lakehouse predict`'s --table and --version (never the config's delta.*): a table or
+    version that is not there is a configuration error (NoSuchTableError, exit status 2) naming those options.
     """
     from pipeline.serving.models import resolve  # local: mlflow and torch, preloaded on a thread
     from pipeline.tracking.runs import configure  # local: mlflow, preloaded on a thread
@@ -324,7 +328,10 @@ def predict_table(spark, cfg, model_uri: str, table: str, out: str, version: Opt
     # (a `file:` URI keeps its scheme: on a cluster whose default filesystem is not the local one, a bare path would
     # name another table)
     where = table_location(table)
-    df, pinned = engine.read(spark, f"file://{where}" if urlparse(table).scheme == "file" else where, version)
+    try:
+        df, pinned = engine.read(spark, f"file://{where}" if urlparse(table).scheme == "file" else where, version)
+    except NoSuchTableError as exc:  # the engine names the config keys; here --table and --version gave the values
+        raise exc.named_by("--table", "--version", table=table) from None
     rows_in = pinned.num_rows if pinned.num_rows is not None else df.count()
     identity = job_identity(pinned_model, pinned.table, pinned.version, mode, run_key, input_digest(pinned, df))
     claim = identity_claim(identity)
