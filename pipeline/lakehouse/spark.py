@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
-from pipeline.redact import redact_url
+from pipeline.redact import is_secret_key, redact_url
 
 log = get_logger(__name__)
 
@@ -134,11 +134,44 @@ def _create(cfg: Config):
         builder = builder.config(k, v)
     if cfg.spark.master.startswith("local"):
         builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-    for k, v in wanted_conf(cfg).items():
+    public, secret = split_secret_conf(wanted_conf(cfg))
+    for k, v in public.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration() if secret else None
+    for k, v in secret.items():  # into the Hadoop configuration every query copies: the file systems' credentials
+        hadoop.set(k[len(HADOOP_PREFIX):], v)
+    if secret:
+        log.info("given to the session once it started, not on its JVM's command line: %s", ", ".join(sorted(secret)))
     return spark
+
+
+HADOOP_PREFIX = "spark.hadoop."
+
+
+def split_secret_conf(conf: Mapping[str, str]) -> tuple:
+    """`conf` as (the settings a session is started with, the Hadoop settings it is given once it runs).
+
+    PySpark starts its JVM with `spark-submit --conf key=value` for every setting of the builder: a command line every
+    user of the machine can read (`ps`, /proc/<pid>/cmdline). So a `spark.hadoop.*` setting named like a secret
+    (pipeline.redact.is_secret_key: `spark.hadoop.fs.s3a.secret.key`, `...account.key...`) or whose value holds URL
+    credentials is held back and set in the running session's Hadoop configuration, where the file systems read their
+    credentials. Any other such setting may be one Spark reads only at start (`spark.authenticate.secret`,
+    `spark.executorEnv.*`): it is given at start as before, and a warning names it (never its value)."""
+    public: Dict[str, str] = {}
+    secret: Dict[str, str] = {}
+    for k, v in conf.items():
+        if not (is_secret_key(k) or redact_url(str(v)) != str(v)):
+            public[k] = str(v)
+        elif k.startswith(HADOOP_PREFIX):
+            secret[k] = str(v)
+        else:
+            public[k] = str(v)
+            log.warning("spark.conf %s looks like a secret and is given to Spark as its JVM starts, on a command line "
+                        "every user of this machine can read; put it in spark-defaults.conf or the environment (a "
+                        "spark.hadoop.* secret is set after the start instead)", k)
+    return public, secret
 
 
 def submitted_master() -> Optional[str]:

@@ -3,13 +3,15 @@ SQLite store) with a secret in `spark.conf`, a password in the `tune.storage` UR
 secret-named variable and a URL with a password in the environment; none of them is found in any param, tag, artifact
 or file the job wrote, nor in its output, while the other keys are still logged; none of the environment's is on any
 process's command line while the ranks run (Horovod's launcher put the whole environment there, which every user of
-the machine reads), while the ranks still have them. The job runs once, for the module's tests."""
+the machine reads), while the ranks still have them, nor is spark.conf's on the command line of the Spark
+session's JVM (PySpark's `spark-submit --conf`). The job runs once, for the module's tests."""
 from __future__ import annotations
 
 import json
 import os
 import secrets
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,7 +63,11 @@ def _watch_processes(stop: threading.Event, seen: SimpleNamespace) -> None:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(s.encode() in arg for arg in argv for s in ENV_SECRETS):
+            # spark.conf's secret is on the job's own command line (and its forks'), as the test gives it: only the
+            # command line of the Spark session's JVM, which the job starts, must not hold it
+            jvm = b"org.apache.spark.deploy.SparkSubmit" in argv
+            seen.spark_jvm = seen.spark_jvm or jvm
+            if any(s.encode() in arg for arg in argv for s in (*ENV_SECRETS, *((SPARK_SECRET,) if jvm else ()))):
                 seen.on_command_line.add((pid, argv[0].decode(errors="replace")))
             if b"horovod.runner.run_task" not in argv or pid in seen.rank_pids:
                 continue
@@ -90,7 +96,7 @@ def secret_job(digits_table, tmp_path_factory) -> SimpleNamespace:
             f"spark.conf.spark.hadoop.fs.s3a.secret.key={SPARK_SECRET}",
             f"tune.storage=postgresql://optuna:{URL_SECRET}@db.example.com:5432/optuna"]
     env = {**os.environ, **JOB_ENV, "LAKEHOUSE_LOG_LEVEL": "DEBUG"}
-    seen = SimpleNamespace(on_command_line=set(), ranks={}, rank_pids=set())
+    seen = SimpleNamespace(on_command_line=set(), ranks={}, rank_pids=set(), spark_jvm=False)
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_processes, args=(stop, seen), daemon=True)
     watcher.start()
@@ -102,7 +108,7 @@ def secret_job(digits_table, tmp_path_factory) -> SimpleNamespace:
         watcher.join()
     assert out.returncode == 0, out.stderr[-4000:]
     return SimpleNamespace(work=work, out=out, summary=json.loads(out.stdout.strip().splitlines()[-1]),
-                           on_command_line=seen.on_command_line, ranks=seen.ranks)
+                           on_command_line=seen.on_command_line, ranks=seen.ranks, spark_jvm=seen.spark_jvm)
 
 
 def test_no_command_line_holds_a_secret_of_the_environment_and_the_ranks_still_have_them(secret_job):
@@ -110,6 +116,7 @@ def test_no_command_line_holds_a_secret_of_the_environment_and_the_ranks_still_h
     (`env K=V ... python -m horovod.runner.run_task`), for as long as the rank ran; the ranks still inherit them
     (rank 0 needs MLflow's credentials, every rank the cloud keys), and the job trained and registered."""
     assert secret_job.on_command_line == set(), f"secrets on the command line of {sorted(secret_job.on_command_line)}"
+    assert secret_job.spark_jvm  # the job's Spark session was started (spark-submit's JVM seen), without the secret
     assert set(secret_job.ranks) == {0, 1}, f"the ranks' processes were not all seen: {secret_job.ranks}"
     assert secret_job.ranks[0] == set(JOB_ENV)  # what rank 0 started with: every one of them
     assert "LAKEHOUSE_TEST_SECRET_TOKEN" in secret_job.ranks[1]
@@ -145,3 +152,46 @@ def test_train_logs_no_secret_and_still_logs_the_rest(secret_job, digits_table, 
     # markers), the data cache
     assert (work / "ckpt" / ".job" / run.info.run_id).is_dir()
     assert _files_with_secrets(work) == []
+
+
+SESSION = """
+import sys
+from pipeline.config import load_config
+from pipeline.lakehouse.spark import get_spark
+cfg = load_config(sys.argv[1], [f"spark.conf.spark.hadoop.fs.s3a.secret.key={sys.argv[2]}",
+                                "spark.conf.spark.hadoop.fs.s3a.endpoint=http://127.0.0.1:9"])
+spark = get_spark(cfg)
+hadoop = spark._jsparkSession.sessionState().newHadoopConf()  # what a query's file system is given
+print(hadoop.get("fs.s3a.secret.key") == sys.argv[2], hadoop.get("fs.s3a.endpoint"), flush=True)
+sys.stdin.readline()  # the test reads the JVM's command line meanwhile
+spark.stop()
+"""
+
+
+def test_the_projects_spark_session_gets_a_storage_secret_after_its_jvm_started(tmp_path):
+    """PySpark starts the session's JVM with `spark-submit --conf key=value` for every setting the builder has, a
+    command line every user of the machine reads: a `spark.hadoop.*` secret of `spark.conf` is set in the running
+    session's Hadoop configuration instead (which queries copy), the other settings as before."""
+    import psutil
+
+    secret = f"SUPERSECRET345-{secrets.token_hex(6)}"
+    proc = subprocess.Popen([sys.executable, "-c", SESSION, str(ROOT / "conf/local.yaml"), secret], cwd=tmp_path,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.split() == ["True", "http://127.0.0.1:9"], proc.stderr.read()[-3000:] if not line else line
+        lines = []
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                lines.append(" ".join(child.cmdline()))
+            except psutil.Error:  # spark-submit's shell wrappers, ended (zombies)
+                continue
+        jvms = [line for line in lines if "org.apache.spark.deploy.SparkSubmit" in line]
+        assert jvms, f"the session's JVM was not found among {lines}"
+        for cmdline in jvms:
+            assert secret not in cmdline and "fs.s3a.endpoint=http://127.0.0.1:9" in cmdline, cmdline
+        proc.communicate("\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
