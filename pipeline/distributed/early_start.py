@@ -34,6 +34,9 @@ CANCELLED = "cancelled"
 POLL_S = 0.02
 # How long the driver waits for the early ranks to leave after it called their start off
 CANCEL_WAIT_S = 30.0
+# How long ranks already waiting for the job are given to leave by themselves (they poll every POLL_S) before they
+# are killed
+LEAVE_WAIT_S = 5.0
 
 
 class HandoffError(RuntimeError):
@@ -118,6 +121,7 @@ class Handoff:
         except Exception as exc:  # noqa: BLE001 - raised again where the rank imports it, inside its record
             log.debug("rank %d: importing ahead failed: %s", rank, exc)
         warmed = time.perf_counter() - t0
+        self.mark(rank, "ready")  # imported: a call-off is seen within POLL_S from now (EarlyRanks.close)
         job_path, cancelled = os.path.join(self.path, JOB_FILE), os.path.join(self.path, CANCELLED)
         while True:
             if os.path.exists(cancelled) or not os.path.isdir(self.path):  # called off, or the driver cleaned up
@@ -214,7 +218,14 @@ class EarlyRanks:
         thread is given `CANCEL_WAIT_S` to end); remove the hand-off folder (the signed job with it)."""
         if self._thread is not None and not self.delivered:
             self.handoff.cancel()  # a rank still importing reads it after, and leaves
-            for proc in rank_processes():  # their launchers then return at once
+            if self.handoff.ranks_with("ready") >= abs(self.cfg.train.np):  # all past their imports: they leave
+                self._thread.join(LEAVE_WAIT_S)  # within POLL_S, as ranks that ended, and their launcher says nothing
+            procs = rank_processes() if self._thread.is_alive() else []
+            if procs:  # the launcher then prints "Killed" and an exit status 137 for them, which reads like an OOM kill
+                log.warning("the job ended before the %d rank process(es) started early took it (its error follows): "
+                            "they are stopped, and their launcher's 'Killed' / 'exit status 137' lines are that stop",
+                            len(procs))
+            for proc in procs:  # their launchers then return at once
                 with contextlib.suppress(Exception):
                     proc.kill()
             self._thread.join(CANCEL_WAIT_S)

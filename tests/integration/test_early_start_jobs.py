@@ -93,6 +93,8 @@ def test_a_job_whose_preparation_fails_calls_the_early_ranks_off(digits, backend
     took = time.time() - t0
     assert out.returncode != 0
     assert "99" in out.stderr and "version" in out.stderr.lower(), out.stderr[-3000:]
+    if "Killed" in out.stdout + out.stderr:  # ranks still importing were killed: said, not left to read as an OOM kill
+        assert "'Killed' / 'exit status 137' lines are that stop" in out.stderr, out.stderr[-3000:]
     assert took < 120, f"the failed job took {took:.0f} s"
     deadline = time.time() + 15  # a rank still importing when called off leaves once its imports are done
     while _rank_processes_since(t0, tmp) and time.time() < deadline:

@@ -180,3 +180,55 @@ def _entry(h):  # a rank entry, named to the rank by module and name as run_loca
 
     seen.append((h.path, h.key, os.environ.get(KEY_VAR)))
     return {"took": h.path}
+
+
+class _Proc:
+    def __init__(self):
+        self.killed = False
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("imported", [True, False])
+def test_ranks_past_their_imports_leave_by_themselves_and_ranks_still_importing_are_killed_saying_so(
+        monkeypatch, caplog, imported):
+    """A job that fails before its ranks took it: ranks already done importing see the call-off within POLL_S and
+    leave as ranks that ended (their launcher prints nothing); a rank still importing is killed, and a warning first
+    says that the launcher's 'Killed' / 'exit status 137' lines that follow are that stop (they read like an OOM
+    kill, before the job's own error). The rank processes stand in for the real ones (rank_signals.rank_processes)."""
+    import logging
+
+    from pipeline.distributed import early_start
+
+    cfg = load_config("conf/local.yaml", ["train.np=-2"])
+    procs = [_Proc(), _Proc()]
+    monkeypatch.setattr(early_start, "rank_processes", lambda: procs)
+    release = threading.Event()  # a rank's imports, done or not
+    if imported:
+        release.set()
+    results = {}
+
+    def start_local(c, handoff):
+        ranks = [threading.Thread(target=lambda r=r: results.update({r: handoff.take(r, release.wait)}))
+                 for r in range(2)]
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            while rank.is_alive() and not any(p.killed for p in procs):
+                rank.join(0.01)
+        release.set()  # killed: its imports are cut short
+        return []
+
+    caplog.set_level(logging.WARNING, logger="pipeline.distributed.early_start")
+    with pytest.raises(RuntimeError, match="preparing failed"):
+        with ranks_started_early(cfg, start_local) as early:
+            deadline = time.monotonic() + 5
+            while imported and early.handoff.ranks_with("ready") < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("preparing failed")
+    said = [r.getMessage() for r in caplog.records if "started early took it" in r.getMessage()]
+    if imported:
+        assert results == {0: None, 1: None} and not any(p.killed for p in procs) and said == []
+    else:
+        assert all(p.killed for p in procs) and len(said) == 1 and "'Killed' / 'exit status 137'" in said[0]
