@@ -107,12 +107,13 @@ def horovod_run(fn: Callable[..., Any], args: tuple, np_: int, start_timeout: in
     before once it returned or raised: horovod.run's register_shutdown_event replaces them for good, and a bound's
     SIGTERM (`timeout`, scripts/device_gpu_run.sh) then no longer ended a bench that had launched ranks
     (pipeline.distributed.backends.horovod.signals_left_to_the_driver: during the launch SIGTERM stays the
-    process's, and Horovod's middlemen end the ranks of a driver that died)."""
+    process's, and Horovod's middlemen end the ranks of a driver that died); no secret of the environment on the ranks'
+    command lines, as in `lakehouse train` (secrets_off_the_command_line)."""
     import horovod
 
-    from pipeline.distributed.backends.horovod import signals_left_to_the_driver
+    from pipeline.distributed.backends.horovod import secrets_off_the_command_line, signals_left_to_the_driver
 
-    with signals_left_to_the_driver():
+    with signals_left_to_the_driver(), secrets_off_the_command_line():
         return horovod.run(fn, args=args, num_proc=np_, use_gloo=True, hosts=f"localhost:{np_}",
                            start_timeout=start_timeout, verbose=0)
 
