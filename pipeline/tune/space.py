@@ -152,6 +152,15 @@ class SearchSpace:
             values[key] = param.suggest(trial)
         return values
 
+    def values_of(self, key: str, default: Any) -> List[Any]:
+        """Every value a trial may give `key`: its choices where it is searched as a category, its fixed value, the
+        trials enqueued with one, else `default` (the config's); a searched number is its config value here too."""
+        param = self.params.get(key)
+        values = list(param.choices) if param is not None and param.kind == "categorical" else []
+        values += [self.fixed[key]] if key in self.fixed else []
+        values += [trial[key] for trial in self.enqueue if key in trial]
+        return values or [default]
+
     def needs_conversion(self) -> List[str]:
         """The keys of this space that make trials convert their own data."""
         return [k for k in list(self.params) + list(self.fixed) if is_conversion_key(k)]

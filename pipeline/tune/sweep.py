@@ -23,7 +23,7 @@ from pipeline.tune.study import (ATTR_DELTA_VERSION, ATTR_METRICS, ATTR_MODEL_UR
                                  check_metric, counted, create_study, default_name, describe_pruner, fail_stale,
                                  failure_reason, load_study, make_storage, quiet_optuna, running, storage_url)
 from pipeline.tune.trial import SharedData, TrialOutcome, record_error, run_trial
-from pipeline.workflow import gate_version, prepare_data, register_version
+from pipeline.workflow import gate_version, prepare_data, register_version, require_model_arch
 
 log = get_logger(__name__)
 
@@ -297,6 +297,8 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
     op = _open(cfg, space_path, n_trials is not None, resume)
     study, url, space, total = op.study, op.url, op.space, op.total
+    for arch in space.values_of("model.arch", cfg.model.arch):  # before any trial: a trial would fail in its ranks
+        require_model_arch(apply_overrides(cfg, {"model.arch": arch}))
     if cfg.tune.n_trials != total:  # a resume that keeps the study's own count: the config shows the one in use
         cfg = apply_overrides(cfg, {"tune.n_trials": total})
     name = study.study_name
