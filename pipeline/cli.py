@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from pipeline import preload
 from pipeline.config import ConfigError, load_config
@@ -23,40 +23,106 @@ log = get_logger("lakehouse")
 DEFAULT_CONF = os.environ.get("LAKEHOUSE_CONF", "conf/local.yaml")
 
 
-def _add_conf(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conf", default=DEFAULT_CONF, help="YAML profile (merged over base.yaml beside it)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.np=-2 data.batch_size=32")
+def _add_conf(p: argparse.ArgumentParser, default: Optional[str] = DEFAULT_CONF) -> None:
+    """`--conf` and the overrides. `default` SUPPRESS: a `--conf` given before a sub-action (`cache --conf F ls`)
+    is kept, where this parser's default would otherwise overwrite it (argparse copies a sub-parser's defaults over
+    its parent's values)."""
+    p.add_argument("--conf", default=default, help="YAML profile (merged over base.yaml beside it)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.np=-2 data.batch_size=32; "
+                                                "anywhere after the command, between options too")
+
+
+def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A sub-command's parser that records itself in the arguments it parses (`command_parser`), so errors found
+    after parsing are reported as argparse reports its own: the command's usage, then exit status 2."""
+    p = sub.add_parser(name, **kwargs)
+    p.set_defaults(command_parser=p)
+    return p
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a count or a size of 0 would write nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _bench_names() -> Optional[Dict[str, Sequence[str]]]:
+    """The names `bench --only` accepts, from the lists the bench checks them against (its one source), or None
+    where this install has no bench/. Read only when `bench --help` is printed: the bench lives beside the package,
+    in a checkout, and no other command needs it."""
+    root = _checkout_root()
+    if not _has_bench(root):
+        return None
+    if root not in sys.path:  # this process's alone (`_checkout_bench` also sets PYTHONPATH, for the ranks)
+        sys.path.insert(0, root)
+    from bench import MEASUREMENTS, STANDALONE  # local: the checkout's bench/, beside the package (not the library)
+    from bench.gpu import GPU_PARTS  # local: as above
+
+    return {"measurements": MEASUREMENTS, "standalone": STANDALONE, "gpu": GPU_PARTS}
+
+
+class _BenchHelp(argparse.HelpFormatter):
+    """`bench --help`: `--only`'s help names what `--only` accepts, filled in from the bench's own lists when the help
+    is printed (a copy written into the help went stale: it lacked split_digest)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = super()._get_help_string(action)
+        if action.dest != "only" or text is None:
+            return text
+        names = _bench_names()
+        if names is None:
+            return text.format(measurements="the names of the checkout's bench/, which this install lacks",
+                               standalone="the standalone ones", gpu="the GPU parts")
+        return text.format(measurements=", ".join(names["measurements"]),
+                           standalone=_either(names["standalone"]), gpu=", ".join(names["gpu"]))
+
+
+def _either(names: Sequence[str]) -> str:
+    """`a, b or c`."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lakehouse", description="Delta Lake -> Petastorm -> Lightning/Horovod -> MLflow")
+    parser = argparse.ArgumentParser(prog="lakehouse",
+                                     description="Delta Lake -> Petastorm -> Lightning/Horovod -> MLflow")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("sample-data", help="write a class-per-folder image tree to ingest: scikit-learn's digits as "
-                                           "PNGs, or synthetic ImageNet-shaped JPEG photos")
+    # --size, --classes and --seed default to None: an option given with the kind it does not apply to is refused
+    # (pipeline.lakehouse.sample_data.render_sample), not ignored
+    p = _command(sub, "sample-data", help="write a class-per-folder image tree to ingest: scikit-learn's digits as "
+                                          "PNGs, or synthetic ImageNet-shaped JPEG photos")
     p.add_argument("--kind", choices=["digits", "photos"], default="digits",
-                   help="digits: the 1,797 8x8 scans enlarged to --size; photos: RGB JPEGs of about 400x350, quality 90")
+                   help="digits: the 1,797 8x8 scans enlarged to --size; photos: RGB JPEGs of about 400x350, "
+                        "quality 90")
     p.add_argument("--out", default=None, help="the folder (default: work/sample/<kind>)")
-    p.add_argument("--size", type=int, default=32, help="digits: the side in pixels")
-    p.add_argument("--limit", "--count", dest="count", type=int, default=None,
+    p.add_argument("--size", type=_positive, default=None, help="digits only: the side in pixels (default 32)")
+    p.add_argument("--limit", "--count", dest="count", type=_positive, default=None,
                    help="how many images (digits: at most 1,797, default all; photos: default 1000)")
-    p.add_argument("--classes", type=int, default=None, help="photos: how many classes (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="photos: the same seed writes the same files")
+    p.add_argument("--classes", type=_positive, default=None, help="photos only: how many classes (default: all 5)")
+    p.add_argument("--seed", type=int, default=None, help="photos only: the same seed writes the same files "
+                                                          "(default 0)")
 
-    p = sub.add_parser("ingest", help="image folder -> one Delta commit")
+    p = _command(sub, "ingest", help="image folder -> one Delta commit")
     p.add_argument("--source", required=True, help="folder with one sub-folder per class")
     p.add_argument("--mode", choices=["append", "overwrite"], default="append")
     _add_conf(p)
 
-    p = sub.add_parser("train", help="train on the pinned Delta table; prints one JSON line at the end")
+    p = _command(sub, "train", help="train on the pinned Delta table; prints one JSON line at the end")
     p.add_argument("--run-name", default=None)
     _add_conf(p)
 
-    p = sub.add_parser("promote", help="move the champion alias to a version if it beats the champion")
-    p.add_argument("--version", default=None, help="model version (default: the latest)")
+    p = _command(sub, "promote", help="move the champion alias to a version if it beats the champion")
+    p.add_argument("--version", type=int, default=None,
+                   help="model version (default: the latest); one the model does not have is refused, naming its "
+                        "versions")
     _add_conf(p)
 
-    p = sub.add_parser("predict", help="score a pinned Delta table with a registered model; one Delta commit")
+    p = _command(sub, "predict", help="score a pinned Delta table with a registered model; one Delta commit")
     p.add_argument("--model", required=True, help="models:/<name>@<alias> or models:/<name>/<version>")
     p.add_argument("--table", required=True, help="input Delta table (path, content columns)")
     p.add_argument("--version", type=int, default=None, help="input table version (default: the latest)")
@@ -68,13 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "append the same predictions again")
     _add_conf(p)
 
-    p = sub.add_parser("export", help="export a registered model version to ONNX or TorchScript with its contract")
+    p = _command(sub, "export", help="export a registered model version to ONNX or TorchScript with its contract")
     p.add_argument("--model", required=True, help="models:/<name>@<alias> or models:/<name>/<version>")
     p.add_argument("--format", choices=["onnx", "torchscript"], required=True)
     p.add_argument("--out", default=None, help="folder for the files (default: only logged to the run)")
     _add_conf(p)
 
-    p = sub.add_parser("tune", help="Optuna sweep over a search space; each trial a train in an MLflow child run")
+    p = _command(sub, "tune", help="Optuna sweep over a search space; each trial a train in an MLflow child run")
     p.add_argument("--space", default=None, help="search space YAML (conf/search/<name>.yaml)")
     p.add_argument("--trials", type=int, default=None,
                    help="trials in the study, >= 1 (sets tune.n_trials; default: tune.n_trials, or on --resume the "
@@ -84,30 +150,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="STUDY", help="continue this study: only the missing trials")
     _add_conf(p)
 
-    p = sub.add_parser("cache", help="the converted-data cache (data.cache_dir): list entries or clear them")
+    p = _command(sub, "cache", help="the converted-data cache (data.cache_dir): list entries or clear them",
+                 epilog="--conf goes before the action or after it; key=value overrides after the action. `lakehouse "
+                        "cache clear --help` for clear's options (--key K, repeatable; --force)")
+    p.add_argument("--conf", default=DEFAULT_CONF, help="YAML profile (merged over base.yaml beside it)")
     actions = p.add_subparsers(dest="action", required=True)
-    _add_conf(actions.add_parser("ls", help="entries, most recently used first, with size and source table"))
-    p = actions.add_parser("clear", help="delete entries (all, or those named by --key); an entry a running job "
-                                         "holds is kept and named with its holder (job, pid, host)")
+    _add_conf(_command(actions, "ls", help="entries, most recently used first, with size and source table"),
+              default=argparse.SUPPRESS)
+    p = _command(actions, "clear", help="delete entries: all, or those named by --key K (repeatable); an entry a "
+                                        "running job holds is kept and named with its holder (job, pid, host), "
+                                        "unless --force")
     p.add_argument("--key", action="append", default=None, help="clear only this entry (repeatable)")
     p.add_argument("--force", action="store_true", help="delete held entries too (their jobs then fail reading them)")
-    _add_conf(p)
+    _add_conf(p, default=argparse.SUPPRESS)
 
-    p = sub.add_parser("sync-run", help="upload a run left offline (the tracking server was down) to MLflow")
+    p = _command(sub, "sync-run", help="upload a run left offline (the tracking server was down) to MLflow")
     p.add_argument("folder", help="the run's folder (<job dir>/offline_run, named by `lakehouse train`)")
     p.add_argument("overrides", nargs="*", help="e.g. mlflow.tracking_uri=http://host:5000 (default: the run's)")
 
-    p = sub.add_parser("doctor", help="check the installed stack")
+    p = _command(sub, "doctor", help="check the installed stack")
     _add_conf(p)
 
-    p = sub.add_parser("bench", help="measure loader, conversion, scaling and overhead ratios")
+    p = _command(sub, "bench", help="measure loader, conversion, scaling and overhead ratios",
+                 formatter_class=_BenchHelp)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (proves it runs)")
     p.add_argument("--out", default="work/bench/bench.json")
     p.add_argument("--only", default=None, metavar="M[,M...]",
-                   help="run only these measurements (loader, input_bound, shard_balance, predict_throughput, "
-                        "overheads, tune_overhead, restart_cost, scaling, gpu, job_phases, epoch_parity, cross_host, "
-                        "step_overhead, direct_source, photo_decode); the conversion always runs, unless only "
-                        "cross_host, step_overhead or photo_decode are asked for. With --gpu: archs, photos")
+                   help="run only these measurements ({measurements}); the conversion always runs, unless only "
+                        "{standalone} are asked for. With --gpu: {gpu}")
     p.add_argument("--gpu", action="store_true",
                    help="the GPU figures alone (images/s per GPU per architecture and precision, Lightning / plain "
                         "loop, input-bound fraction) on a data set written with pyarrow, and ImageNet-shaped photos "
@@ -115,6 +185,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "needed")
     _add_conf(p)
     return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line, with a command's `key=value` overrides taken anywhere after the command, between its options
+    too (`doctor train.np=1 --conf F train.max_epochs=2`).
+
+    argparse gives a positional `nargs="*"` one block of tokens, and refuses the ones typed after an option that
+    follows it; `parse_intermixed_args`, which would take them, refuses a parser with sub-commands (TypeError on
+    Python 3.11). So the tokens the command's parser leaves over are read here: those that are not options are more
+    overrides, kept in the order typed (the last of a key wins, as in one block; the config's loader refuses one not
+    of the form key=value, naming it); an option no parser knows is refused with the command's usage (exit 2), and so
+    is any leftover of a command that takes no overrides."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        options = [t for t in extra if t.startswith("-")]
+        if options or not hasattr(args, "overrides"):
+            args.command_parser.error(f"unrecognized arguments: {' '.join(options or extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -144,13 +233,16 @@ def end_process(rc: int) -> None:
 
 def _main(argv: Optional[List[str]] = None) -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "sample-data":
-            from pipeline.lakehouse.sample_data import render_sample  # local: numpy, out of the other commands
+            from pipeline.lakehouse.sample_data import SampleOptionError, render_sample  # local: numpy, its alone
 
-            out, counts = render_sample(args.kind, args.out, args.count, size=args.size, classes=args.classes,
-                                        seed=args.seed)
+            try:
+                out, counts = render_sample(args.kind, args.out, args.count, size=args.size, classes=args.classes,
+                                            seed=args.seed)
+            except SampleOptionError as exc:  # an option the kind does not take, or out of range: a usage error
+                args.command_parser.error(str(exc))
             print(json.dumps({"out": out, "kind": args.kind, "images": sum(counts.values()), "classes": counts}))
             return 0
         if args.command == "sync-run":
@@ -241,13 +333,22 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _checkout_root() -> str:
+    """The folder holding the package folder: in a checkout, the one the bench sits in beside `pipeline/`."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _has_bench(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, "bench", "__init__.py"))
+
+
 def _checkout_bench() -> Optional[str]:
     """Make the checkout's `bench` package importable here and in the processes it starts (Horovod and torchrun ranks
     unpickle bench functions by reference); None, or what is missing. The bench is not part of the installed library:
     it sits beside `pipeline/` in a checkout, and an editable install maps only `pipeline`, so from another folder
     the checkout (the parent of the package folder) goes first on sys.path and PYTHONPATH for this command."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "bench", "__init__.py")):
+    root = _checkout_root()
+    if not _has_bench(root):
         return (f"lakehouse bench needs the checkout's bench/ package beside pipeline/ (looked in {root}); this "
                 "install has the library only: run it from a git checkout installed with `pip install -e .`")
     if root not in sys.path:

@@ -48,11 +48,14 @@ def render_summary(result: dict, tracking_uri: str, alias_version: Optional[str]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """`python -m pipeline.summary TRAIN_OUTPUT [--conf F] [key=value ...]`, the overrides anywhere after the file:
+    intermixed parsing takes them between options too, where argparse would give the positional overrides only the
+    block next to the file (`FILE --conf F a=1` was refused)."""
     parser = argparse.ArgumentParser(description="print the demo summary from `lakehouse train` output")
     parser.add_argument("train_output")
     parser.add_argument("--conf", default="conf/local.yaml")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, as given to `lakehouse train`")
+    args = parser.parse_intermixed_args(argv)
     with open(args.train_output) as fh:
         last = [line for line in fh.read().splitlines() if line.strip().startswith("{")][-1]
     result = json.loads(last)

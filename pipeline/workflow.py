@@ -8,7 +8,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline import preload
-from pipeline.config import Config, world_size_of
+from pipeline.config import Config, ConfigError, world_size_of
 from pipeline.data.convert import convert_for_training
 from pipeline.data.leases import JobLeases
 from pipeline.data.plan import start_batch_size
@@ -335,17 +335,59 @@ def phases(marks: Dict[str, float]) -> Dict[str, Any]:
     return out
 
 
-def promote_version(cfg: Config, version: Optional[str] = None) -> Dict[str, Any]:
+def promote_version(cfg: Config, version: Optional[Any] = None) -> Dict[str, Any]:
     """Gate a registered version (latest when None) against the current champion, on the same held-out rows. MLflow's
     HTTP retries are bounded by `mlflow.retries` (pipeline.tracking.runs.http_bounds) as in `train`: a gate makes
-    dozens of registry calls, each of which MLflow's defaults would retry for minutes."""
+    dozens of registry calls, each of which MLflow's defaults would retry for minutes.
+
+    Raises:
+        ConfigError: the model has no such version (`existing_version`), or no version at all.
+    """
     from pipeline.tracking.registry import latest_version  # local: mlflow, out of `import pipeline.workflow`
     from pipeline.tracking.runs import configure, http_bounds, temporary_env  # local: mlflow, as above
 
+    name = cfg.mlflow.registered_model
     with temporary_env(http_bounds(cfg.mlflow)):
         client = configure(cfg.mlflow)
-        version = version or latest_version(client, cfg.mlflow.registered_model)
+        version = latest_version(client, name) if version is None else existing_version(client, name, version)
         return dict(gate(client, cfg, str(version)).__dict__)
+
+
+def existing_version(client, name: str, version: Any) -> str:
+    """`version` of registered model `name` as the registry spells it, or a ConfigError naming the versions the model
+    has: a version given that does not exist is the command line's mistake, which the gate would report as a failed
+    registry call to retry. The version is looked up by name and number (any name, quotes too); the model's versions
+    are listed only to say which exist."""
+    from mlflow.exceptions import MlflowException  # mlflow: out of `import pipeline.workflow`
+
+    from pipeline.tracking.registry import model_versions  # local: mlflow, out of `import pipeline.workflow`
+
+    try:
+        number = int(str(version))
+    except ValueError:
+        number = None
+    if number is not None and number >= 1:
+        try:
+            return str(client.get_model_version(name, str(number)).version)
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" not in str(getattr(exc, "error_code", "")):
+                raise
+    have = sorted({int(mv.version) for mv in model_versions(client, name)})
+    where = "config key 'mlflow.registered_model'"
+    if not have:
+        raise ConfigError(f"model {name!r} has no version {version}: it has no versions ({where})")
+    raise ConfigError(f"model {name!r} has no version {version}; its versions: {number_ranges(have)} ({where})")
+
+
+def number_ranges(numbers: List[int]) -> str:
+    """Sorted distinct numbers as runs: [1, 2, 3, 4, 7, 9, 10] -> '1-4, 7, 9-10'."""
+    runs: List[List[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def sync_run(folder: str, overrides: Optional[List[str]] = None) -> Dict[str, Any]:

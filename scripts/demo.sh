@@ -8,4 +8,5 @@ export LAKEHOUSE_PROGRESS=${LAKEHOUSE_PROGRESS:-0}
 $LH sample-data --out work/sample/digits
 $LH ingest --conf "$CONF" --source work/sample/digits --mode overwrite "$@"
 $LH train --conf "$CONF" "$@" | tee work/last_train.json
-.venv/bin/python -m pipeline.summary work/last_train.json --conf "$CONF" "$@"
+# the options first, then the file and the overrides: one block of positionals, however the summary's parser reads them
+.venv/bin/python -m pipeline.summary --conf "$CONF" work/last_train.json "$@"

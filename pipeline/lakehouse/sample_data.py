@@ -24,8 +24,20 @@ PHOTO_QUALITY = 90
 KINDS = ("digits", "photos")
 
 
+# the options of `lakehouse sample-data` that only one kind takes: given with the other kind they are refused, not
+# ignored (the folder would not hold what was asked for)
+KIND_OPTIONS = {"digits": ("size",), "photos": ("classes", "seed")}
+DIGITS_SIZE = 32  # the side of a digit image in pixels, unless --size says otherwise
+PHOTOS_COUNT = 1000  # photos written unless --count says otherwise
+
+
 class OutputFolderError(ValueError):
     """The output folder holds files this command would not write; nothing was written."""
+
+
+class SampleOptionError(ValueError):
+    """An option of `lakehouse sample-data` that the kind asked for does not take, or a value out of its range (the
+    command line's mistake: `lakehouse` reports it as a usage error); nothing was written."""
 
 
 def check_out_dir(out_dir: str, planned: Set[str]) -> None:
@@ -54,8 +66,9 @@ def check_out_dir(out_dir: str, planned: Set[str]) -> None:
                                 f"written")
 
 
-def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dict[str, int]:
-    """Write `out_dir/<class name>/<n>.png`, deterministically; return images per class.
+def render_digits(out_dir: str, size: int = DIGITS_SIZE, limit: int | None = None) -> Dict[str, int]:
+    """Write `out_dir/<class name>/<n>.png`, deterministically; return images per class. A `limit` above the 1,797
+    images there are writes them all, with a warning saying so.
 
     The 8x8 images (values 0-16) are scaled to 0-255 and enlarged to `size` with nearest-neighbour
     so every file is the same on every machine. An `out_dir` holding other files is refused (check_out_dir).
@@ -63,6 +76,10 @@ def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dic
     from PIL import Image
     from sklearn.datasets import load_digits
 
+    if size < 1:
+        raise SampleOptionError(f"--size {size}: at least 1 pixel")
+    if limit is not None and limit < 1:
+        raise SampleOptionError(f"--limit {limit}: at least one image")
     digits = load_digits()
     out = Path(out_dir)
     counts: Dict[str, int] = {}
@@ -77,6 +94,8 @@ def render_digits(out_dir: str, size: int = 32, limit: int | None = None) -> Dic
         img.save(folder / f"{i:04d}.png", optimize=False)
         counts[name] = counts.get(name, 0) + 1
     log.info("rendered %d digit images in %d classes to %s", n, len(counts), out)
+    if limit is not None and limit > n:  # said, not only clamped: the caller asked for more than it got
+        log.warning("--limit %d: scikit-learn's digits are %d images; wrote all %d of them, not %d", limit, n, n, limit)
     return counts
 
 
@@ -160,9 +179,9 @@ def render_photos(out_dir: str, count: int, classes: int = len(PHOTO_CLASSES), s
     PHOTO_CLASSES), deterministically from `seed`; return images per class. An `out_dir` holding other files is
     refused (check_out_dir)."""
     if count < 1:
-        raise ValueError(f"--count {count}: at least one photo")
+        raise SampleOptionError(f"--count {count}: at least one photo")
     if not 1 <= classes <= len(PHOTO_CLASSES):
-        raise ValueError(f"--classes {classes}: between 1 and {len(PHOTO_CLASSES)}")
+        raise SampleOptionError(f"--classes {classes}: between 1 and {len(PHOTO_CLASSES)}")
     names: List[str] = PHOTO_CLASSES[:classes]
     check_out_dir(out_dir, {f"{names[i % classes]}/{i:05d}.jpg" for i in range(count)})
     out = Path(out_dir)
@@ -181,13 +200,25 @@ def render_photos(out_dir: str, count: int, classes: int = len(PHOTO_CLASSES), s
     return counts
 
 
-def render_sample(kind: str, out_dir: str | None, count: int | None, size: int = 32, classes: int | None = None,
-                  seed: int = 0) -> Tuple[str, Dict[str, int]]:
-    """`lakehouse sample-data`: (the folder written, images per class) for `kind` digits or photos."""
+def render_sample(kind: str, out_dir: str | None, count: int | None, size: int | None = None,
+                  classes: int | None = None, seed: int | None = None) -> Tuple[str, Dict[str, int]]:
+    """`lakehouse sample-data`: (the folder written, images per class) for `kind` digits or photos. `size` (digits),
+    `classes` and `seed` (photos): None for the kind's default.
+
+    Raises:
+        SampleOptionError: `kind` is neither; an option given that `kind` does not take (KIND_OPTIONS), naming both;
+            a count, size or number of classes out of range. Nothing is written.
+    """
+    if kind not in KINDS:
+        raise SampleOptionError(f"--kind {kind!r}: one of {', '.join(KINDS)}")
+    given = {"size": size, "classes": classes, "seed": seed}
+    for other, names in KIND_OPTIONS.items():
+        wrong = [f"--{name}" for name in names if other != kind and given[name] is not None]
+        if wrong:
+            raise SampleOptionError(f"{' and '.join(wrong)} {'applies' if len(wrong) == 1 else 'apply'} to --kind "
+                                    f"{other} only, not --kind {kind}; nothing written")
     out = out_dir or f"work/sample/{kind}"
     if kind == "digits":
-        return out, render_digits(out, size=size, limit=count)
-    if kind == "photos":
-        return out, render_photos(out, 1000 if count is None else count,
-                                  len(PHOTO_CLASSES) if classes is None else classes, seed)
-    raise ValueError(f"--kind {kind!r}: one of {', '.join(KINDS)}")
+        return out, render_digits(out, size=DIGITS_SIZE if size is None else size, limit=count)
+    return out, render_photos(out, PHOTOS_COUNT if count is None else count,
+                              len(PHOTO_CLASSES) if classes is None else classes, 0 if seed is None else seed)

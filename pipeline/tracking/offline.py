@@ -185,13 +185,23 @@ MODEL_NAME = "model"
 SYNC_LOCK = "sync.lock"
 
 
+# what a folder must hold to be a run left offline by `lakehouse train` (the rest is optional)
+RUN_FILES = ("run.json", "config.yaml", os.path.join("model", "network.pt"))
+
+
+def is_offline_run(folder: str) -> bool:
+    """Whether `folder` holds what a run left offline by `lakehouse train` does (RUN_FILES)."""
+    return all(os.path.isfile(os.path.join(folder, name)) for name in RUN_FILES)
+
+
 @contextlib.contextmanager
 def sync_lock(folder: str) -> Iterator[None]:
     """Hold the folder's sync lock (an exclusive `fcntl.flock` on `<folder>/sync.lock`) for the block: one
     `lakehouse sync-run` of a folder at a time, or two that both find no registered version both register one (two
     versions from one run, both gated). The lock is the open file's: the operating system releases it when the
     holder ends, however it ends, so a crashed sync never blocks the next. The file records the holder's pid and
-    host. A path that is not a folder is not locked (`upload` refuses it).
+    host. A path that is not a run left offline (`is_offline_run`: another folder, a file) is not locked, so no lock
+    file is left in it: `upload` refuses it, naming what it lacks.
 
     Raises:
         SyncError: another process holds the lock; the message names the folder, the lock file and the holder.
@@ -199,7 +209,7 @@ def sync_lock(folder: str) -> Iterator[None]:
     import fcntl
 
     folder = os.path.abspath(folder)
-    if not os.path.isdir(folder):
+    if not is_offline_run(folder):
         yield
         return
     path = os.path.join(folder, SYNC_LOCK)
@@ -338,10 +348,9 @@ def upload(folder: str, overrides: Optional[List[str]] = None) -> Upload:
 
     off = OfflineRun(folder)
     info = off.read()
-    model_file = os.path.join(off.folder, "model", "network.pt")
-    if not info or not os.path.exists(model_file) or not os.path.exists(os.path.join(off.folder, "config.yaml")):
-        raise SyncError(f"{off.folder} is not a run left offline by `lakehouse train` (it needs run.json, "
-                        "config.yaml and model/network.pt)")
+    if not info or not is_offline_run(off.folder):
+        raise SyncError(f"{off.folder} is not a run left offline by `lakehouse train` (it needs "
+                        f"{', '.join(RUN_FILES[:-1])} and {RUN_FILES[-1]})")
     if info.get("synced"):
         raise SyncError(f"{off.folder} was uploaded already: {json.dumps(info['synced'])}")
     overrides = list(overrides or [])

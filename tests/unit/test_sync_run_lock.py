@@ -173,9 +173,9 @@ def test_promote_bounds_mlflows_http_retries_as_train_does(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     seen = {}
 
-    def configure(cfg_mlflow):
+    def configure(cfg_mlflow):  # a registry holding the version asked for (promote looks it up before the gate)
         seen["configure"] = {k: os.environ.get(k) for k in BOUNDS}
-        return object()
+        return SimpleNamespace(get_model_version=lambda name, version: SimpleNamespace(name=name, version=version))
 
     def gate(client, cfg, version):
         seen["gate"] = {k: os.environ.get(k) for k in BOUNDS}
