@@ -25,7 +25,7 @@ from pipeline.lakehouse.delta import PinnedTable, get_engine, table_location
 from pipeline.lakehouse.spark import SparkOnDemand, session_of
 from pipeline.log import get_logger
 from pipeline.model.arch_packages import require_arch_packages
-from pipeline.redact import redact_url
+from pipeline.redact import redact_url, redacted
 from pipeline.tracking.offline import left_offline, record_job, sync_lock, upload
 from pipeline.tracking.rank_zero import RankZeroTracker, log_rank_hosts
 from pipeline.tracking.run_record import RunRecord
@@ -170,11 +170,19 @@ def for_the_ranks(cfg: Config, tracking_uri: str) -> Tuple[Config, Optional[str]
     this process set when it connected (pipeline.tracking.runs.use_tracking_uri) and the ranks inherit (local ranks
     from this process, ranks on Spark executors through rank_env.executor_env), and which every rank but 0 drops as it
     starts (pipeline.redact.TRACKING_CREDENTIALS, rank_process.rank_record). A URI without credentials is handed as
-    it is."""
+    it is.
+
+    Nor do the ranks get what only the driver uses and may be secret: `spark.conf`'s secret values (the driver's
+    session; a rank reads the table with the credentials of its environment) and the password of `tune.storage` (the
+    sweep's study, opened by the driver) are redacted (pipeline.redact). The job reaches the ranks through their
+    launcher (horovod.run's key-value store is plain HTTP; Spark's task serialisation) and, for ranks started early,
+    through a file."""
     secret_uri = redact_url(tracking_uri) != tracking_uri
-    if redact_url(cfg.mlflow.tracking_uri) != cfg.mlflow.tracking_uri:
-        cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow,
-                                                                  tracking_uri=redact_url(cfg.mlflow.tracking_uri)))
+    conf = redacted({"spark.conf": dict(cfg.spark.conf)})["spark.conf"]  # judged by the full key, spark.conf.<k>
+    cfg = dataclasses.replace(
+        cfg, mlflow=dataclasses.replace(cfg.mlflow, tracking_uri=redact_url(cfg.mlflow.tracking_uri)),
+        spark=dataclasses.replace(cfg.spark, conf=conf), tune=dataclasses.replace(cfg.tune,
+                                                                                storage=redact_url(cfg.tune.storage)))
     if not secret_uri:
         return cfg, tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI") != tracking_uri:  # rank 0 would not find it there: handed as before
