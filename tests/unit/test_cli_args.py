@@ -240,3 +240,16 @@ def test_sync_run_of_another_folder_is_refused_leaving_no_lock_file(tmp_path):
         (folder / name).write_text("{}")
     with sync_lock(str(folder)):
         assert (folder / SYNC_LOCK).exists()
+
+
+def test_an_ingest_source_that_is_not_a_folder_is_refused_before_any_spark_session(tmp_path, monkeypatch, caplog):
+    """`lakehouse ingest --source <missing>` said so only after the JVM started (~15 s here)."""
+    from pipeline import cli
+
+    def no_session(cfg):
+        raise AssertionError("a Spark session was asked for")
+
+    monkeypatch.setattr(cli, "spark_session", no_session)
+    rc = cli.main(["ingest", "--source", str(tmp_path / "missing"), "--conf", str(ROOT / "conf/local.yaml")])
+    assert rc == 1
+    assert f"ingest source {tmp_path / 'missing'} is not a folder" in caplog.text
