@@ -8,15 +8,9 @@ import importlib.util
 
 import pytest
 
-from pipeline.config import Config, ConfigError, apply_overrides
+from pipeline.config import ConfigError
 
-
-def _cfg(tmp_path, **values):
-    return apply_overrides(Config(), {
-        "mlflow.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "mlflow.artifact_location": str(tmp_path / "art"),
-        "mlflow.experiment": "tune", "mlflow.unended_runs": str(tmp_path / "unended.jsonl"),
-        "tune.storage": f"sqlite:///{tmp_path}/optuna.db", "tune.study": "s", "tune.pruner": "none",
-        "data.cache_dir": str(tmp_path / "cache"), "train.checkpoint_dir": str(tmp_path / "ckpt"), **values})
+from test_tune_counts import _cfg  # the sweep's config on SQLite stores under tmp_path
 
 
 @pytest.fixture
