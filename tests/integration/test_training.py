@@ -51,6 +51,12 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     assert summary["world_size"] == 2 and summary["backend"] == "horovod" and summary["delta_version"] == 0
     assert summary["rows_train"] + summary["rows_val"] == 600 and summary["epochs"] == 3
     assert summary["val_acc"] > 0.25  # learning (chance is 0.1), in 3 short epochs on 480 rows
+    # the registered network scores on the val rows, in the gate, what the ranks reported for them: every rank
+    # validated with rank 0's BatchNorm statistics (each had its own before: the two differed by a few rows)
+    version = MlflowClient(summary["tracking_uri"]).get_model_version(summary["model_name"],
+                                                                     str(summary["model_version"]))
+    rows = summary["rows_val"]
+    assert round(float(version.tags["gate_val_acc"]) * rows) == round(summary["val_acc"] * rows), version.tags
 
     client = MlflowClient(summary["tracking_uri"])
     run = _only_run(client, cfg)
