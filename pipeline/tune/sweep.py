@@ -86,6 +86,14 @@ def trials_asked(trials: Optional[int], overrides: Sequence[str], cfg: Config) -
     return None
 
 
+def _require_archs(cfg: Config, space: Any) -> None:
+    """Refuse (ConfigError naming model.arch) a network the config or the space (a category, a fixed value, an
+    enqueued trial) may pick that this install cannot build: each trial failed in its ranks instead, after its data
+    was prepared."""
+    for arch in space.values_of("model.arch", cfg.model.arch):
+        require_model_arch(apply_overrides(cfg, {"model.arch": arch}))
+
+
 def _open(cfg: Config, space_path: Optional[str], asked: bool, resume: Optional[str]) -> Opened:
     """Create the study, or reopen `resume`. `asked`: `cfg.tune.n_trials` was given for this sweep (`--trials` or
     an explicit `tune.n_trials`): on resume it replaces the study's count; otherwise the study keeps its own."""
@@ -107,6 +115,7 @@ def _open(cfg: Config, space_path: Optional[str], asked: bool, resume: Optional[
             space = space_from_text(stored, cfg, f"(study {resume})", stored=True)
         else:
             raise ConfigError(f"--resume {resume}: the study has no stored search space; pass --space")
+        _require_archs(cfg, space)  # before the study is changed (its count, its stale trials)
         kept = study.user_attrs.get(ATTR_N_TRIALS)
         total = int(cfg.tune.n_trials if asked or kept is None else kept)
         if total != kept:
@@ -123,6 +132,7 @@ def _open(cfg: Config, space_path: Optional[str], asked: bool, resume: Optional[
     if not space_path:
         raise ConfigError("lakehouse tune needs --space conf/search/<name>.yaml (or --resume STUDY)")
     space = load_space(space_path, cfg)
+    _require_archs(cfg, space)  # before the study is made: a refused sweep leaves no study to --resume
     name = cfg.tune.study or default_name(space_path)
     total = int(cfg.tune.n_trials)  # checked >= 1 with the config (and --trials by check_cli_values)
     study = create_study(cfg, name, storage, url, total, space.text, space.enqueue)
@@ -297,8 +307,6 @@ def run_tune(spark, cfg: Config, space_path: Optional[str] = None, n_trials: Opt
     configure(cfg.mlflow)  # fail fast, before any Spark work, when MLflow is unreachable
     op = _open(cfg, space_path, n_trials is not None, resume)
     study, url, space, total = op.study, op.url, op.space, op.total
-    for arch in space.values_of("model.arch", cfg.model.arch):  # before any trial: a trial would fail in its ranks
-        require_model_arch(apply_overrides(cfg, {"model.arch": arch}))
     if cfg.tune.n_trials != total:  # a resume that keeps the study's own count: the config shows the one in use
         cfg = apply_overrides(cfg, {"tune.n_trials": total})
     name = study.study_name

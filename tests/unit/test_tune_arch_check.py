@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import optuna
 import pytest
 
 from pipeline.config import ConfigError
@@ -37,6 +38,9 @@ def test_a_space_that_may_pick_a_timm_network_without_timm_is_refused_before_any
     with pytest.raises(ConfigError, match=r"config key 'model\.arch': 'timm/resnet18' needs the timm package"):
         run_tune(None, _cfg(tmp_path), str(path), n_trials=2)
     assert trials == []
+    # no study made: the same command, once timm is installed, is not told the study exists (--resume)
+    assert not (tmp_path / "optuna.db").exists() or optuna.study.get_all_study_names(
+        storage=f"sqlite:///{tmp_path}/optuna.db") == []
 
 
 def test_a_config_arch_the_space_does_not_search_is_checked_too(tmp_path, trials):
