@@ -220,8 +220,9 @@ class EarlyRanks:
             self.handoff.cancel()  # a rank still importing reads it after, and leaves
             if self.handoff.ranks_with("ready") >= abs(self.cfg.train.np):  # all past their imports: they leave
                 self._thread.join(LEAVE_WAIT_S)  # within POLL_S, as ranks that ended, and their launcher says nothing
-            procs = rank_processes() if self._thread.is_alive() else []
-            if procs:  # the launcher then prints "Killed" and an exit status 137 for them, which reads like an OOM kill
+            procs = rank_processes()
+            # the launcher prints "Killed" and an exit status 137 for ranks killed here, which reads like an OOM kill
+            if procs and self._thread.is_alive():
                 log.warning("the job ended before the %d rank process(es) started early took it (its error follows): "
                             "they are stopped, and their launcher's 'Killed' / 'exit status 137' lines are that stop",
                             len(procs))

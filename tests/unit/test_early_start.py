@@ -202,8 +202,9 @@ def test_ranks_past_their_imports_leave_by_themselves_and_ranks_still_importing_
     from pipeline.distributed import early_start
 
     cfg = load_config("conf/local.yaml", ["train.np=-2"])
-    procs = [_Proc(), _Proc()]
-    monkeypatch.setattr(early_start, "rank_processes", lambda: procs)
+    procs, threads = [_Proc(), _Proc()], []
+    # a rank's process is there while its thread runs (a rank that left is gone from the machine's processes)
+    monkeypatch.setattr(early_start, "rank_processes", lambda: [p for p, t in zip(procs, threads) if t.is_alive()])
     release = threading.Event()  # a rank's imports, done or not
     if imported:
         release.set()
@@ -212,6 +213,7 @@ def test_ranks_past_their_imports_leave_by_themselves_and_ranks_still_importing_
     def start_local(c, handoff):
         ranks = [threading.Thread(target=lambda r=r: results.update({r: handoff.take(r, release.wait)}))
                  for r in range(2)]
+        threads.extend(ranks)
         for rank in ranks:
             rank.start()
         for rank in ranks:
@@ -223,8 +225,8 @@ def test_ranks_past_their_imports_leave_by_themselves_and_ranks_still_importing_
     caplog.set_level(logging.WARNING, logger="pipeline.distributed.early_start")
     with pytest.raises(RuntimeError, match="preparing failed"):
         with ranks_started_early(cfg, start_local) as early:
-            deadline = time.monotonic() + 5
-            while imported and early.handoff.ranks_with("ready") < 2 and time.monotonic() < deadline:
+            deadline, mark = time.monotonic() + 5, "ready" if imported else "waiting"
+            while early.handoff.ranks_with(mark) < 2 and time.monotonic() < deadline:  # the ranks are there
                 time.sleep(0.01)
             raise RuntimeError("preparing failed")
     said = [r.getMessage() for r in caplog.records if "started early took it" in r.getMessage()]

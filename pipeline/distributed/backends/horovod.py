@@ -177,7 +177,8 @@ def horovod_rank_process(arg: Any) -> Optional[RankResult]:
         traceback.print_exc()
         exit_now(1)
         raise  # only where exit_now is replaced (tests)
-    if result is None:  # started early and called off: it never joined Horovod
+    if result is None:  # started early and called off: it never joined Horovod, and ends as fast as a rank that
+        exit_fast_after_delivery()  # trained (the driver waits only early_start.LEAVE_WAIT_S for it)
         return None
     # Horovod's own shutdown (a normal exit's handler, which the fast exit skips), agreed by every rank's background
     # loop: a rank that left without it resets its peers' connections while rank 0 still logs the model

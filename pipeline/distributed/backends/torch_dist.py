@@ -45,7 +45,8 @@ def _rank(arg: Any, backend: "TorchDistributed") -> Optional[RankResult]:
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
     job = job_of(arg, rank, importer(backend.strategy_modules))
-    if job is None:
+    if job is None:  # called off: it ends as fast as a rank that trained (the driver waits only so long for it)
+        exit_fast_after_delivery()
         return None
     with rank_record(job, rank):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
