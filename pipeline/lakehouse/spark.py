@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
@@ -20,6 +21,10 @@ DELTA_SESSION_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
+
+HADOOP_PREFIX = "spark.hadoop."
+# a value naming a remote file system (Hadoop's connectors): one Spark may open as it starts
+_REMOTE_FS = re.compile(r"(?i)\b(s3a?|s3n|abfss?|wasbs?|gs|oss|adl)://")
 
 # Settings the project gives a session it creates (laptop, CI). A session it did not create keeps its own.
 OWN_SESSION_CONF = {
@@ -147,10 +152,7 @@ def _create(cfg: Config):
     return spark
 
 
-HADOOP_PREFIX = "spark.hadoop."
-
-
-def split_secret_conf(conf: Mapping[str, str]) -> tuple:
+def split_secret_conf(conf: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
     """`conf` as (the settings a session is started with, the Hadoop settings it is given once it runs).
 
     PySpark starts its JVM with `spark-submit --conf key=value` for every setting of the builder: a command line every
@@ -158,7 +160,10 @@ def split_secret_conf(conf: Mapping[str, str]) -> tuple:
     (pipeline.redact.is_secret_key: `spark.hadoop.fs.s3a.secret.key`, `...account.key...`) or whose value holds URL
     credentials is held back and set in the running session's Hadoop configuration, where the file systems read their
     credentials. Any other such setting may be one Spark reads only at start (`spark.authenticate.secret`,
-    `spark.executorEnv.*`): it is given at start as before, and a warning names it (never its value)."""
+    `spark.executorEnv.*`): it is given at start as before, and a warning names it (never its value). So are the
+    Hadoop secrets when a setting given at start names a remote file system (`spark.eventLog.dir=s3a://...`,
+    `spark.jars` on abfss://): Spark opens it as it starts, and Hadoop caches that file system, keyless, for the
+    queries after."""
     public: Dict[str, str] = {}
     secret: Dict[str, str] = {}
     for k, v in conf.items():
@@ -171,6 +176,12 @@ def split_secret_conf(conf: Mapping[str, str]) -> tuple:
             log.warning("spark.conf %s looks like a secret and is given to Spark as its JVM starts, on a command line "
                         "every user of this machine can read; put it in spark-defaults.conf or the environment (a "
                         "spark.hadoop.* secret is set after the start instead)", k)
+    remote = sorted(k for k, v in public.items() if _REMOTE_FS.search(v))
+    if secret and remote:
+        log.warning("spark.conf %s name a remote file system Spark opens as it starts: the Hadoop secrets (%s) are "
+                    "given at the start too, on a command line every user of this machine can read; put them in "
+                    "spark-defaults.conf or the environment", ", ".join(remote), ", ".join(sorted(secret)))
+        return {**public, **secret}, {}
     return public, secret
 
 
