@@ -287,7 +287,7 @@ vision_tier() {
 # busy ~99 % of the time, the modern and dbr-15.4 tiers' 1,141 s among it. So, once the lanes end, those two run in
 # the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default 64 against 1,024 for each
 # session of this run): where they contend for a core, the quiet tests keep nearly all of it; where a core is idle,
-# the data-path tests take it. They started with lane B until 2026-11-30; but a low weight is not nothing (the probe
+# the data-path tests take it. Before 2026-11-30 they started with lane B; but a low weight is not nothing (the probe
 # below: 9 % of the cores' time against two busy loops, where `cpu.idle` gave 1 %), and the lanes ran saturated while
 # the quiet phase had ~800-1,000 s left after the data-path tiers ended (fresh clones fc17, fc18: they ended ~2,800
 # and ~3,330 s in, the quiet phase 3,815 and 4,137). (`cpu.idle` itself would starve them, and their bounds, a

@@ -95,7 +95,7 @@ def render_digits(out_dir: str, size: int = DIGITS_SIZE, limit: int | None = Non
         counts[name] = counts.get(name, 0) + 1
     log.info("rendered %d digit images in %d classes to %s", n, len(counts), out)
     if limit is not None and limit > n:  # said, not only clamped: the caller asked for more than it got
-        log.warning("--limit %d: scikit-learn's digits are %d images; wrote all %d of them, not %d", limit, n, n, limit)
+        log.warning("%d images asked for: scikit-learn's digits are %d images; wrote all %d of them", limit, n, n)
     return counts
 
 

@@ -1,10 +1,10 @@
 """No secret leaves where it was: a real `lakehouse train` (2 Horovod ranks, Spark, Delta, Petastorm/Arrow, an MLflow
 SQLite store) with a secret in `spark.conf`, a password in the `tune.storage` URL, and MLflow credentials, a
 secret-named variable and a URL with a password in the environment; none of them is found in any param, tag, artifact
-or file the job wrote, nor in its output, while the other keys are still logged; none of the environment's is on any
-process's command line while the ranks run (Horovod's launcher put the whole environment there, which every user of
-the machine reads), while the ranks still have them, nor is spark.conf's on the command line of the Spark
-session's JVM (PySpark's `spark-submit --conf`). The job runs once, for the module's tests."""
+or file the job wrote, nor in its output, while the other keys are still logged; none of the environment's is on the
+command line of any of the job's processes while the ranks run (Horovod's launcher put the whole environment there,
+which every user of the machine reads), while the ranks still have them, nor is spark.conf's on the command line of
+the Spark session's JVM (PySpark's `spark-submit --conf`). The job runs once, for the module's tests."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from conftest import ROOT, cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SPARK_SECRET = "SUPERSECRET123"
+SPARK_SECRET = f"SUPERSECRET123-{secrets.token_hex(6)}"
 URL_SECRET = "SUPERSECRET789"
 # the environment's, unique to this session: another session's job (on old code) must not be what a scan finds
 ENV_SECRET = f"SUPERSECRET456-{secrets.token_hex(6)}"
@@ -52,35 +52,42 @@ def _files_with_secrets(root: Path) -> list:
     return found
 
 
-def _watch_processes(stop: threading.Event, seen: SimpleNamespace) -> None:
-    """Until `stop`: every process's command line on this machine, every 20 ms (`seen.on_command_line`: pid and
-    program of each that holds one of ENV_SECRETS), and the environment each Horovod rank process (`python -m
-    horovod.runner.run_task`, once it has its HOROVOD_RANK) started with (`seen.ranks`: rank -> the names of JOB_ENV it
-    had with their values), which /proc shows only to its own user."""
+def _watch_processes(stop: threading.Event, seen: SimpleNamespace, root: int) -> None:
+    """Until `stop`, every 100 ms: the command line of every process of the job (`root` and its descendants: Horovod's
+    middlemen and rank shells live as long as the ranks, the Spark JVM as long as the session), into
+    `seen.on_command_line` (pid and program of each that holds one of ENV_SECRETS, or SPARK_SECRET in the JVM's), and
+    the environment each Horovod rank process (`python -m horovod.runner.run_task`, once it has its HOROVOD_RANK)
+    started with (`seen.ranks`: rank -> the names of JOB_ENV it had with their values), which /proc shows only to its
+    own user."""
+    import psutil
+
     while not stop.is_set():
-        for pid in (name for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            procs = psutil.Process(root).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for proc in procs:
             try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
+                argv = [arg.encode() for arg in proc.cmdline()]
+            except psutil.Error:
                 continue
             # spark.conf's secret is on the job's own command line (and its forks'), as the test gives it: only the
             # command line of the Spark session's JVM, which the job starts, must not hold it
             jvm = b"org.apache.spark.deploy.SparkSubmit" in argv
             seen.spark_jvm = seen.spark_jvm or jvm
             if any(s.encode() in arg for arg in argv for s in (*ENV_SECRETS, *((SPARK_SECRET,) if jvm else ()))):
-                seen.on_command_line.add((pid, argv[0].decode(errors="replace")))
-            if b"horovod.runner.run_task" not in argv or pid in seen.rank_pids:
+                seen.on_command_line.add((proc.pid, argv[0].decode(errors="replace") if argv else "?"))
+            if b"horovod.runner.run_task" not in argv or proc.pid in seen.rank_pids:
                 continue
             try:
-                environ = dict(item.decode(errors="replace").partition("=")[::2]
-                               for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
-            except OSError:
+                environ = proc.environ()
+            except psutil.Error:
                 continue
             if "HOROVOD_RANK" in environ:  # the rank itself, not `env` before it ran python
-                seen.rank_pids.add(pid)
+                seen.rank_pids.add(proc.pid)
                 seen.ranks.setdefault(int(environ["HOROVOD_RANK"]), set()).update(
                     name for name, value in JOB_ENV.items() if environ.get(name) == value)
-        stop.wait(0.02)
+        stop.wait(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +105,18 @@ def secret_job(digits_table, tmp_path_factory) -> SimpleNamespace:
     env = {**os.environ, **JOB_ENV, "LAKEHOUSE_LOG_LEVEL": "DEBUG"}
     seen = SimpleNamespace(on_command_line=set(), ranks={}, rank_pids=set(), spark_jvm=False)
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_processes, args=(stop, seen), daemon=True)
+    proc = subprocess.Popen(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=work, env=env)
+    watcher = threading.Thread(target=_watch_processes, args=(stop, seen, proc.pid), daemon=True)
     watcher.start()
     try:
-        out = subprocess.run(cli("train", "--conf", str(ROOT / "conf/local.yaml"), *args), capture_output=True,
-                             text=True, timeout=800, cwd=work, env=env)
+        stdout, stderr = proc.communicate(timeout=800)
     finally:
         stop.set()
         watcher.join()
+        if proc.poll() is None:
+            proc.kill()
+    out = SimpleNamespace(returncode=proc.returncode, stdout=stdout, stderr=stderr)
     assert out.returncode == 0, out.stderr[-4000:]
     return SimpleNamespace(work=work, out=out, summary=json.loads(out.stdout.strip().splitlines()[-1]),
                            on_command_line=seen.on_command_line, ranks=seen.ranks, spark_jvm=seen.spark_jvm)
@@ -175,11 +186,12 @@ def test_the_projects_spark_session_gets_a_storage_secret_after_its_jvm_started(
     import psutil
 
     secret = f"SUPERSECRET345-{secrets.token_hex(6)}"
+    err = open(tmp_path / "session.err", "w+")  # a file, not a pipe: Spark's start may write more than a pipe holds
     proc = subprocess.Popen([sys.executable, "-c", SESSION, str(ROOT / "conf/local.yaml"), secret], cwd=tmp_path,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()
-        assert line.split() == ["True", "http://127.0.0.1:9"], proc.stderr.read()[-3000:] if not line else line
+        assert line.split() == ["True", "http://127.0.0.1:9"], line or (tmp_path / "session.err").read_text()[-3000:]
         lines = []
         for child in psutil.Process(proc.pid).children(recursive=True):
             try:
@@ -194,4 +206,5 @@ def test_the_projects_spark_session_gets_a_storage_secret_after_its_jvm_started(
     finally:
         if proc.poll() is None:
             proc.kill()
+        err.close()
     assert proc.returncode == 0

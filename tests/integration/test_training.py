@@ -56,7 +56,9 @@ def test_two_horovod_ranks_one_run_one_version(spark, digits_table, tmp_path):
     version = MlflowClient(summary["tracking_uri"]).get_model_version(summary["model_name"],
                                                                      str(summary["model_version"]))
     rows = summary["rows_val"]
-    assert round(float(version.tags["gate_val_acc"]) * rows) == round(summary["val_acc"] * rows), version.tags
+    # (a row apart at most: the gate's batches are not the ranks', and a near tie of two logits may fall either way;
+    # the ranks' own statistics had put the two 3 rows apart)
+    assert abs(round(float(version.tags["gate_val_acc"]) * rows) - round(summary["val_acc"] * rows)) <= 1, version.tags
 
     client = MlflowClient(summary["tracking_uri"])
     run = _only_run(client, cfg)

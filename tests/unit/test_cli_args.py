@@ -188,7 +188,7 @@ def test_sample_data_says_when_limit_is_more_than_the_digits_it_wrote(tmp_path, 
     with caplog.at_level("WARNING"):
         _, counts = render_sample("digits", str(tmp_path / "d"), 5000)
     assert sum(counts.values()) == 5
-    assert "--limit 5000: scikit-learn's digits are 5 images; wrote all 5 of them, not 5000" in caplog.text
+    assert "5000 images asked for: scikit-learn's digits are 5 images; wrote all 5 of them" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
         render_sample("digits", str(tmp_path / "d"), 5)
