@@ -6,10 +6,10 @@
 # another beside it, each into its own log. Once the classic venv is ready, lane A starts: the bench's tests (they check
 # what the bench reports, never how fast), then the classic tests that assert no tight timing (LANE_TESTS), beside the
 # set-ups still going; once every set-up has ended, lane B starts on its own two files, then on the same list, and the
-# vision tier and the classic unit tests run beside the two. The lanes share the list file by file until all of it
-# has run; then the classic tests they did not run (the integration and multi-host tests with time bounds, kills and
-# namespaces among them) run on a machine quiet but for the modern and dbr-15.4 data-path tiers, which start then in
-# the background at a low CPU weight (below: they soak up the quiet phase's idle cores). (A fresh clone,
+# vision tier and the classic unit tests run beside the two, and the modern and dbr-15.4 data-path tiers in the
+# background at a low CPU weight (below: they soak up the idle cores until the end). The lanes share the list file by
+# file until all of it has run; then the classic tests they did not run (the integration and multi-host tests with time
+# bounds, kills and namespaces among them) run on a machine quiet but for that low-weight background. (A fresh clone,
 # 2026-11-28, before any lane: the classic set-up 447 s, all set-ups 1,092 s, the bench's tests ended at 1,618 s, the
 # other tiers and unit tests at 2,046 s, then 2,956 s of integration and multi-host tests.) Set-ups (downloads,
 # unpacking, one Horovod build) overlap well with each other, not with timed tests: the vision venv writes ~6 GB, and
@@ -284,17 +284,14 @@ vision_tier() {
 }
 # The data-path tiers soak up the quiet phase's idle cores. The quiet phase's tests (time bounds, kills, namespaces)
 # left the cores idle ~35 % of its 1,884 s (fresh clone of 2026-11-29: 62-77 % busy), while until then the cores were
-# busy ~99 % of the time, the modern and dbr-15.4 tiers' 1,141 s among it. So, once the lanes end, those two run in
-# the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default 64 against 1,024 for each
-# session of this run): where they contend for a core, the quiet tests keep nearly all of it; where a core is idle,
-# the data-path tests take it. Before 2026-11-30 they started with lane B; but a low weight is not nothing (the probe
-# below: 9 % of the cores' time against two busy loops, where `cpu.idle` gave 1 %), and the lanes ran saturated while
-# the quiet phase had ~800-1,000 s left after the data-path tiers ended (fresh clones fc17, fc18: they ended ~2,800
-# and ~3,330 s in, the quiet phase 3,815 and 4,137). (`cpu.idle` itself would starve them, and their bounds, a
-# command in 120 s, would fail under a CPU-bound quiet test.) The lanes' and quiet phase's ends say how busy the
-# cores were, and the end of the data-path tiers what CPU they used (a cpuacct group). (Probe on this machine, three
-# busy loops on 2
-# cores for 6 s: with the third in such a cgroup at 1,024 it took a whole core and the other two shared one; at 128 or
+# busy ~99 % of the time, the modern and dbr-15.4 tiers' 1,141 s among it. So, from the time lane B starts, those two
+# run in the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default 64 against 1,024 for
+# each session of this run): where they contend for a core, the lanes and the quiet tests keep nearly all of it; where
+# a core is idle, the data-path tests take it. Started only once the lanes end (fresh clone fc21, 2026-11-30), they ran
+# in 1,295 s of the quiet phase, whose tests then took ~200 s longer, while the lanes gained nothing seen; so they start
+# with lane B again. The lanes' and quiet phase's ends say how busy the cores were, and the lanes' end and the
+# data-path tiers' end what CPU those used (a cpuacct group). (Probe on this machine, three busy loops on 2 cores for
+# 6 s: with the third in such a cgroup at 1,024 it took a whole core and the other two shared one; at 128 or
 # 16 the two ran as fast as one alone and the third still got about a third of a core.) Their own bounds (a command in
 # 120 s at the least) are minutes, not seconds. Where no such cgroup can be made (not root, no writable cgroup v1 cpu
 # controller; LAKEHOUSE_SOAK_SHARES=0), they run in the foreground before the vision tier, as before.
@@ -335,7 +332,7 @@ if [ -n "$bg" ]; then
   # bench reports, never how fast it was) and then the classic tests that assert no tight timing (LANE_TESTS); once
   # every set-up has ended, lane B starts on its own files (LANE_B_TESTS), then on the same list. The two share it file
   # by file (tests/conftest.py: LAKEHOUSE_LANE_CLAIMS), beside the vision tier and the classic unit tests (and the
-  # data-path tiers where no soak cgroup could be made), until every file of it has run; then the
+  # data-path tiers, at a low weight, where a soak cgroup could be made), until every file of it has run; then the
   # integration and multi-host tests that wait for a quiet machine run, leaving out those the lanes ran
   # (LAKEHOUSE_LANE_DONE; one a lane skipped runs again). With one lane, which stopped when the tiers ended, ~640 s of
   # the lane's tests were left to run one at a time on the quiet machine; with two, the whole list ran before the tiers
@@ -358,8 +355,21 @@ if [ -n "$bg" ]; then
   lane b "${LANE_B_TESTS[@]}" &
   lane_b=$!
   ticks_lanes=$(cpu_ticks)
-  soak=$(soak_cgroup)  # on_exit removes it; the data-path tiers start in it once the lanes end (below)
-  [ -n "$soak" ] || datapath_tiers
+  soak=$(soak_cgroup)  # on_exit removes it
+  soak_pid=""
+  if [ -n "$soak" ]; then
+    echo "== the modern and dbr-15.4 data-path tiers run in the background, beside the lanes and then the quiet" \
+      "phase, at a low CPU weight (cpu.shares $SOAK_SHARES in $soak; output: $LOGS/datapath.log)"
+    (
+      echo "$BASHPID" > "$soak/cgroup.procs" || echo "== could not join $soak: the data-path tiers run at full weight"
+      [ ! -d "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$" ] ||
+        echo "$BASHPID" > "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$/cgroup.procs" 2>/dev/null
+      datapath_tiers
+    ) > "$LOGS/datapath.log" 2>&1 &
+    soak_pid=$!
+  else
+    datapath_tiers
+  fi
   vision_tier
   echo "== classic: unit tests"
   bounded "classic unit tests" "$TIER_TIMEOUT_S" .venv/bin/python -m pytest tests/unit -ra
@@ -371,21 +381,10 @@ if [ -n "$bg" ]; then
   rc_b=$?
   [ $rc_lane -ne 0 ] || rc_lane=$rc_b
   echo "== classic: the lanes ended ($(( $(date +%s) - t0 )) s in, $(wc -l < "$LANE_RECORD" 2>/dev/null || echo 0)" \
-    "tests run; since the set-ups ended: $(busy_since "$ticks_lanes")); their output:"
+    "tests run; since the set-ups ended: $(busy_since "$ticks_lanes")${soak:+, the data-path tiers $(soak_cpu)});" \
+    "their output:"
   ticks_quiet=$(cpu_ticks)
   cat "$LOGS/lane-a.log" "$LOGS/lane-b.log"
-  soak_pid=""
-  if [ -n "$soak" ]; then
-    echo "== the modern and dbr-15.4 data-path tiers run in the background, beside the quiet phase, at a low CPU" \
-      "weight (cpu.shares $SOAK_SHARES in $soak; output: $LOGS/datapath.log)"
-    (
-      echo "$BASHPID" > "$soak/cgroup.procs" || echo "== could not join $soak: the data-path tiers run at full weight"
-      [ ! -d "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$" ] ||
-        echo "$BASHPID" > "/sys/fs/cgroup/cpuacct/lakehouse-soak-$$/cgroup.procs" 2>/dev/null
-      datapath_tiers
-    ) > "$LOGS/datapath.log" 2>&1 &
-    soak_pid=$!
-  fi
   echo "== classic: integration and multi-host tests (those the lanes did not run)"
   bounded "classic quiet phase" "$TIER_TIMEOUT_S" env LAKEHOUSE_LANE_DONE="$LANE_RECORD" .venv/bin/python -m pytest \
     tests -ra --durations=40 --durations-min=20 --junitxml=work/junit-classic.xml --ignore=tests/unit
