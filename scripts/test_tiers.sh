@@ -288,8 +288,8 @@ vision_tier() {
 # run in the background, in a cpu cgroup of low weight (cpu.shares LAKEHOUSE_SOAK_SHARES, default 64 against 1,024 for
 # each session of this run): where they contend for a core, the lanes and the quiet tests keep nearly all of it; where
 # a core is idle, the data-path tests take it. Started only once the lanes end (fresh clone fc21, 2026-11-30), they ran
-# in 1,295 s of the quiet phase, whose tests then took ~200 s longer, while the lanes gained nothing seen; so they start
-# with lane B again. The lanes' and quiet phase's ends say how busy the cores were, and the lanes' end and the
+# in 1,295 s of the quiet phase (672 CPU-s), whose tests then took 1,922 s against 1,635-1,688, while the lanes gained
+# nothing seen (2,210 s in); so they start with lane B again. The lanes' and quiet phase's ends say how busy the cores were, and the lanes' end and the
 # data-path tiers' end what CPU those used (a cpuacct group). (Probe on this machine, three busy loops on 2 cores for
 # 6 s: with the third in such a cgroup at 1,024 it took a whole core and the other two shared one; at 128 or
 # 16 the two ran as fast as one alone and the third still got about a third of a core.) Their own bounds (a command in
