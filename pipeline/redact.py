@@ -119,6 +119,13 @@ def error_line(exc: BaseException, limit: int = 500) -> str:
     return redact_url(f"{name}: {text.splitlines()[0] if text else ''}")[:len(name) + 2 + limit]
 
 
+def is_secret(key: str, value: Any) -> bool:
+    """Whether the setting `key`=`value` (a config or Spark key, an environment variable) holds a secret: its name is
+    a secret's (`is_secret_key`), or its value holds a URL's credentials or a secret query parameter (`redact_url`
+    changes it)."""
+    return is_secret_key(key) or redact_url(str(value)) != str(value)
+
+
 def redact_value(key: str, value: Any) -> Any:
     """The value to show for `key`: REDACTED when the key is a secret (None and '' stay), else `redacted`'s walk."""
     if is_secret_key(key):

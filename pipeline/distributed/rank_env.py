@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from pipeline.config import Config
 from pipeline.log import get_logger
-from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret_key, redact_url
+from pipeline.redact import TRACKING_CREDENTIALS, WORKSPACE_CREDENTIALS, is_secret, is_secret_key
 
 log = get_logger(__name__)
 
@@ -142,6 +142,5 @@ def command_line_env(environ: Mapping[str, str], inherited: Mapping[str, str]) -
     URL's credentials or a secret query parameter (pipeline.redact.redact_url changes it: a proxy's
     `http://user:password@host`). Leaving out what is inherited also keeps off a secret inside another variable's
     value, which no rule on names or URLs finds (`PYSPARK_SUBMIT_ARGS=--conf ...secret.key=...`)."""
-    withheld = sorted(k for k, v in environ.items()
-                      if is_secret_key(k) or k in TRACKING_CREDENTIALS or redact_url(v) != v)
+    withheld = sorted(k for k, v in environ.items() if is_secret(k, v) or k in TRACKING_CREDENTIALS)
     return {k: v for k, v in environ.items() if inherited.get(k) != v and k not in withheld}, withheld

@@ -11,7 +11,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from pipeline.config import Config, ConfigError
 from pipeline.log import get_logger
-from pipeline.redact import is_secret_key, redact_url
+from pipeline.redact import is_secret, redact_url
 
 log = get_logger(__name__)
 
@@ -167,7 +167,7 @@ def split_secret_conf(conf: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str
     public: Dict[str, str] = {}
     secret: Dict[str, str] = {}
     for k, v in conf.items():
-        if not (is_secret_key(k) or redact_url(str(v)) != str(v)):
+        if not is_secret(k, v):
             public[k] = str(v)
         elif k.startswith(HADOOP_PREFIX):
             secret[k] = str(v)
